@@ -1,0 +1,190 @@
+"""Validated ``--model-loader-extra-config`` of each load format (pydantic models).
+
+Every model is strict: unknown keys, wrong types (``"16"`` for an int, ``true`` for a size) and out-of-range
+values raise :class:`~vllm_fastload.errors.ConfigError` naming the key, the value and the allowed form.
+Validation has no side effects; :meth:`StreamerConfig.runai_env` returns the environment variables to set,
+and the loader applies them only after validation succeeded.
+"""
+
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+from typing import Any, ClassVar, Optional, Union
+
+from pydantic import BaseModel, ByteSize, ConfigDict, Field, TypeAdapter, ValidationError, field_validator
+
+from .log import logger
+from .errors import ConfigError
+
+
+_BYTESIZE = TypeAdapter(ByteSize)
+
+
+def parse_bytes(value: Union[int, str], *, key: str, minimum: int) -> int:
+    """Parse a byte count: an int, or a string such as ``"16GiB"``, ``"512MB"``, ``"1048576"``.
+
+    Units follow pydantic's ``ByteSize`` (KB = 1000, KiB = 1024, ...). Returns bytes (int).
+    Raises ``ValueError`` for bools, floats, unparsable strings or values below ``minimum``.
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise ValueError(f"expected an integer number of bytes or a string like '16GiB', got {type(value).__name__}")
+    if isinstance(value, str):
+        text = value.strip()
+        if text.lstrip("-").isdigit():
+            value = int(text)
+        else:
+            try:
+                value = int(_BYTESIZE.validate_python(text))
+            except ValidationError:
+                raise ValueError(f"cannot parse {value!r} as a size; use bytes or a string like '16GiB'") from None
+    if value < minimum:
+        raise ValueError(f"must be >= {minimum}")
+    return value
+
+
+class _LoaderConfig(BaseModel):
+    """Fields shared by every load format of this plugin."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+    LOAD_FORMAT: ClassVar[str] = ""
+    ALLOWED: ClassVar[dict[str, str]] = {
+        "fallback": "true or false (JSON bool)",
+        "report_path": "a file path (string) where a JSON load report is written",
+    }
+
+    fallback: bool = Field(
+        True,
+        description="When the fast path cannot serve the load: true = log a WARNING and load with vLLM's default "
+        "loader; false = fail at startup with the reason.",
+    )
+    report_path: Optional[str] = Field(
+        None, description="Write the load report as JSON to this path (overwritten atomically on each load)."
+    )
+
+    @classmethod
+    def from_extra(cls, extra: Optional[dict[str, Any]]) -> "_LoaderConfig":
+        """Validate ``load_config.model_loader_extra_config`` (a dict, or None = all defaults).
+
+        Raises :class:`ConfigError` naming the key, the value and the allowed form.
+        """
+        if extra is None:
+            extra = {}
+        if not isinstance(extra, dict):
+            raise ConfigError(
+                f"--model-loader-extra-config for load format {cls.LOAD_FORMAT!r} must be a JSON object, "
+                f"got {type(extra).__name__}: {extra!r}"
+            )
+        allowed = sorted(cls.model_fields)
+        for key in extra:
+            if key not in cls.model_fields:
+                hint = difflib.get_close_matches(str(key), allowed, n=1)
+                did_you_mean = f"; did you mean {hint[0]!r}?" if hint else ""
+                raise ConfigError(
+                    f"--model-loader-extra-config: unknown key {key!r} for load format {cls.LOAD_FORMAT!r}"
+                    f"{did_you_mean} Allowed keys: {', '.join(allowed)}."
+                )
+        try:
+            return cls(**extra)
+        except ValidationError as e:
+            err = e.errors()[0]
+            key = str(err["loc"][0]) if err["loc"] else "?"
+            value = extra.get(key, err.get("input"))
+            form = cls.ALLOWED.get(key, cls.model_fields[key].description or "") if key in cls.model_fields else ""
+            reason = err["msg"].removeprefix("Value error, ")
+            raise ConfigError(
+                f"--model-loader-extra-config: invalid value for key {key!r} of load format {cls.LOAD_FORMAT!r}: "
+                f"{value!r} ({type(value).__name__}): {reason}. Allowed: {form}."
+            ) from None
+
+
+class StreamerConfig(_LoaderConfig):
+    """Extra-config of the ``runai_streamer`` load format.
+
+    Sizes are bytes (int) after validation; strings such as ``"16GiB"`` are accepted on input.
+    """
+
+    LOAD_FORMAT: ClassVar[str] = "runai_streamer"
+    ALLOWED: ClassVar[dict[str, str]] = {
+        **_LoaderConfig.ALLOWED,
+        "concurrency": "an integer > 0 (JSON number, not a string), e.g. 16",
+        "memory_limit": "bytes as an integer >= -1 (-1 = unlimited, 0 = the largest tensor) or a string like '16GiB'",
+        "chunk_bytesize": "bytes as an integer > 0 or a string like '8MiB'",
+        "distributed": "true or false (JSON bool)",
+    }
+
+    concurrency: Optional[int] = Field(
+        None, gt=0, description="Reader threads of the runai-model-streamer pool (RUNAI_STREAMER_CONCURRENCY)."
+    )
+    memory_limit: Optional[Union[int, str]] = Field(
+        None,
+        description="Host staging memory of the streamer in bytes; -1 unlimited, 0 = the largest tensor "
+        "(RUNAI_STREAMER_MEMORY_LIMIT).",
+    )
+    chunk_bytesize: Optional[Union[int, str]] = Field(
+        None, description="Bytes per read request of one reader thread (RUNAI_STREAMER_CHUNK_BYTESIZE)."
+    )
+    distributed: bool = Field(
+        False, description="Use runai's distributed streaming (each TP rank reads a part and they exchange it)."
+    )
+
+    @field_validator("memory_limit", mode="before")
+    @classmethod
+    def _memory_limit(cls, v: Any) -> Any:
+        return None if v is None else parse_bytes(v, key="memory_limit", minimum=-1)
+
+    @field_validator("chunk_bytesize", mode="before")
+    @classmethod
+    def _chunk(cls, v: Any) -> Any:
+        return None if v is None else parse_bytes(v, key="chunk_bytesize", minimum=1)
+
+    def runai_env(self) -> dict[str, str]:
+        """The runai-model-streamer environment variables this config sets (name -> value)."""
+        env: dict[str, str] = {}
+        if self.concurrency is not None:
+            env["RUNAI_STREAMER_CONCURRENCY"] = str(self.concurrency)
+        if self.memory_limit is not None:
+            env["RUNAI_STREAMER_MEMORY_LIMIT"] = str(self.memory_limit)
+        if self.chunk_bytesize is not None:
+            env["RUNAI_STREAMER_CHUNK_BYTESIZE"] = str(self.chunk_bytesize)
+        return env
+
+    def warn_if_above_cgroup(self, cgroup_root: Path = Path("/sys/fs/cgroup")) -> Optional[str]:
+        """Log (and return) a WARNING when ``memory_limit`` exceeds the container's cgroup memory limit.
+
+        Reads cgroup v2 ``memory.max`` or v1 ``memory/memory.limit_in_bytes`` under ``cgroup_root``.
+        Returns the warning text, or None when within the limit, unlimited or unknown.
+        """
+        limit = cgroup_memory_max(cgroup_root)
+        mem = self.memory_limit
+        if limit is None or mem is None:
+            return None
+        if mem <= limit:
+            return None
+        msg = (
+            f"runai_streamer memory_limit {mem} bytes ({mem / 2**30:.2f} GiB) is above the container's cgroup "
+            f"memory limit {limit} bytes ({limit / 2**30:.2f} GiB): the streamer may be OOM-killed. "
+            f"Set memory_limit below it, e.g. \"{max(limit // 2 // 2**20, 1)}MiB\"."
+        )
+        logger.warning(msg)
+        return msg
+
+
+def cgroup_memory_max(cgroup_root: Path = Path("/sys/fs/cgroup")) -> Optional[int]:
+    """The container's memory limit in bytes from cgroup v2 ``memory.max`` (or v1), None if unlimited/unknown."""
+    for rel in ("memory.max", "memory/memory.limit_in_bytes"):
+        p = Path(cgroup_root) / rel
+        try:
+            text = p.read_text().strip()
+        except OSError:
+            continue
+        if text == "max":
+            return None
+        try:
+            value = int(text)
+        except ValueError:
+            continue
+        # cgroup v1 reports "unlimited" as a huge number near 2**63
+        return None if value >= 2**62 else value
+    return None

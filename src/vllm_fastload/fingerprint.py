@@ -1,0 +1,159 @@
+"""The identity of what a load produced. Both load formats compute it the same way.
+
+A :class:`Fingerprint` covers the checkpoint (sorted shard names, sizes and a SHA-256 of each safetensors
+header), the model architecture, dtype, quantization, RoPE settings, revision, KV-cache dtype, the parallel
+layout (TP/PP/DP size and rank) and the vLLM and plugin versions. Two loads with equal fingerprints produce the
+same weights; :meth:`Fingerprint.mismatched_fields` says why two differ. This module imports neither vLLM nor
+torch; :func:`from_vllm` reads the vLLM objects it is given.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Any, Iterable, Optional
+
+from . import __version__
+from .checkpoint import SafetensorsHeader
+
+
+@dataclass(frozen=True)
+class ShardFacts:
+    """One shard: file name (no directory), size in bytes (declared by its header), SHA-256 of its header JSON."""
+
+    name: str
+    size: int
+    header_sha256: str
+
+    @classmethod
+    def of(cls, header: SafetensorsHeader) -> "ShardFacts":
+        """Facts of a parsed header."""
+        return cls(header.path.rstrip("/").rsplit("/", 1)[-1], header.declared_size, header.header_sha256)
+
+
+@dataclass(frozen=True)
+class Fingerprint:
+    """Identity of a loaded model (see module docstring). All fields are JSON-serialisable."""
+
+    shards: tuple[ShardFacts, ...]
+    architecture: str
+    dtype: str
+    quantization: Optional[str]
+    rope: Optional[str]
+    revision: Optional[str]
+    kv_cache_dtype: Optional[str]
+    tp_size: int
+    tp_rank: int
+    pp_size: int
+    pp_rank: int
+    dp_size: int
+    dp_rank: int
+    vllm_version: str
+    plugin_version: str = __version__
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "shards", tuple(sorted(self.shards, key=lambda s: s.name)))
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dict (shards as dicts), for JSON."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Fingerprint":
+        """Inverse of :meth:`to_dict`. Raises ``TypeError``/``KeyError`` on a malformed dict."""
+        d = dict(d)
+        d["shards"] = tuple(ShardFacts(**s) for s in d["shards"])
+        return cls(**d)
+
+    def digest(self) -> str:
+        """SHA-256 (hex) of the canonical JSON of all fields."""
+        return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()
+
+    def short(self) -> str:
+        """First 12 hex digits of :meth:`digest`, for log lines."""
+        return self.digest()[:12]
+
+    def mismatched_fields(self, other: "Fingerprint") -> list[tuple[str, Any, Any]]:
+        """Fields that differ, as ``(field, self_value, other_value)``, in declaration order.
+
+        For ``shards`` the values are the shard names that differ (missing on one side, or other size/header).
+        An empty list means the fingerprints are equal.
+        """
+        out: list[tuple[str, Any, Any]] = []
+        for f in dataclasses.fields(self):
+            a, b = getattr(self, f.name), getattr(other, f.name)
+            if a == b:
+                continue
+            if f.name == "shards":
+                sa, sb = set(a), set(b)
+                a = sorted(s.name for s in sa - sb)
+                b = sorted(s.name for s in sb - sa)
+            out.append((f.name, a, b))
+        return out
+
+    def explain(self, other: "Fingerprint") -> str:
+        """Human text of :meth:`mismatched_fields`: ``field: mine != theirs; ...``."""
+        return "; ".join(f"{n}: {a!r} != {b!r}" for n, a, b in self.mismatched_fields(other))
+
+
+def _rope_of(hf_config: Any) -> Optional[str]:
+    parts = {}
+    for key in ("rope_theta", "rope_scaling", "rope_parameters", "max_position_embeddings"):
+        v = getattr(hf_config, key, None)
+        if v is not None:
+            parts[key] = v
+    return json.dumps(parts, sort_keys=True, default=str) if parts else None
+
+
+def _parallel() -> dict[str, int]:
+    """TP/PP/DP size and rank of this process from vLLM's parallel state (1/0 when not initialised)."""
+    out = {"tp_size": 1, "tp_rank": 0, "pp_size": 1, "pp_rank": 0, "dp_size": 1, "dp_rank": 0}
+    try:
+        from vllm.distributed import parallel_state as ps
+
+        if ps.model_parallel_is_initialized():
+            out["tp_size"] = ps.get_tensor_model_parallel_world_size()
+            out["tp_rank"] = ps.get_tensor_model_parallel_rank()
+            out["pp_size"] = ps.get_pp_group().world_size
+            out["pp_rank"] = ps.get_pp_group().rank_in_group
+            dp = getattr(ps, "get_dp_group", None)
+            if dp is not None:
+                try:
+                    out["dp_size"], out["dp_rank"] = dp().world_size, dp().rank_in_group
+                except (AssertionError, AttributeError):
+                    pass
+    except ImportError:
+        pass
+    return out
+
+
+def from_vllm(model_config: Any, headers: Iterable[SafetensorsHeader], vllm_config: Any = None) -> Fingerprint:
+    """Fingerprint of loading ``headers`` into the model ``model_config`` describes, in this process.
+
+    ``model_config`` is vLLM's ``ModelConfig``; ``vllm_config`` (optional, default: vLLM's current config) gives the
+    KV-cache dtype. The parallel layout is read from ``vllm.distributed.parallel_state``.
+    """
+    import vllm
+
+    if vllm_config is None:
+        try:
+            from vllm.config import get_current_vllm_config_or_none
+
+            vllm_config = get_current_vllm_config_or_none()
+        except ImportError:
+            vllm_config = None
+    cache = getattr(vllm_config, "cache_config", None)
+    archs = getattr(model_config, "architectures", None) or getattr(model_config.hf_config, "architectures", None) or ["?"]
+    return Fingerprint(
+        shards=tuple(ShardFacts.of(h) for h in headers),
+        architecture=str(archs[0]),
+        dtype=str(model_config.dtype).removeprefix("torch."),
+        quantization=getattr(model_config, "quantization", None),
+        rope=_rope_of(model_config.hf_config),
+        revision=getattr(model_config, "revision", None),
+        kv_cache_dtype=str(getattr(cache, "cache_dtype", None)) if cache is not None else None,
+        vllm_version=str(vllm.__version__),
+        **_parallel(),
+    )

@@ -1,0 +1,88 @@
+"""The load report: one log line per load and, with ``report_path``, the same facts as JSON.
+
+The line reads ``fastload: runai_streamer loaded <N> tensors (<X> GiB) from <source> in <s> s (<GB/s>),
+fingerprint <short>``; compare its GB/s across restarts to see a silent slowdown. Units: bytes, seconds,
+GB/s = 1e9 bytes per second; GiB = 2**30 bytes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from .log import logger
+
+
+
+@dataclass
+class LoadReport:
+    """Facts of one load.
+
+    ``load_format``: the format asked for; ``format_used``: what actually loaded (``auto`` after a fallback);
+    ``bytes``: tensor bytes delivered to the model; ``wall_s``: seconds inside the loader's ``load_weights``;
+    ``read_wait_s``: seconds the consumer waited for the reader (storage bound when close to ``wall_s``);
+    ``consume_s``: seconds in the model's ``weight_loader`` calls; ``fallback_reason``: None when no fallback.
+    """
+
+    load_format: str
+    source: str
+    format_used: str = ""
+    tensors: int = 0
+    bytes: int = 0
+    wall_s: float = 0.0
+    read_wait_s: float = 0.0
+    consume_s: float = 0.0
+    fingerprint: Optional[str] = None
+    fallback_reason: Optional[str] = None
+    shards: int = 0
+    finished_at: float = 0.0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def gb_per_s(self) -> float:
+        """Delivered bytes / ``wall_s`` in GB/s (1e9 B/s); 0 when no time was measured."""
+        return self.bytes / self.wall_s / 1e9 if self.wall_s > 0 else 0.0
+
+    def line(self) -> str:
+        """The one-line summary logged at INFO."""
+        if self.fallback_reason is not None:
+            return (
+                f"fastload: {self.load_format} fell back to load format {self.format_used!r} "
+                f"({self.fallback_reason}); weights from {self.source} loaded in {self.wall_s:.2f} s"
+            )
+        return (
+            f"fastload: {self.load_format} loaded {self.tensors} tensors ({self.bytes / 2**30:.2f} GiB) from "
+            f"{self.source} in {self.wall_s:.2f} s ({self.gb_per_s:.2f} GB/s), fingerprint {self.fingerprint}"
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """All fields plus ``gb_per_s`` and ``line``, JSON-ready."""
+        d = dataclasses.asdict(self)
+        d["gb_per_s"] = round(self.gb_per_s, 4)
+        d["line"] = self.line()
+        return d
+
+    def emit(self, report_path: Optional[str]) -> None:
+        """Log :meth:`line` at INFO; with ``report_path`` also write :meth:`to_dict` as JSON, atomically
+        (temporary file in the same directory, then ``os.replace``: a reader never sees half a report)."""
+        self.finished_at = time.time()
+        self.format_used = self.format_used or self.load_format
+        logger.info(self.line())
+        if not report_path:
+            return
+        directory = os.path.dirname(os.path.abspath(report_path))
+        os.makedirs(directory, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".fastload-report.", dir=directory)
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump(self.to_dict(), f, indent=2, sort_keys=True)
+            os.replace(tmp, report_path)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            raise

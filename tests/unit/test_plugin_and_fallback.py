@@ -1,0 +1,58 @@
+import importlib.metadata as md
+import logging
+
+import pytest
+
+vllm = pytest.importorskip("vllm")
+
+from vllm.config.load import LoadConfig  # noqa: E402
+from vllm.model_executor.model_loader.base_loader import BaseModelLoader  # noqa: E402
+from vllm.model_executor.model_loader.default_loader import DefaultModelLoader  # noqa: E402
+
+from vllm_fastload import plugin  # noqa: E402
+from vllm_fastload.errors import ConfigError, FallbackRefused, FastloadError  # noqa: E402
+from vllm_fastload.fallback import fall_back  # noqa: E402
+from vllm_fastload.streaming.loader import RunaiStreamerLoader  # noqa: E402
+
+
+def test_entry_point_declared():
+    eps = md.entry_points(group="vllm.general_plugins")
+    ep = next(e for e in eps if e.name == "vllm_fastload")
+    assert ep.value == "vllm_fastload.plugin:register"
+
+
+def test_register_is_idempotent_and_replaces_builtin(caplog):
+    from vllm.model_executor.model_loader import _LOAD_FORMAT_TO_MODEL_LOADER as reg, get_model_loader
+
+    plugin.register()
+    plugin.register()
+    assert reg["runai_streamer"] is RunaiStreamerLoader
+    assert issubclass(RunaiStreamerLoader, BaseModelLoader)
+    assert isinstance(get_model_loader(LoadConfig(load_format="runai_streamer")), RunaiStreamerLoader)
+
+
+def test_loader_init_validates_extra_config():
+    with pytest.raises(ConfigError, match="concurrency"):
+        RunaiStreamerLoader(LoadConfig(load_format="runai_streamer", model_loader_extra_config={"concurrency": "16"}))
+
+
+def test_fallback_allowed_returns_default_loader_without_our_keys(caplog):
+    lc = LoadConfig(load_format="runai_streamer", model_loader_extra_config={"fallback": True, "concurrency": 4})
+    with caplog.at_level(logging.WARNING, logger="vllm.fastload"):
+        loader = fall_back("runai_streamer", "no *.safetensors files in /m", True, lc)
+    assert isinstance(loader, DefaultModelLoader)
+    assert loader.load_config.load_format == "auto" and loader.load_config.model_loader_extra_config == {}
+    assert lc.model_loader_extra_config == {"fallback": True, "concurrency": 4}  # caller's config untouched
+    msg = caplog.records[-1].getMessage()
+    assert caplog.records[-1].levelname == "WARNING"
+    assert "no *.safetensors files in /m" in msg and "'auto'" in msg
+
+
+def test_fallback_refused_names_reason():
+    with pytest.raises(FallbackRefused, match=r"no \*.safetensors files in /m.*\"fallback\": false"):
+        fall_back("runai_streamer", "no *.safetensors files in /m", False, LoadConfig())
+
+
+def test_fallback_impossible_is_an_error_even_when_allowed():
+    with pytest.raises(FastloadError, match="nothing to fall back to"):
+        fall_back("runai_streamer", "no *.safetensors files in s3://b/m", True, LoadConfig(), possible=False)

@@ -43,3 +43,57 @@ def moto_s3(tmp_path_factory):
 
     with MotoS3(log_path=tmp_path_factory.mktemp("moto") / "moto.log") as s3:
         yield s3
+
+
+#: safetensors dtype -> torch dtype attribute name (those this torch lacks are skipped by the zoo)
+ZOO_DTYPES = {
+    "BOOL": "bool", "U8": "uint8", "I8": "int8", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
+    "F8_E8M0": "float8_e8m0fnu", "I16": "int16", "U16": "uint16", "F16": "float16", "BF16": "bfloat16",
+    "I32": "int32", "U32": "uint32", "F32": "float32", "I64": "int64", "U64": "uint64", "F64": "float64",
+}
+
+
+def write_zoo(path: Path, seed: int = 0) -> dict:
+    """A safetensors file holding every dtype this torch has, odd byte lengths, zero-element tensors (first, in
+    the middle, last, and sharing a start offset) and tensors at offsets not aligned to their element size.
+
+    Returns name -> (torch dtype, shape, expected raw bytes). Written by hand (the safetensors library would
+    sort tensors by alignment), header padded to 8k+3 bytes so the data section itself is unaligned.
+    """
+    import random
+
+    import torch
+
+    rng = random.Random(seed)
+    items = [("empty.first", "F32", [0, 4]), ("odd.u8", "U8", [3])]
+    for i, (st, attr) in enumerate(ZOO_DTYPES.items()):
+        if not hasattr(torch, attr):
+            continue
+        items.append((f"t{i:02d}.{st}", st, [rng.randint(1, 5), rng.randint(1, 7)]))
+        if i == 6:
+            items.append(("empty.middle", "BF16", [0]))
+            items.append(("odd.i8", "I8", [5]))
+    items.append(("big.f32", "F32", [1000, 37]))  # spans many small ring slots
+    items.append(("empty.last", "I64", [2, 0]))
+    from vllm_fastload.checkpoint import DTYPE_BYTES
+
+    header, data, expected, off = {}, bytearray(), {}, 0
+    for name, st, shape in items:
+        n = 1
+        for d in shape:
+            n *= d
+        nbytes = int(n * DTYPE_BYTES[st])
+        if st == "BOOL":
+            raw = bytes(rng.randint(0, 1) for _ in range(nbytes))
+        else:
+            raw = bytes(rng.getrandbits(8) for _ in range(nbytes))
+            if st == "F8_E8M0":
+                raw = bytes(b if b != 0xFF else 0x7F for b in raw)  # 0xFF is NaN; still bit-exact, keep it tame
+        header[name] = {"dtype": st, "shape": shape, "data_offsets": [off, off + nbytes]}
+        data += raw
+        expected[name] = (getattr(torch, ZOO_DTYPES.get(st, "float32")), tuple(shape), raw)
+        off += nbytes
+    raw_h = json.dumps(header, separators=(",", ":")).encode()
+    pad = (8 - (len(raw_h) % 8) + 3) % 8
+    write_raw(path, header, bytes(data), pad_to=len(raw_h) + pad)
+    return expected

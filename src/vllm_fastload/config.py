@@ -112,6 +112,9 @@ class StreamerConfig(_LoaderConfig):
         "memory_limit": "bytes as an integer >= -1 (-1 = unlimited, 0 = the largest tensor) or a string like '16GiB'",
         "chunk_bytesize": "bytes as an integer > 0 or a string like '8MiB'",
         "distributed": "true or false (JSON bool)",
+        "pinned_slot_bytes": "bytes as an integer >= 4096 or a string like '64MiB'",
+        "pinned_slots": "an integer from 2 to 64",
+        "copy_threads": "an integer from 1 to 128",
     }
 
     concurrency: Optional[int] = Field(
@@ -128,11 +131,21 @@ class StreamerConfig(_LoaderConfig):
     distributed: bool = Field(
         False, description="Use runai's distributed streaming (each TP rank reads a part and they exchange it)."
     )
+    pinned_slot_bytes: Union[int, str] = Field(
+        64 * 2**20, description="GPU only: bytes per pinned host slot of the H2D ring (tensors larger are split)."
+    )
+    pinned_slots: int = Field(4, ge=2, le=64, description="GPU only: slots in the pinned H2D ring (>= 2).")
+    copy_threads: int = Field(8, gt=0, le=128, description="GPU only: threads copying host slots into pinned memory.")
 
     @field_validator("memory_limit", mode="before")
     @classmethod
     def _memory_limit(cls, v: Any) -> Any:
         return None if v is None else parse_bytes(v, key="memory_limit", minimum=-1)
+
+    @field_validator("pinned_slot_bytes", mode="before")
+    @classmethod
+    def _slot(cls, v: Any) -> Any:
+        return parse_bytes(v, key="pinned_slot_bytes", minimum=4096)
 
     @field_validator("chunk_bytesize", mode="before")
     @classmethod

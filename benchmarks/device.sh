@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Run on the GPU device machine (after ../shared/gpu/README.md's staging). Usage:
+#   bash benchmarks/device.sh tests        # GPU tests (tests/gpu), log to $OUT/gpu-tests.log
+#   bash benchmarks/device.sh bench [TP]   # 16 GB 8B-shaped model: auto vs built-in runai vs ours -> $OUT/
+set -uo pipefail
+ls /root/site/vllm >/dev/null || exit 3
+export PYTHONPATH=/root/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+# (re)install this checkout's plugin so its entry point is the one vLLM finds
+python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --no-cache-dir --upgrade --target /root/site . >/dev/null 2>&1 || echo "plugin install failed"
+nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv | tee "$OUT/nvidia-smi.txt"
+case "${1:-tests}" in
+  tests)
+    python3 -m pytest -v -rs -x tests/gpu tests/unit 2>&1 | tee "$OUT/gpu-tests.log"; exit ${PIPESTATUS[0]} ;;
+  bench)
+    python3 benchmarks/load_bench.py --model /root/models/llama3-8b-shape --make 8b --tp "${2:-1}" \
+      --extra "${EXTRA:-{\}}" --out "$OUT/bench" 2>&1 | tee "$OUT/bench.log"; exit ${PIPESTATUS[0]} ;;
+esac

@@ -1,0 +1,196 @@
+"""Compare model loaders, each in a fresh process, on one machine, in one run.
+
+    python benchmarks/load_bench.py --model DIR [--make 8b|tiny] [--tp 1] [--out docs/bench]
+           [--loaders auto,runai_builtin,runai_fastload]
+
+For each loader a fresh Python process builds ``vllm.LLM(model, load_format=..., enforce_eager=True,
+skip_tokenizer_init=True)``, generates 8 greedy tokens and exits. We parse vLLM's "Model loading took ... and X
+seconds" (GPU) and "Loading weights took X seconds" (default loader) lines and our load report, and time the
+whole ``LLM()`` construction. ``runai_builtin`` is vLLM's own runai loader: our plugin is disabled for that
+process with ``VLLM_PLUGINS=`` (empty). On a GPU the run also measures pinned and pageable H2D bandwidth.
+Writes ``results.json``, ``results.md`` (a Markdown table) and ``results.png`` (a bar chart) under ``--out``.
+Page cache: each loader runs once to warm it, then ``--repeats`` times measured; the median is reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+LOADERS = {
+    "auto": ("auto", {}),
+    "runai_builtin": ("runai_streamer", {"VLLM_PLUGINS": ""}),
+    "runai_fastload": ("runai_streamer", {}),
+}
+
+CHILD = r"""
+import json, os, sys, time
+t0 = time.perf_counter()
+from vllm import LLM, SamplingParams
+t_import = time.perf_counter() - t0
+args = json.loads(sys.argv[1])
+kw = dict(model=args["model"], load_format=args["load_format"], enforce_eager=True, skip_tokenizer_init=True,
+          tensor_parallel_size=args["tp"], max_model_len=1024, gpu_memory_utilization=args["gmu"])
+if args.get("extra"):
+    kw["model_loader_extra_config"] = args["extra"]
+t1 = time.perf_counter()
+llm = LLM(**kw)
+t_llm = time.perf_counter() - t1
+out = llm.generate([{"prompt_token_ids": [1, 450, 7483, 310, 3444, 338]}], SamplingParams(temperature=0, max_tokens=8, detokenize=False))
+print("BENCH_RESULT " + json.dumps({"import_s": t_import, "llm_init_s": t_llm, "ids": list(out[0].outputs[0].token_ids)}), flush=True)
+"""
+
+PATTERNS = {
+    "model_loading_s": re.compile(r"Model loading took [0-9.]+ GiB memory and ([0-9.]+) seconds"),
+    "default_weights_s": re.compile(r"Loading weights took ([0-9.]+) seconds"),
+    "init_model_s": re.compile(r"Initializing model took ([0-9.]+) seconds"),
+    "fastload_weights_s": re.compile(r"fastload: runai_streamer loaded \d+ tensors .*? in ([0-9.]+) s"),
+    "runai_builtin_stream_s": re.compile(r"Overall time to stream .*?: ([0-9.]+)s"),
+}
+
+
+def run_one(name: str, model: str, tp: int, gmu: float, report: Path, extra: dict) -> dict:
+    """One loader in a fresh process; returns parsed timings (seconds) and the greedy token ids."""
+    fmt, env_over = LOADERS[name]
+    env = {**os.environ, **env_over, "PYTHONUNBUFFERED": "1"}
+    ex = dict(extra) if name == "runai_fastload" else {}
+    if name == "runai_fastload":
+        ex["report_path"] = str(report)
+    args = {"model": model, "load_format": fmt, "tp": tp, "gmu": gmu, "extra": ex}
+    t = time.perf_counter()
+    p = subprocess.run([sys.executable, "-c", CHILD, json.dumps(args)], capture_output=True, text=True, env=env, timeout=900)
+    wall = time.perf_counter() - t
+    log = p.stdout + p.stderr
+    if p.returncode != 0:
+        raise RuntimeError(f"{name} failed (exit {p.returncode}):\n{log[-4000:]}")
+    res = {"loader": name, "process_s": wall}
+    for key, rx in PATTERNS.items():
+        m = rx.findall(log)
+        res[key] = float(m[-1]) if m else None
+    res.update(json.loads(log.split("BENCH_RESULT ", 1)[1].splitlines()[0]))
+    if name == "runai_fastload" and report.exists():
+        r = json.loads(report.read_text())
+        res["report"] = {k: r[k] for k in ("bytes", "wall_s", "read_wait_s", "gb_per_s", "extra")}
+    res["log_tail"] = "\n".join(l for l in log.splitlines() if "fastload" in l or "took" in l)[-2000:]
+    return res
+
+
+def h2d_bandwidth() -> dict:
+    """Pinned and pageable host-to-device copy bandwidth in GB/s (1 GiB, median of 5), or {} without CUDA."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return {}
+    n = 2**30
+    dev = torch.empty(n, dtype=torch.uint8, device="cuda")
+    out = {}
+    for label, host in (("pinned_h2d_gbps", torch.empty(n, dtype=torch.uint8, pin_memory=True)),
+                        ("pageable_h2d_gbps", torch.empty(n, dtype=torch.uint8).fill_(1))):
+        times = []
+        for _ in range(5):
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            dev.copy_(host, non_blocking=True)
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t)
+        out[label] = round(n / statistics.median(times) / 1e9, 2)
+    return out
+
+
+def write_outputs(results: dict, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(results, indent=2))
+    rows = results["loaders"]
+    lines = [
+        f"Machine: {results['machine']}; date {results['date']}; vLLM {results['vllm']}; torch {results['torch']}; "
+        f"model {results['model']} ({results['model_gb']:.2f} GB); TP={results['tp']}; "
+        f"H2D pinned {results['h2d'].get('pinned_h2d_gbps', '-')} GB/s, pageable {results['h2d'].get('pageable_h2d_gbps', '-')} GB/s",
+        "",
+        "| loader | weights phase s | weights GB/s | \"Model loading took\" s | LLM() s | greedy ids equal auto |",
+        "|---|---|---|---|---|---|",
+    ]
+    ref = next((r["ids"] for r in rows if r["loader"] == "auto"), None)
+    for r in rows:
+        w = r.get("fastload_weights_s") or r.get("default_weights_s") or r.get("runai_builtin_stream_s")
+        gbps = results["model_gb"] / w if w else None
+        lines.append(
+            f"| {r['loader']} | {w if w is not None else '-'} | {f'{gbps:.1f}' if gbps else '-'} | "
+            f"{r.get('model_loading_s') or '-'} | {r['llm_init_s']:.2f} | {r['ids'] == ref if ref else '-'} |")
+    (out / "results.md").write_text("\n".join(lines) + "\n")
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(7, 3.5))
+        names = [r["loader"] for r in rows]
+        ml = [r.get("model_loading_s") or 0 for r in rows]
+        ww = [r.get("fastload_weights_s") or r.get("default_weights_s") or r.get("runai_builtin_stream_s") or 0 for r in rows]
+        x = range(len(names))
+        ax.bar([i - 0.2 for i in x], ml, 0.4, label='"Model loading took" (s)')
+        ax.bar([i + 0.2 for i in x], ww, 0.4, label="weights phase (s)")
+        ax.set_xticks(list(x), names)
+        ax.set_ylabel("seconds (lower is better)")
+        ax.set_title(f"{results['model']} TP={results['tp']}, vLLM {results['vllm']}, {results['date']}")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(out / "results.png", dpi=120)
+    except ImportError:
+        pass
+    print("\n".join(lines))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", required=True, type=Path)
+    ap.add_argument("--make", choices=["8b", "tiny"], help="create the model directory first (random weights)")
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--gmu", type=float, default=0.5)
+    ap.add_argument("--loaders", default="auto,runai_builtin,runai_fastload")
+    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--extra", default="{}", help="extra-config JSON for runai_fastload")
+    ap.add_argument("--out", type=Path, default=Path("bench-out"))
+    a = ap.parse_args()
+    if a.make:
+        sys.path.insert(0, str(HERE))
+        from make_model import make
+
+        make(a.model, a.make)
+    import torch
+    import vllm
+
+    files = sorted(a.model.glob("*.safetensors"))
+    size = sum(f.stat().st_size for f in files)
+    for f in files:  # warm the page cache
+        with open(f, "rb") as fh:
+            while fh.read(64 * 2**20):
+                pass
+    h2d = h2d_bandwidth()
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu"
+    results = {"machine": f"{gpu} x{max(torch.cuda.device_count(), 1)}, {os.cpu_count()} CPUs", "date": time.strftime("%Y-%m-%d"),
+               "vllm": vllm.__version__, "torch": torch.__version__, "model": a.model.name, "model_gb": size / 1e9,
+               "tp": a.tp, "h2d": h2d, "command": " ".join(sys.argv), "loaders": []}
+    for name in a.loaders.split(","):
+        runs = [run_one(name, str(a.model), a.tp, a.gmu, a.out / f"{name}.report.json", json.loads(a.extra))
+                for _ in range(a.repeats)]
+        key = "model_loading_s" if runs[0].get("model_loading_s") is not None else "llm_init_s"
+        runs.sort(key=lambda r: r[key] or 0)
+        best = runs[len(runs) // 2]
+        results["loaders"].append(best)
+        print(f"[bench] {name}: {best.get('model_loading_s')} s model loading; {best['log_tail'][-400:]}", flush=True)
+    write_outputs(results, a.out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,63 @@
+"""The pinned H2D pipeline on a real GPU: bit-exact tensor zoo, held tensors, bounded staging memory."""
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from tests.conftest import write_zoo  # noqa: E402
+from tests.unit.test_loader_inprocess import model_config  # noqa: E402
+from vllm.config.load import LoadConfig  # noqa: E402
+from vllm_fastload.streaming.loader import RunaiStreamerLoader  # noqa: E402
+from vllm_fastload.streaming.pipeline import H2DPipeline  # noqa: E402
+
+
+class CollectOnGpu(torch.nn.Module):
+    """Has a CUDA parameter (so the loader takes the GPU path); holds every yielded tensor."""
+
+    def __init__(self):
+        super().__init__()
+        self.anchor = torch.nn.Parameter(torch.zeros(1, device="cuda"), requires_grad=False)
+        self.got = {}
+
+    def load_weights(self, weights):
+        for name, t in weights:
+            assert t.device.type == "cuda", name
+            self.got[name] = t
+            torch.cuda._sleep(1000)  # a slow consumer: copies must not be overtaken
+        return None
+
+
+@pytest.mark.parametrize("slot_bytes", [4096, 64 * 2**20])
+def test_zoo_bit_exact_on_gpu(tmp_path, slot_bytes):
+    expected = write_zoo(tmp_path / "model.safetensors")
+    m = CollectOnGpu()
+    extra = {"pinned_slot_bytes": slot_bytes, "pinned_slots": 2, "report_path": str(tmp_path / "r.json")}
+    RunaiStreamerLoader(LoadConfig(load_format="runai_streamer", model_loader_extra_config=extra)).load_weights(
+        m, model_config(tmp_path))
+    torch.cuda.synchronize()
+    assert set(m.got) == set(expected)
+    for name, (dtype, shape, raw) in expected.items():
+        t = m.got[name]
+        assert t.dtype == dtype and tuple(t.shape) == shape, name
+        assert t.cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes() == raw, name
+
+
+def test_held_tensor_keeps_its_values_under_a_tight_ring():
+    """A weight, a 1 MB filler, then its scale, with a 2 x 4 KiB ring: the held weight is unchanged."""
+    g = torch.Generator().manual_seed(1)
+    weight = torch.randn(256, 64, generator=g)
+    filler = torch.randn(2**18, generator=g)
+    scale = torch.randn(1, generator=g)
+    with H2DPipeline(torch.device("cuda"), slot_bytes=4096, slots=2, copy_threads=1) as pipe:
+        out = dict(pipe.run(iter([("w", weight.clone()), ("filler", filler.clone()), ("scale", scale.clone())])))
+    torch.cuda.synchronize()
+    assert torch.equal(out["w"].cpu(), weight)
+    assert torch.equal(out["filler"].cpu(), filler)
+    assert torch.equal(out["scale"].cpu(), scale)
+    assert pipe.ring is None and pipe.times.bytes == (weight.numel() + filler.numel() + 1) * 4
+
+
+def test_pipeline_refuses_a_one_slot_ring():
+    with pytest.raises(ValueError, match="slots >= 2"):
+        H2DPipeline(torch.device("cuda"), slot_bytes=4096, slots=1)

@@ -3,6 +3,9 @@
 import pytest
 import torch
 
+if not torch.cuda.is_available():
+    pytest.skip("no CUDA device: GPU tests run on the device machine (benchmarks/device.sh tests)", allow_module_level=True)
+
 pytest.importorskip("vllm")
 
 from tests.conftest import write_zoo  # noqa: E402

@@ -8,6 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
+if not torch.cuda.is_available():
+    pytest.skip("no CUDA device: GPU tests run on the device machine (benchmarks/device.sh tests)", allow_module_level=True)
+
 pytest.importorskip("vllm")
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -183,5 +183,12 @@ class RunaiStreamerLoader(BaseModelLoader):
             return
         checker = default_loader(self.load_config)
         track = getattr(checker, "track_weights_loading", None)
-        if track is not None:
+        if track is None:
+            return
+        import inspect
+
+        # vLLM 0.26: track_weights_loading(model, loaded); 0.32: (..., quantized=False)
+        if "quantized" in inspect.signature(track).parameters:
             track(model, loaded, quantized=False)
+        else:
+            track(model, loaded)

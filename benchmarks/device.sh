@@ -12,6 +12,10 @@ nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv | tee "$OUT/nv
 case "${1:-tests}" in
   tests)
     python3 -m pytest -v -rs -x tests/gpu tests/unit 2>&1 | tee "$OUT/gpu-tests.log"; exit ${PIPESTATUS[0]} ;;
+  probe)
+    python3 benchmarks/make_model.py /root/models/llama3-8b-shape --shape 8b >/dev/null
+    cat /root/models/llama3-8b-shape/*.safetensors > /dev/null
+    python3 benchmarks/reader_probe.py /root/models/llama3-8b-shape ${2:-} 2>&1 | tee "$OUT/probe.md"; exit ${PIPESTATUS[0]} ;;
   bench)
     python3 benchmarks/load_bench.py --model /root/models/llama3-8b-shape --make 8b --tp "${2:-1}" \
       --extra "${EXTRA:-{\}}" --out "$OUT/bench" 2>&1 | tee "$OUT/bench.log"; exit ${PIPESTATUS[0]} ;;

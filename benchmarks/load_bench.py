@@ -50,7 +50,7 @@ print("BENCH_RESULT " + json.dumps({"import_s": t_import, "llm_init_s": t_llm, "
 """
 
 PATTERNS = {
-    "model_loading_s": re.compile(r"Model loading took [0-9.]+ GiB memory and ([0-9.]+) seconds"),
+    "model_loading_s": re.compile(r"Model loading took [0-9.]+ GiB (?:memory )?and ([0-9.]+) seconds"),
     "default_weights_s": re.compile(r"Loading weights took ([0-9.]+) seconds"),
     "init_model_s": re.compile(r"Initializing model took ([0-9.]+) seconds"),
     "fastload_weights_s": re.compile(r"fastload: runai_streamer loaded \d+ tensors .*? in ([0-9.]+) s"),

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import difflib
 from pathlib import Path
-from typing import Any, ClassVar, Optional, Union
+from typing import Any, ClassVar, Literal, Optional, Union
 
 from pydantic import BaseModel, ByteSize, ConfigDict, Field, TypeAdapter, ValidationError, field_validator
 
@@ -112,6 +112,7 @@ class StreamerConfig(_LoaderConfig):
         "memory_limit": "bytes as an integer >= -1 (-1 = unlimited, 0 = the largest tensor) or a string like '16GiB'",
         "chunk_bytesize": "bytes as an integer > 0 or a string like '8MiB'",
         "distributed": "true or false (JSON bool)",
+        "fs_strategy": "one of auto, runai, io_uring_direct, io_uring_buffered, libaio_direct, sync_buffered",
         "pinned_slot_bytes": "bytes as an integer >= 4096 or a string like '64MiB'",
         "pinned_slots": "an integer from 2 to 64",
         "copy_threads": "an integer from 1 to 128",
@@ -130,6 +131,11 @@ class StreamerConfig(_LoaderConfig):
     )
     distributed: bool = Field(
         False, description="Use runai's distributed streaming (each TP rank reads a part and they exchange it)."
+    )
+    fs_strategy: Literal["auto", "runai", "io_uring_direct", "io_uring_buffered", "libaio_direct", "sync_buffered"] = Field(
+        "auto",
+        description="How runai reads local files (RUNAI_STREAMER_FS_STRATEGY). auto: buffered reads when the shards are "
+        "in the page cache (a restart), runai's O_DIRECT default otherwise; runai: always runai's default.",
     )
     pinned_slot_bytes: Union[int, str] = Field(
         64 * 2**20, description="GPU only: bytes per pinned host slot of the H2D ring (tensors larger are split)."

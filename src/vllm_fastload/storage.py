@@ -134,6 +134,52 @@ def storage_error(uri: str, exc: BaseException, action: str = "read") -> Storage
     )
 
 
+def page_cache_fraction(paths: list[str], max_pages_per_file: int = 1 << 16) -> Optional[float]:
+    """Fraction (0..1) of the pages of local ``paths`` resident in the page cache, from ``mincore(2)``.
+
+    Samples up to ``max_pages_per_file`` evenly spaced pages per file. Returns None for object storage, empty
+    input, or where ``mmap``/``mincore`` are unavailable (non-Linux). Reads no file data.
+    """
+    import ctypes
+    import mmap
+
+    if not paths or any(is_object_uri(p) for p in paths):
+        return None
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        c_mmap, c_munmap, c_mincore = libc.mmap, libc.munmap, libc.mincore
+    except (OSError, AttributeError):
+        return None
+    c_mmap.restype = ctypes.c_void_p
+    c_mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    c_munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    c_mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+    page = mmap.PAGESIZE
+    resident = total = 0
+    for path in paths:
+        size = os.path.getsize(path)
+        if size == 0:
+            continue
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            addr = c_mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+            if addr in (None, ctypes.c_void_p(-1).value):
+                return None
+            try:
+                npages = (size + page - 1) // page
+                vec = ctypes.create_string_buffer(npages)
+                if c_mincore(addr, size, vec) != 0:
+                    return None
+            finally:
+                c_munmap(addr, size)
+        finally:
+            os.close(fd)
+        sample = vec.raw[:: max(1, npages // max_pages_per_file)]
+        resident += sum(b & 1 for b in sample)
+        total += len(sample)
+    return resident / total if total else None
+
+
 def list_safetensors(source: str) -> list[str]:
     """All ``*.safetensors`` files directly under ``source`` (a directory or object-storage prefix), sorted.
 

@@ -31,7 +31,7 @@ from ..fallback import default_loader, fall_back
 from ..fingerprint import from_vllm
 from ..log import logger
 from ..report import LoadReport
-from ..storage import apply_endpoint_env, is_object_uri, missing_backend, storage_error
+from ..storage import apply_endpoint_env, is_object_uri, missing_backend, page_cache_fraction, storage_error
 
 try:  # vLLM is an optional dependency of the package, required to use the loader.
     from vllm.model_executor.model_loader.base_loader import BaseModelLoader
@@ -39,6 +39,8 @@ except ImportError:  # pragma: no cover - exercised only without vLLM
     BaseModelLoader = object  # type: ignore[assignment,misc]
 
 LOAD_FORMAT = "runai_streamer"
+#: runai filesystem strategies (first available wins) used when the checkpoint is in the page cache.
+BUFFERED_STRATEGIES = "io_uring_buffered,sync_buffered"
 
 
 def _model_device(model: Any) -> Any:
@@ -101,6 +103,7 @@ class RunaiStreamerLoader(BaseModelLoader):
         self.config.warn_if_above_cgroup()
         os.environ.update(self.config.runai_env())
         apply_endpoint_env()
+        self._choose_fs_strategy(plan, report)
         fingerprint = from_vllm(model_config, headers)
         report.fingerprint, report.shards = fingerprint.short(), len(plan.files)
         if plan.ignored:
@@ -114,6 +117,22 @@ class RunaiStreamerLoader(BaseModelLoader):
         report.consume_s = max(report.wall_s - report.read_wait_s - report.extra.get("memcpy_s", 0.0), 0.0)
         self._check_all_loaded(model, model_config, loaded)
         report.emit(self.config.report_path)
+
+    def _choose_fs_strategy(self, plan: ShardPlan, report: LoadReport) -> None:
+        """Set ``RUNAI_STREAMER_FS_STRATEGY`` from ``fs_strategy`` (see config). ``auto``: buffered reads when >= 90%
+        of the shards' pages are in the page cache (O_DIRECT would re-read them from the device), else runai's
+        default; a value already in the environment wins over ``auto``."""
+        choice = self.config.fs_strategy
+        if choice == "auto":
+            frac = page_cache_fraction(list(plan.files))
+            report.extra["page_cache_fraction"] = None if frac is None else round(frac, 3)
+            if "RUNAI_STREAMER_FS_STRATEGY" in os.environ or frac is None or frac < 0.9:
+                choice = "runai"
+            else:
+                choice = BUFFERED_STRATEGIES
+        if choice != "runai":
+            os.environ["RUNAI_STREAMER_FS_STRATEGY"] = choice
+        report.extra["fs_strategy"] = os.environ.get("RUNAI_STREAMER_FS_STRATEGY", "runai default")
 
     def _load_via_pinned_ring(self, model: Any, plan: ShardPlan, device: Any, report: LoadReport) -> Any:
         """GPU path: reader -> pinned ring -> async H2D on a side stream -> ``model.load_weights``."""

@@ -18,5 +18,5 @@ case "${1:-tests}" in
     python3 benchmarks/reader_probe.py /root/models/llama3-8b-shape ${2:-} 2>&1 | tee "$OUT/probe.md"; exit ${PIPESTATUS[0]} ;;
   bench)
     python3 benchmarks/load_bench.py --model /root/models/llama3-8b-shape --make 8b --tp "${2:-1}" \
-      --extra "${EXTRA:-{\}}" --out "$OUT/bench" 2>&1 | tee "$OUT/bench.log"; exit ${PIPESTATUS[0]} ;;
+      --extra "${EXTRA:-{\}}" --out "$OUT/bench-tp${2:-1}" 2>&1 | tee "$OUT/bench-tp${2:-1}.log"; exit ${PIPESTATUS[0]} ;;
 esac

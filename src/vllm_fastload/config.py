@@ -141,7 +141,7 @@ class StreamerConfig(_LoaderConfig):
         64 * 2**20, description="GPU only: bytes per pinned host slot of the H2D ring (tensors larger are split)."
     )
     pinned_slots: int = Field(4, ge=2, le=64, description="GPU only: slots in the pinned H2D ring (>= 2).")
-    copy_threads: int = Field(8, gt=0, le=128, description="GPU only: threads copying host slots into pinned memory.")
+    copy_threads: int = Field(16, gt=0, le=128, description="GPU only: threads copying host slots into pinned memory.")
 
     @field_validator("memory_limit", mode="before")
     @classmethod

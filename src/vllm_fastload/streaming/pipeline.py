@@ -14,6 +14,9 @@ Data flow per tensor (``H2DPipeline.run``)::
   consumer stream, as PyTorch's CUDA semantics notes prescribe for cross-stream use.
 * The host memcpy into the slot is split across ``copy_threads`` threads (``Tensor.copy_`` releases the GIL),
   since vLLM workers often run with ``OMP_NUM_THREADS=1``.
+* :meth:`H2DPipeline.run` drives reader, memcpy and copy issue from a producer thread, so they overlap with the
+  consumer's ``weight_loader`` calls; at most ``lookahead`` finished tensors wait in the hand-over queue, so
+  transient device memory is bounded by about ``(lookahead + 2)`` x the largest tensor.
 
 PyTorch facts used (docs "CUDA semantics", "Tensor.record_stream"): ``non_blocking=True`` host-to-device
 copies are asynchronous only from pinned memory; a stream must ``wait_event`` before using data produced on
@@ -22,6 +25,8 @@ another stream; memory allocated on one stream and used on another needs ``recor
 
 from __future__ import annotations
 
+import queue
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -37,13 +42,14 @@ class StageTimes:
 
     ``read_wait_s``: waiting for the reader; ``memcpy_s``: host copies into pinned slots; ``slot_wait_s``: waiting
     for a slot's previous H2D copy (PCIe bound when large); ``h2d_s``: GPU time of the H2D copies (events);
-    ``bytes``: bytes copied to the device.
+    ``consumer_wait_s``: the consumer waiting for the producer thread; ``bytes``: bytes copied to the device.
     """
 
     read_wait_s: float = 0.0
     memcpy_s: float = 0.0
     slot_wait_s: float = 0.0
     h2d_s: float = 0.0
+    consumer_wait_s: float = 0.0
     bytes: int = 0
     tensors: int = 0
     _events: list = field(default_factory=list, repr=False)
@@ -56,7 +62,8 @@ class H2DPipeline:
     Use as a context manager; :meth:`close` waits for outstanding copies and frees the ring.
     """
 
-    def __init__(self, device: torch.device, slot_bytes: int = 64 * 2**20, slots: int = 4, copy_threads: int = 8):
+    def __init__(self, device: torch.device, slot_bytes: int = 64 * 2**20, slots: int = 4, copy_threads: int = 16,
+                 lookahead: int = 2):
         if slot_bytes <= 0 or slots < 2:
             raise ValueError(f"pinned ring needs slot_bytes > 0 and slots >= 2, got {slot_bytes} x {slots}")
         self.device = torch.device(device)
@@ -67,6 +74,7 @@ class H2DPipeline:
         self.copy_stream = torch.cuda.Stream(device=self.device)
         self.pool = ThreadPoolExecutor(copy_threads) if copy_threads > 1 else None
         self.copy_threads = copy_threads
+        self.lookahead = max(1, lookahead)
         self.times = StageTimes()
 
     # -- ring -------------------------------------------------------------------------------------------
@@ -90,20 +98,22 @@ class H2DPipeline:
             list(self.pool.map(lambda o: dst[o:o + step].copy_(src[o:o + step]), range(0, n, step)))
         self.times.memcpy_s += time.perf_counter() - t
 
-    def to_device(self, src: torch.Tensor) -> torch.Tensor:
-        """Start copying host tensor ``src`` to the device; returns the device tensor (same dtype/shape).
+    def to_device(self, src: torch.Tensor, consumer: Any = None) -> tuple[torch.Tensor, Any]:
+        """Start copying host tensor ``src`` to the device. Returns ``(device tensor, event)``: the consumer must
+        ``wait_event(event)`` (None for an empty tensor) before using it; :meth:`run` does.
 
-        The consumer stream (current stream) is made to wait for the copy; the host ``src`` may be reused as
-        soon as this returns (its bytes are already in a pinned slot).
+        The device tensor is allocated on the copy stream and ``record_stream``-ed on ``consumer`` (default: the
+        current stream). ``src`` may be reused as soon as this returns (its bytes are in pinned slots).
         """
-        consumer = torch.cuda.current_stream(self.device)
+        consumer = consumer or torch.cuda.current_stream(self.device)
         if src.numel() == 0:
-            return torch.empty(src.shape, dtype=src.dtype, device=self.device)
+            return torch.empty(src.shape, dtype=src.dtype, device=self.device), None
         flat = src.reshape(-1).view(torch.uint8)
         nbytes = flat.numel()
         with torch.cuda.stream(self.copy_stream):
             dst = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         dst.record_stream(consumer)
+        end = None
         for off in range(0, nbytes, self.slot_bytes):
             n = min(self.slot_bytes, nbytes - off)
             i, slot = self._acquire()
@@ -116,22 +126,71 @@ class H2DPipeline:
                 end.record()
             self.slot_events[i] = end
             self.times._events.append((start, end))
-        consumer.wait_event(end)
         self.times.bytes += nbytes
         self.times.tensors += 1
-        return dst.view(src.dtype).view(src.shape)
+        return dst.view(src.dtype).view(src.shape), end
 
     def run(self, named: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-        """Map ``(name, host tensor)`` to ``(name, device tensor)``, counting reader wait time."""
-        while True:
-            t = time.perf_counter()
+        """Map ``(name, host tensor)`` to ``(name, device tensor)``.
+
+        A producer thread pulls from ``named`` (the reader), fills pinned slots and issues the copies; this
+        generator hands each finished tensor to the consumer after making the current stream wait for it.
+        Errors of the reader or the copy are re-raised here; closing this generator stops the producer.
+        """
+        consumer = torch.cuda.current_stream(self.device)
+        handoff: queue.Queue = queue.Queue(maxsize=self.lookahead)
+        stop = threading.Event()
+        errors: list[BaseException] = []
+        end_mark = object()
+
+        def put(item: Any) -> bool:
+            while not stop.is_set():
+                try:
+                    handoff.put(item, timeout=0.1)
+                    return True
+                except queue.Full:
+                    continue
+            return False
+
+        def produce() -> None:
             try:
-                name, host = next(named)
-            except StopIteration:
-                self.times.read_wait_s += time.perf_counter() - t
-                return
-            self.times.read_wait_s += time.perf_counter() - t
-            yield name, self.to_device(host)
+                torch.cuda.set_device(self.device)
+                while not stop.is_set():
+                    t = time.perf_counter()
+                    try:
+                        name, host = next(named)
+                    except StopIteration:
+                        self.times.read_wait_s += time.perf_counter() - t
+                        break
+                    self.times.read_wait_s += time.perf_counter() - t
+                    if not put((name, *self.to_device(host, consumer))):
+                        break
+            except BaseException as e:  # noqa: BLE001 - handed to the consumer thread
+                errors.append(e)
+            finally:
+                close = getattr(named, "close", None)
+                if close is not None:
+                    close()
+                put(end_mark)
+
+        worker = threading.Thread(target=produce, name="fastload-h2d", daemon=True)
+        worker.start()
+        try:
+            while True:
+                t = time.perf_counter()
+                item = handoff.get()
+                self.times.consumer_wait_s += time.perf_counter() - t
+                if item is end_mark:
+                    break
+                name, dst, event = item
+                if event is not None:
+                    consumer.wait_event(event)
+                yield name, dst
+        finally:
+            stop.set()
+            worker.join()
+        if errors:
+            raise errors[0]
 
     def close(self) -> StageTimes:
         """Wait for all copies, sum the H2D GPU time, free the ring and the copy threads. Returns the timings."""

@@ -115,6 +115,7 @@ class StreamerConfig(_LoaderConfig):
         "fs_strategy": "one of auto, runai, io_uring_direct, io_uring_buffered, libaio_direct, sync_buffered",
         "pinned_slot_bytes": "bytes as an integer >= 4096 or a string like '64MiB'",
         "pinned_slots": "an integer from 2 to 64",
+        "pinned_reader": "true or false (JSON bool)",
         "copy_threads": "an integer from 1 to 128",
     }
 
@@ -139,6 +140,10 @@ class StreamerConfig(_LoaderConfig):
     )
     pinned_slot_bytes: Union[int, str] = Field(
         64 * 2**20, description="GPU only: bytes per pinned host slot of the H2D ring (tensors larger are split)."
+    )
+    pinned_reader: bool = Field(
+        True, description="GPU only: let runai read into pinned memory and copy from there to the GPU (no extra "
+        "host memcpy); false: copy each tensor into a separate pinned ring first."
     )
     pinned_slots: int = Field(4, ge=2, le=64, description="GPU only: slots in the pinned H2D ring (>= 2).")
     copy_threads: int = Field(16, gt=0, le=128, description="GPU only: threads copying host slots into pinned memory.")

@@ -31,11 +31,12 @@ class CollectOnGpu(torch.nn.Module):
         return None
 
 
-@pytest.mark.parametrize("slot_bytes", [4096, 64 * 2**20])
-def test_zoo_bit_exact_on_gpu(tmp_path, slot_bytes):
+@pytest.mark.parametrize("slot_bytes, pinned_reader", [(4096, False), (64 * 2**20, False), (4096, True)])
+def test_zoo_bit_exact_on_gpu(tmp_path, slot_bytes, pinned_reader):
     expected = write_zoo(tmp_path / "model.safetensors")
     m = CollectOnGpu()
-    extra = {"pinned_slot_bytes": slot_bytes, "pinned_slots": 2, "report_path": str(tmp_path / "r.json")}
+    extra = {"pinned_slot_bytes": slot_bytes, "pinned_slots": 2, "report_path": str(tmp_path / "r.json"),
+             "pinned_reader": pinned_reader}
     RunaiStreamerLoader(LoadConfig(load_format="runai_streamer", model_loader_extra_config=extra)).load_weights(
         m, model_config(tmp_path))
     torch.cuda.synchronize()
@@ -44,6 +45,9 @@ def test_zoo_bit_exact_on_gpu(tmp_path, slot_bytes):
         t = m.got[name]
         assert t.dtype == dtype and tuple(t.shape) == shape, name
         assert t.cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes() == raw, name
+    import json
+
+    assert json.loads((tmp_path / "r.json").read_text())["extra"]["read_ring_pinned"] is pinned_reader
 
 
 def test_held_tensor_keeps_its_values_under_a_tight_ring():

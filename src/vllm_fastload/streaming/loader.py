@@ -41,6 +41,8 @@ except ImportError:  # pragma: no cover - exercised only without vLLM
 LOAD_FORMAT = "runai_streamer"
 #: runai filesystem strategies (first available wins) used when the checkpoint is in the page cache.
 BUFFERED_STRATEGIES = "io_uring_buffered,sync_buffered"
+#: Bound of runai's read ring when it is pinned and the user set no memory_limit (bytes).
+PINNED_READ_RING_BYTES = 4 * 2**30
 
 
 def _model_device(model: Any) -> Any:
@@ -115,6 +117,7 @@ class RunaiStreamerLoader(BaseModelLoader):
         plan = self._plan
         headers = [read_header(f) for f in plan.files]
         largest = max((h.largest for h in headers if h.largest), key=lambda t: t.nbytes, default=None)
+        self._largest = largest.nbytes if largest is not None else 0
         mem = self.config.memory_limit
         if largest is not None and mem is not None and 0 < mem < largest.nbytes:
             raise ConfigError(
@@ -161,12 +164,17 @@ class RunaiStreamerLoader(BaseModelLoader):
 
     def _load_via_pinned_ring(self, model: Any, plan: ShardPlan, device: Any, report: LoadReport) -> Any:
         """GPU path: reader -> pinned ring -> async H2D on a side stream -> ``model.load_weights``."""
-        from .pipeline import H2DPipeline
+        from .pipeline import H2DPipeline, pinned_reader_slots
 
         cfg = self.config
-        with H2DPipeline(device, slot_bytes=cfg.pinned_slot_bytes, slots=cfg.pinned_slots,
-                         copy_threads=cfg.copy_threads) as pipe:
-            loaded = model.load_weights(pipe.run(self._stream(plan, owned=False)))
+        with pinned_reader_slots(enabled=cfg.pinned_reader) as direct:
+            if direct and "RUNAI_STREAMER_MEMORY_LIMIT" not in os.environ:
+                # The read ring is pinned now: bound it (runai's default spans the whole model).
+                os.environ["RUNAI_STREAMER_MEMORY_LIMIT"] = str(max(PINNED_READ_RING_BYTES, 2 * self._largest))
+            with H2DPipeline(device, slot_bytes=cfg.pinned_slot_bytes, slots=cfg.pinned_slots,
+                             copy_threads=cfg.copy_threads, direct=direct) as pipe:
+                loaded = model.load_weights(pipe.run(self._stream(plan, owned=False)))
+        report.extra["read_ring_pinned"] = direct
         t = pipe.times
         report.tensors, report.bytes, report.read_wait_s = t.tensors, t.bytes, t.read_wait_s
         report.extra.update(memcpy_s=round(t.memcpy_s, 4), slot_wait_s=round(t.slot_wait_s, 4),

@@ -31,12 +31,13 @@ class CollectOnGpu(torch.nn.Module):
         return None
 
 
-@pytest.mark.parametrize("slot_bytes, pinned_reader", [(4096, False), (64 * 2**20, False), (4096, True)])
-def test_zoo_bit_exact_on_gpu(tmp_path, slot_bytes, pinned_reader):
+@pytest.mark.parametrize("slot_bytes, pinned_reader, thread", [
+    (4096, False, False), (64 * 2**20, False, False), (4096, True, False), (4096, False, True), (4096, True, True)])
+def test_zoo_bit_exact_on_gpu(tmp_path, slot_bytes, pinned_reader, thread):
     expected = write_zoo(tmp_path / "model.safetensors")
     m = CollectOnGpu()
     extra = {"pinned_slot_bytes": slot_bytes, "pinned_slots": 2, "report_path": str(tmp_path / "r.json"),
-             "pinned_reader": pinned_reader}
+             "pinned_reader": pinned_reader, "pipeline_thread": thread}
     RunaiStreamerLoader(LoadConfig(load_format="runai_streamer", model_loader_extra_config=extra)).load_weights(
         m, model_config(tmp_path))
     torch.cuda.synchronize()
@@ -56,7 +57,7 @@ def test_held_tensor_keeps_its_values_under_a_tight_ring():
     weight = torch.randn(256, 64, generator=g)
     filler = torch.randn(2**18, generator=g)
     scale = torch.randn(1, generator=g)
-    with H2DPipeline(torch.device("cuda"), slot_bytes=4096, slots=2, copy_threads=1) as pipe:
+    with H2DPipeline(torch.device("cuda"), slot_bytes=4096, slots=2, copy_threads=1, threaded=True) as pipe:
         out = dict(pipe.run(iter([("w", weight.clone()), ("filler", filler.clone()), ("scale", scale.clone())])))
     torch.cuda.synchronize()
     assert torch.equal(out["w"].cpu(), weight)

@@ -172,7 +172,8 @@ class RunaiStreamerLoader(BaseModelLoader):
                 # The read ring is pinned now: bound it (runai's default spans the whole model).
                 os.environ["RUNAI_STREAMER_MEMORY_LIMIT"] = str(max(PINNED_READ_RING_BYTES, 2 * self._largest))
             with H2DPipeline(device, slot_bytes=cfg.pinned_slot_bytes, slots=cfg.pinned_slots,
-                             copy_threads=cfg.copy_threads, direct=direct) as pipe:
+                             copy_threads=cfg.copy_threads, direct=direct,
+                             threaded=cfg.pipeline_thread) as pipe:
                 loaded = model.load_weights(pipe.run(self._stream(plan, owned=False)))
         report.extra["read_ring_pinned"] = direct
         t = pipe.times

@@ -14,8 +14,9 @@ Data flow per tensor (``H2DPipeline.run``)::
   consumer stream, as PyTorch's CUDA semantics notes prescribe for cross-stream use.
 * The host memcpy into the slot is split across ``copy_threads`` threads (``Tensor.copy_`` releases the GIL),
   since vLLM workers often run with ``OMP_NUM_THREADS=1``.
-* :meth:`H2DPipeline.run` drives reader, memcpy and copy issue from a producer thread, so they overlap with the
-  consumer's ``weight_loader`` calls; at most ``lookahead`` finished tensors wait in the hand-over queue, so
+* With ``threaded=True``, :meth:`H2DPipeline.run` drives reader, memcpy and copy issue from a producer thread,
+  so they overlap with the consumer's ``weight_loader`` calls (measured slower on the H200, see
+  docs/benchmarks.md; off by default); at most ``lookahead`` finished tensors wait in the hand-over queue, so
   transient device memory is bounded by about ``(lookahead + 2)`` x the largest tensor.
 
 PyTorch facts used (docs "CUDA semantics", "Tensor.record_stream"): ``non_blocking=True`` host-to-device
@@ -63,8 +64,8 @@ class H2DPipeline:
     Use as a context manager; :meth:`close` waits for outstanding copies and frees the ring.
     """
 
-    def __init__(self, device: torch.device, slot_bytes: int = 64 * 2**20, slots: int = 4, copy_threads: int = 16,
-                 lookahead: int = 2, direct: bool = False):
+    def __init__(self, device: torch.device, slot_bytes: int = 64 * 2**20, slots: int = 4, copy_threads: int = 8,
+                 lookahead: int = 2, direct: bool = False, threaded: bool = False):
         if slot_bytes <= 0 or slots < 2:
             raise ValueError(f"pinned ring needs slot_bytes > 0 and slots >= 2, got {slot_bytes} x {slots}")
         self.device = torch.device(device)
@@ -80,6 +81,7 @@ class H2DPipeline:
         self.pool = ThreadPoolExecutor(copy_threads) if copy_threads > 1 else None
         self.copy_threads = copy_threads
         self.lookahead = max(1, lookahead)
+        self.threaded = threaded
         self.times = StageTimes()
 
     # -- ring -------------------------------------------------------------------------------------------
@@ -159,6 +161,9 @@ class H2DPipeline:
         Errors of the reader or the copy are re-raised here; closing this generator stops the producer.
         """
         consumer = torch.cuda.current_stream(self.device)
+        if not self.threaded:
+            yield from self._run_inline(named, consumer)
+            return
         handoff: queue.Queue = queue.Queue(maxsize=self.lookahead)
         stop = threading.Event()
         errors: list[BaseException] = []
@@ -213,7 +218,23 @@ class H2DPipeline:
         if errors:
             raise errors[0]
 
-    def close(self) -> StageTimes:  # noqa: D401
+    def _run_inline(self, named: Iterator[tuple[str, torch.Tensor]], consumer: Any) -> Iterator[tuple[str, torch.Tensor]]:
+        """``threaded=False``: reader, memcpy and copy issue run in the consumer's thread between its
+        ``weight_loader`` calls; the copies themselves still run asynchronously on the copy stream."""
+        while True:
+            t = time.perf_counter()
+            try:
+                name, host = next(named)
+            except StopIteration:
+                self.times.read_wait_s += time.perf_counter() - t
+                return
+            self.times.read_wait_s += time.perf_counter() - t
+            dst, event = self.to_device(host, consumer)
+            if event is not None:
+                consumer.wait_event(event)
+            yield name, dst
+
+    def close(self) -> StageTimes:
         """Wait for all copies, sum the H2D GPU time, free the ring and the copy threads. Returns the timings."""
         self.copy_stream.synchronize()
         self.times.h2d_s = sum(s.elapsed_time(e) for s, e in self.times._events) / 1e3

@@ -18,7 +18,24 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("out", nargs="?", help="output directory (default: ~/.cache/vllm-fastload/smollm2-135m-instruct)")
     h = sub.add_parser("headers", help="validate the safetensors headers of a directory or s3:// prefix")
     h.add_argument("source")
+    sub.add_parser("preload", help="start the preload daemon(s): `vllm-fastload preload <vllm serve args>`",
+                   add_help=False)
+    st = sub.add_parser("status", help="list the preload daemons in a socket dir")
+    st.add_argument("--weight-cache-socket-dir", default=None)
+    st.add_argument("--json", action="store_true")
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "preload":
+        from .errors import FastloadError
+        from .ipc.daemon import main as preload_main
+
+        try:
+            return preload_main(argv[1:])
+        except FastloadError as e:
+            print(f"vllm-fastload preload: error: {e}", file=sys.stderr)
+            return 2
     args = p.parse_args(argv)
+    if args.cmd == "status":
+        return _status(args)
     if args.cmd == "build-demo-model":
         from .demo_model import build_model
 
@@ -42,6 +59,32 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(out, indent=2))
         return 0
     return 1
+
+
+
+def _status(args: argparse.Namespace) -> int:
+    from .ipc.client import status_of
+    from .ipc.paths import ensure_socket_dir
+
+    d = ensure_socket_dir(args.weight_cache_socket_dir, create=False)
+    rows = []
+    for sock in sorted(d.glob("*.sock")) if d.exists() else []:
+        st = status_of(str(sock))
+        rows.append(st or {"socket": str(sock), "state": "not answering (stale socket?)"})
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    if not rows:
+        print(f"no preload daemons in {d}")
+        return 1
+    for r in rows:
+        if "device" not in r:
+            print(f"{r['socket']}: {r['state']}")
+            continue
+        print(f"{r['device']}: {r['state']}, model {r['model']}, fingerprint {r['fingerprint_short']}, "
+              f"{r['tensors']} tensors, {r['bytes'] / 2**30:.2f} GiB, {r['clients']} client(s) {r['client_modes']}, "
+              f"uptime {r['uptime_s']:.0f} s, socket {r['socket']}")
+    return 0
 
 
 if __name__ == "__main__":

@@ -217,3 +217,34 @@ def cgroup_memory_max(cgroup_root: Path = Path("/sys/fs/cgroup")) -> Optional[in
         # cgroup v1 reports "unlimited" as a huge number near 2**63
         return None if value >= 2**62 else value
     return None
+
+
+class IpcCacheConfig(_LoaderConfig):
+    """Extra-config of the ``ipc_cache`` load format (times in seconds)."""
+
+    LOAD_FORMAT: ClassVar[str] = "ipc_cache"
+    ALLOWED: ClassVar[dict[str, str]] = {
+        **_LoaderConfig.ALLOWED,
+        "mode": "'zero_copy' (map the daemon's memory) or 'copy' (clone it, then the daemon frees its copy)",
+        "socket_dir": "a directory path (string) holding the daemons' sockets",
+        "socket_path": "the path (string) of one daemon's socket, overriding socket_dir",
+        "connect_timeout_s": "seconds (number > 0) to wait for the daemon's socket to accept",
+        "state_timeout_s": "seconds (number > 0) to wait for the daemon's manifest",
+        "is_draft": "true or false (set by vLLM for speculative-decoding drafts)",
+    }
+
+    mode: Literal["zero_copy", "copy"] = Field(
+        "zero_copy", description="zero_copy: map the daemon's memory (one copy in memory); copy: clone into engine "
+        "memory, then the daemon frees its copy and stays empty.")
+    socket_dir: Optional[str] = Field(None, description="Directory of the daemons' sockets (default: the daemon's default).")
+    socket_path: Optional[str] = Field(None, description="One daemon's socket path; overrides socket_dir.")
+    connect_timeout_s: float = Field(5.0, gt=0, description="Seconds to wait for the daemon's socket to accept.")
+    state_timeout_s: float = Field(300.0, gt=0, description="Seconds to wait for the daemon's manifest.")
+    is_draft: bool = Field(False, description="Set by vLLM for a speculative-decoding draft model.")
+
+    @field_validator("connect_timeout_s", "state_timeout_s", mode="before")
+    @classmethod
+    def _seconds(cls, v: Any) -> Any:
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise ValueError("expected a number of seconds")
+        return float(v)

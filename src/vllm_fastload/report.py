@@ -40,6 +40,8 @@ class LoadReport:
     fingerprint: Optional[str] = None
     fallback_reason: Optional[str] = None
     shards: int = 0
+    verb: str = "loaded"
+    note: str = ""
     finished_at: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -56,8 +58,9 @@ class LoadReport:
                 f"({self.fallback_reason}); weights from {self.source} loaded in {self.wall_s:.2f} s"
             )
         return (
-            f"fastload: {self.load_format} loaded {self.tensors} tensors ({self.bytes / 2**30:.2f} GiB) from "
+            f"fastload: {self.load_format} {self.verb} {self.tensors} tensors ({self.bytes / 2**30:.2f} GiB) from "
             f"{self.source} in {self.wall_s:.2f} s ({self.gb_per_s:.2f} GB/s), fingerprint {self.fingerprint}"
+            + (f", {self.note}" if self.note else "")
         )
 
     def to_dict(self) -> dict[str, Any]:

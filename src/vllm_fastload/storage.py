@@ -100,10 +100,13 @@ def _s3_probe(uri: str, timeout_s: float = 3.0) -> str:
     endpoint = os.environ.get("RUNAI_STREAMER_S3_ENDPOINT") or os.environ.get("AWS_ENDPOINT_URL")
     try:
         client = boto3.client("s3", endpoint_url=endpoint, config=Config(**kwargs))
-        if key and not key.endswith("/"):
+        prefix = key.rstrip("/") + "/" if key else ""
+        listed = client.list_objects_v2(Bucket=bucket, Prefix=prefix, MaxKeys=1000)
+        if listed.get("KeyCount", 0):
+            return (f"bucket and prefix are readable now ({listed['KeyCount']} object(s) under it); the failure was "
+                    f"transient (timeout, throttling) or inside the streamer")
+        if key:
             client.head_object(Bucket=bucket, Key=key)
-        else:
-            client.list_objects_v2(Bucket=bucket, Prefix=key, MaxKeys=1)
         return "the object is readable now; the failure was transient or inside the streamer"
     except ClientError as e:
         meta = e.response.get("ResponseMetadata", {})
@@ -118,7 +121,8 @@ def _s3_probe(uri: str, timeout_s: float = 3.0) -> str:
             "InvalidAccessKeyId": "unknown access key",
             "SignatureDoesNotMatch": "wrong secret key",
         }.get(str(code), "")
-        return f"HTTP {status} {code}" + (f" ({hint})" if hint else "")
+        label = f"HTTP {status}" if str(code) == str(status) else f"HTTP {status} {code}"
+        return label + (f" ({hint})" if hint else "")
     except BotoCoreError as e:
         return f"{type(e).__name__}: {e}"
 

@@ -1,0 +1,170 @@
+"""``IpcCacheLoader``: the ``ipc_cache`` load format (engine side).
+
+``load_model``: fingerprint of what this engine would load (same module as ``runai_streamer``) -> connect to
+the daemon of this rank's device -> hello/manifest -> build the model skeleton on the meta device (no weight
+memory) -> install the mapped tensors (``zero_copy``) or clones (``copy``, then ``release``) after verifying each
+tensor's checksum sample -> re-run post-processing of the modules the daemon marked -> done, with no disk read.
+Any miss (no daemon, timeout, fingerprint mismatch, checksum or layout mismatch) goes through the one fallback
+policy: a WARNING naming the reason and a full load with vLLM's default loader, or an error with
+``"fallback": false``.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from ..config import IpcCacheConfig
+from ..errors import FastloadError
+from ..fallback import default_loader, fall_back
+from ..log import logger
+from ..report import LoadReport
+
+try:
+    from vllm.model_executor.model_loader.base_loader import BaseModelLoader
+except ImportError:  # pragma: no cover
+    BaseModelLoader = object  # type: ignore[assignment,misc]
+
+LOAD_FORMAT = "ipc_cache"
+#: Leases (connection + mapping) of zero_copy loads: they must live as long as the process serves.
+_LEASES: list = []
+
+
+class ChecksumMismatch(FastloadError):
+    """A mapped tensor's bytes differ from the manifest's checksum sample (the daemon's memory is not what it
+    says); the message names the tensor."""
+
+
+class IpcCacheLoader(BaseModelLoader):
+    """Maps post-processed weights from a ``vllm-fastload preload`` daemon (CPU: shared memory)."""
+
+    def __init__(self, load_config: Any):
+        self.config = IpcCacheConfig.from_extra(load_config.model_loader_extra_config)
+        super().__init__(load_config)
+
+    def download_model(self, model_config: Any) -> None:
+        """Nothing to download."""
+
+    def load_weights(self, model: Any, model_config: Any) -> None:
+        """In-place (re)load of an existing model: done from disk by vLLM's default loader."""
+        default_loader(self.load_config).load_weights(model, model_config)
+
+    def socket_for_this_rank(self) -> str:
+        """The daemon socket of the device this worker uses (``socket_path`` wins over ``socket_dir``)."""
+        from vllm.platforms import current_platform
+
+        from .paths import device_identity, ensure_socket_dir, socket_path
+
+        if self.config.socket_path:
+            return self.config.socket_path
+        local_rank = 0
+        try:
+            from vllm.distributed.parallel_state import get_world_group
+
+            local_rank = get_world_group().local_rank
+        except (ImportError, AssertionError, AttributeError):
+            pass
+        d = ensure_socket_dir(self.config.socket_dir, create=False)
+        role = "draft" if self.config.is_draft else "target"
+        return str(socket_path(d, device_identity(current_platform.device_type, local_rank), role))
+
+    def load_model(self, vllm_config: Any, model_config: Any, prefix: str = "") -> Any:
+        """Map the model from the daemon, or fall back (see module docstring)."""
+        t0 = time.perf_counter()
+        from .client import CacheUnavailable, FingerprintMismatch
+        from .state import InstallError
+
+        path = "?"
+        try:
+            path = self.socket_for_this_rank()
+            logger.info("Loading weights via ipc_cache (mode=%s) from %s", self.config.mode, path)
+            model, report = self._map(vllm_config, model_config, prefix, path, t0)
+            report.emit(self.config.report_path)
+            return model
+        except FingerprintMismatch as e:
+            fields = ", ".join(f"{n} (daemon {a!r}, engine {b!r})" for n, a, b in e.mismatched)
+            reason = f"fingerprint mismatch with the daemon at {path}: {fields}"
+        except (CacheUnavailable, ChecksumMismatch, InstallError, FastloadError) as e:
+            reason = str(e)
+        loader = fall_back(LOAD_FORMAT, reason, self.config.fallback, self.load_config)
+        model = loader.load_model(vllm_config=vllm_config, model_config=model_config, prefix=prefix)
+        report = LoadReport(load_format=LOAD_FORMAT, source=path, format_used=loader.load_config.load_format,
+                            fallback_reason=reason, wall_s=time.perf_counter() - t0)
+        report.emit(self.config.report_path)
+        return model
+
+    def _map(self, vllm_config: Any, model_config: Any, prefix: str, path: str, t0: float) -> tuple[Any, LoadReport]:
+        import torch
+        from vllm.model_executor.model_loader.utils import initialize_model
+        from vllm.utils.torch_utils import set_default_torch_dtype
+
+        from ..checkpoint import read_header, select_shards
+        from ..fingerprint import from_vllm
+        from .client import CacheUnavailable, fetch
+        from .shm import tensor_at, verify
+        from .state import install, reprocess_modules
+
+        device = vllm_config.device_config.device if self.load_config.device is None else self.load_config.device
+        if torch.device(device).type != "cpu":
+            raise CacheUnavailable(f"ipc_cache on {torch.device(device).type} needs the CUDA transport, which this "
+                                   f"version does not have yet (CPU shared memory only)")
+        phases: dict[str, float] = {}
+        tick = time.perf_counter()
+
+        def lap(name: str) -> None:
+            nonlocal tick
+            now = time.perf_counter()
+            phases[name] = round(now - tick, 4)
+            tick = now
+
+        source = getattr(model_config, "model_weights", None) or model_config.model
+        plan = select_shards(source, model_config.model if source != model_config.model else None)
+        fp = from_vllm(model_config, [read_header(f) for f in plan.files], vllm_config)
+        lap("fingerprint_s")
+        mode = self.config.mode
+        lease = fetch(path, fp.to_dict(), mode, self.config.connect_timeout_s, self.config.state_timeout_s)
+        lap("connect_manifest_s")
+        try:
+            with set_default_torch_dtype(model_config.dtype):
+                with torch.device("meta"):
+                    model = initialize_model(vllm_config=vllm_config, model_config=model_config, prefix=prefix)
+            lap("skeleton_s")
+            man = lease.manifest
+            tensors, nbytes = {}, 0
+            for name, entry in man["tensors"].items():
+                t = tensor_at(lease.segment, entry)
+                if not verify(t, entry):
+                    raise ChecksumMismatch(f"tensor {name!r} in the daemon's memory does not match its checksum "
+                                           f"sample; the daemon at {path} serves corrupt memory: restart it")
+                tensors[name] = (entry["kind"], t.clone() if mode == "copy" else t)
+                nbytes += int(entry["nbytes"])
+            install(model, tensors, man.get("aliases", {}), man.get("reprocess", []))
+            lap("map_verify_install_s")
+            reprocess_modules(model, man.get("reprocess", []), model_config)
+            lap("reprocess_s")
+            lease.attach(mode)
+        except BaseException:
+            lease.close()
+            raise
+        if mode == "copy":
+            freed = lease.release()
+            lease.close()
+            del tensors
+            try:
+                lease.segment.close()  # every tensor is a clone: nothing views the mapping any more
+            except BufferError:
+                pass  # a view is still referenced somewhere; the mapping goes with it
+            logger.info("fastload: copy mode: daemon %s its memory", "freed" if freed else "kept (zero_copy clients)")
+        else:
+            _LEASES.append(lease)
+        logger.info("Mapped %d tensors from the weight cache daemon (%s mode)", len(man["tensors"]), mode)
+        report = LoadReport(load_format=LOAD_FORMAT, source=path, verb="mapped", tensors=len(man["tensors"]),
+                            bytes=nbytes, wall_s=time.perf_counter() - t0, fingerprint=fp.short(), note="no disk read",
+                            shards=len(plan.files))
+        lap("release_s")
+        # The span comparable to a disk loader's weight loading: fetch + map + verify + install (+ copy).
+        phases["weights_phase_s"] = round(phases["connect_manifest_s"] + phases["map_verify_install_s"]
+                                          + phases["release_s"], 4)
+        report.extra.update(mode=mode, reprocessed_modules=len(man.get("reprocess", [])), **phases)
+        return model.eval(), report
+

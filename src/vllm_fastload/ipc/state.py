@@ -1,0 +1,197 @@
+"""What a loaded model holds, and how to put it into a skeleton model in another process.
+
+Post-processing (``process_weights_after_loading``) may replace parameters, hang plain tensors on modules, or
+build state that is not a tensor at all: on vLLM's CPU backend ``dispatch_cpu_unquantized_gemm`` stores a closure
+``layer.cpu_linear`` that may hold a oneDNN / sgl / zentorch packed weight, and may replace ``layer.weight``
+with an empty tensor; GPU kernels repack too. Such state cannot cross a process boundary.
+
+The rule, per module (non-recursive), decided by the daemon:
+
+* **processed**: post-processing changed only tensors (parameters, buffers, tensor attributes) and plain values
+  -> export the module's tensors *after* post-processing; the engine installs them and runs nothing.
+* **reprocess**: post-processing bound a new non-tensor object (closure, handle, kernel object) -> export the
+  module's tensors as they were *before* post-processing (the loaded weights); the engine installs them and runs
+  that module's post-processing again on the mapped tensors. Still no disk read.
+
+:func:`snapshot` (before post-processing) holds references, not copies: memory stays shared unless
+post-processing replaced a tensor of a reprocess module.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+_PLAIN = (int, float, str, bool, type(None), torch.dtype, torch.device)
+
+
+def _plain(v: Any) -> bool:
+    if isinstance(v, _PLAIN):
+        return True
+    if isinstance(v, (tuple, list)):
+        return all(_plain(x) for x in v)
+    return False
+
+
+def _own_tensors(m: nn.Module) -> dict[str, tuple[str, torch.Tensor]]:
+    out: dict[str, tuple[str, torch.Tensor]] = {}
+    for leaf, p in m._parameters.items():
+        if p is not None:
+            out[leaf] = ("param", p.data)
+    for leaf, b in m._buffers.items():
+        if b is not None:
+            out[leaf] = ("buffer", b)
+    for leaf, v in vars(m).items():
+        if not leaf.startswith("_") and isinstance(v, torch.Tensor) and leaf not in out:
+            out[leaf] = ("attr", v)
+    return out
+
+
+def _objects(m: nn.Module) -> dict[str, int]:
+    """Public non-tensor, non-plain attributes of a module (name -> id of the value)."""
+    return {k: id(v) for k, v in vars(m).items()
+            if not k.startswith("_") and not isinstance(v, (torch.Tensor, nn.Module)) and not _plain(v)}
+
+
+@dataclass
+class Snapshot:
+    """References to every module's tensors and object attributes before post-processing."""
+
+    tensors: dict[str, dict[str, tuple[str, torch.Tensor]]] = field(default_factory=dict)
+    objects: dict[str, dict[str, int]] = field(default_factory=dict)
+
+
+def snapshot(model: nn.Module) -> Snapshot:
+    """Take a :class:`Snapshot` of ``model`` (call between ``load_weights`` and post-processing)."""
+    snap = Snapshot()
+    for name, m in model.named_modules():
+        snap.tensors[name] = _own_tensors(m)
+        snap.objects[name] = _objects(m)
+    return snap
+
+
+@dataclass
+class Export:
+    """What the daemon exports: canonical tensors, aliases (name -> canonical name), reprocess module names."""
+
+    tensors: dict[str, tuple[str, torch.Tensor]] = field(default_factory=dict)
+    aliases: dict[str, str] = field(default_factory=dict)
+    reprocess: list[str] = field(default_factory=list)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of all canonical tensors."""
+        return sum(t.numel() * t.element_size() for _, t in self.tensors.values())
+
+
+def collect(model: nn.Module, snap: Snapshot) -> Export:
+    """Apply the per-module rule (module docstring) to a post-processed ``model``. Tensors that are the same
+    memory (tied weights: same data pointer, dtype, shape, stride) are exported once and aliased."""
+    out = Export()
+    seen: dict[tuple, str] = {}
+    for name, m in model.named_modules():
+        before = snap.objects.get(name, {})
+        now = _objects(m)
+        changed = [k for k, i in now.items() if before.get(k) != i]
+        if changed:
+            out.reprocess.append(name)
+            own = snap.tensors.get(name, {})
+        else:
+            own = _own_tensors(m)
+        for leaf, (kind, t) in own.items():
+            full = f"{name}.{leaf}" if name else leaf
+            key = (t.data_ptr(), t.dtype, tuple(t.shape), tuple(t.stride())) if t.numel() else None
+            if key is not None and key in seen:
+                out.aliases[full] = seen[key]
+                continue
+            if key is not None:
+                seen[key] = full
+            out.tensors[full] = (kind, t)
+    return out
+
+
+class InstallError(RuntimeError):
+    """The cached tensors do not fit the engine's model (name, shape or dtype); the message names the tensor."""
+
+
+def install(model: nn.Module, tensors: dict[str, tuple[str, torch.Tensor]], aliases: dict[str, str],
+            reprocess: list[str]) -> None:
+    """Put ``tensors`` (name -> (kind, tensor)) into a skeleton ``model`` built on the meta device.
+
+    Parameters keep the Python attributes of the skeleton's parameter (``weight_loader``, ``output_dim``...).
+    For reprocess modules each tensor must match the skeleton's shape and dtype (it is pre-post-processing
+    state). Skeleton tensors of processed modules that the daemon did not export were removed by
+    post-processing and are removed here too. Raises :class:`InstallError`.
+    """
+    modules = dict(model.named_modules(remove_duplicate=False))
+    again = set(reprocess)
+    installed: dict[str, torch.Tensor] = {}
+    by_module: dict[str, set[str]] = {}
+
+    def put(full: str, kind: str, t: torch.Tensor) -> None:
+        mod_name, _, leaf = full.rpartition(".")
+        m = modules.get(mod_name)
+        if m is None:
+            raise InstallError(f"cached tensor {full!r} has no module {mod_name!r} in this model")
+        old = m._parameters.get(leaf) if kind == "param" else m._buffers.get(leaf)
+        if mod_name in again and old is not None and (old.shape != t.shape or old.dtype != t.dtype):
+            raise InstallError(f"cached tensor {full!r} is {t.dtype} {tuple(t.shape)}, the model expects "
+                               f"{old.dtype} {tuple(old.shape)}")
+        m._parameters.pop(leaf, None)
+        m._buffers.pop(leaf, None)
+        if kind == "param":
+            p = t if isinstance(t, nn.Parameter) else nn.Parameter(t, requires_grad=False)
+            if old is not None and hasattr(old, "__dict__"):
+                for k, v in vars(old).items():
+                    if not hasattr(p, k):
+                        setattr(p, k, v)
+            m.register_parameter(leaf, p)
+            installed[full] = p
+        elif kind == "buffer":
+            m.register_buffer(leaf, t)
+            installed[full] = t
+        else:
+            setattr(m, leaf, t)
+            installed[full] = t
+        by_module.setdefault(mod_name, set()).add(leaf)
+
+    for full, (kind, t) in tensors.items():
+        put(full, kind, t)
+    for alias, canonical in aliases.items():
+        if canonical not in installed:
+            raise InstallError(f"cached alias {alias!r} points at {canonical!r}, which is not in the cache")
+        kind = "param" if isinstance(installed[canonical], nn.Parameter) else "buffer"
+        put(alias, kind, installed[canonical])
+    for name, m in model.named_modules():
+        for store in (m._parameters, m._buffers):
+            for leaf, t in list(store.items()):
+                if t is not None and t.device.type == "meta":
+                    if name in again:
+                        raise InstallError(f"{name}.{leaf} was not in the cache (its module is re-processed here)")
+                    del store[leaf]
+
+
+def reprocess_modules(model: nn.Module, names: list[str], model_config: Any) -> None:
+    """Run vLLM's post-processing for the given modules only (the body of vLLM's
+    ``process_weights_after_loading`` loop: quant method, deferred attention layers, the model-level hook)."""
+    from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
+
+    try:
+        from vllm.model_executor.layers.attention import is_deferred_attention_layer
+    except ImportError:  # older vLLM
+        def is_deferred_attention_layer(m: nn.Module) -> bool:
+            return False
+    wanted = set(names)
+    for name, m in model.named_modules():
+        if name not in wanted:
+            continue
+        qm = getattr(m, "quant_method", None)
+        if isinstance(qm, QuantizeMethodBase):
+            qm.process_weights_after_loading(m)
+        if is_deferred_attention_layer(m):
+            m.process_weights_after_loading(model_config.dtype)
+    if "" in wanted and hasattr(model, "process_weights_after_loading"):
+        model.process_weights_after_loading()

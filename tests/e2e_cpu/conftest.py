@@ -1,0 +1,24 @@
+import pytest
+
+from vllm_fastload.servers import VllmServer
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
+
+
+def ids_of(srv):
+    """Greedy ids (16 tokens) of every prompt in PROMPTS."""
+    return [srv.greedy_ids(p) for p in PROMPTS]
+
+
+@pytest.fixture(scope="session")
+def e2e_logs(tmp_path_factory):
+    return tmp_path_factory.mktemp("e2e-logs")
+
+
+@pytest.fixture(scope="session")
+def reference_ids(demo_model, e2e_logs):
+    """Greedy ids from vLLM's built-in default loader (load format auto), one server per session."""
+    with VllmServer(str(demo_model), [], log_path=e2e_logs / "auto.log") as srv:
+        assert srv.wait_ready(), srv.log()[-3000:]
+        assert "fastload:" not in srv.log()
+        return ids_of(srv)

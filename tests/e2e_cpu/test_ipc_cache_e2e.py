@@ -146,3 +146,10 @@ def test_copy_mode_matches_and_daemon_frees_its_memory(demo_model, sock_dir, e2e
         assert "daemon freed its memory" in srv.log()
         st = daemon_status(sock_dir)
         assert st["state"] == "released" and st["bytes"] == 0
+
+
+def test_sigterm_exits_cleanly_and_removes_socket_and_lock(daemon2, sock_dir):
+    code = daemon2.stop()
+    assert code == 0, daemon2.log()[-2000:]
+    assert "socket and shared memory removed" in daemon2.log()
+    assert list(sock_dir.iterdir()) == []

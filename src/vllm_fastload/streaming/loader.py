@@ -133,11 +133,12 @@ class RunaiStreamerLoader(BaseModelLoader):
         report.fingerprint, report.shards = fingerprint.short(), len(plan.files)
         if plan.ignored:
             logger.info("fastload: %s not in %s, not loaded: %s", LOAD_FORMAT, plan.index, ", ".join(plan.ignored))
+        self._total = sum(len(h.tensors) for h in headers)
         device = _model_device(model)
         if device.type == "cuda":
             loaded = self._load_via_pinned_ring(model, plan, device, report)
         else:
-            loaded = model.load_weights(self._timed(self._stream(plan), report))
+            loaded = model.load_weights(self._timed(self._progress(self._stream(plan)), report))
         report.wall_s = self._weights_s = time.perf_counter() - t0
         # CPU: reader and consumer alternate in one thread. GPU: they overlap; the consumer's own time is what is
         # left after waiting for the producer thread.
@@ -174,7 +175,7 @@ class RunaiStreamerLoader(BaseModelLoader):
             with H2DPipeline(device, slot_bytes=cfg.pinned_slot_bytes, slots=cfg.pinned_slots,
                              copy_threads=cfg.copy_threads, direct=direct,
                              threaded=cfg.pipeline_thread) as pipe:
-                loaded = model.load_weights(pipe.run(self._stream(plan, owned=False)))
+                loaded = model.load_weights(pipe.run(self._progress(self._stream(plan, owned=False))))
         report.extra["read_ring_pinned"] = direct
         t = pipe.times
         report.tensors, report.bytes, report.read_wait_s = t.tensors, t.bytes, t.read_wait_s
@@ -215,6 +216,15 @@ class RunaiStreamerLoader(BaseModelLoader):
             if remote:
                 raise storage_error(plan.source, e) from e
             raise
+
+    def _progress(self, it: Iterator[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
+        """A progress bar over the tensors when vLLM's ``use_tqdm_on_load`` is on (its default)."""
+        if not getattr(self.load_config, "use_tqdm_on_load", False):
+            return it
+        from tqdm import tqdm
+
+        return iter(tqdm(it, total=getattr(self, "_total", None), desc="fastload: streaming tensors", unit="tensor",
+                         mininterval=1.0))
 
     @staticmethod
     def _timed(it: Iterator[tuple[str, Any]], report: LoadReport) -> Iterator[tuple[str, Any]]:

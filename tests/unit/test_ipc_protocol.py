@@ -1,0 +1,143 @@
+"""The daemon's socket server and the client, without vLLM: protocol, fingerprint check, reference counting."""
+
+import os
+import pickle
+import socket
+import threading
+
+import pytest
+import torch
+
+from vllm_fastload.fingerprint import Fingerprint, ShardFacts
+from vllm_fastload.ipc import protocol
+from vllm_fastload.ipc.client import CacheUnavailable, FingerprintMismatch, fetch, status_of
+from vllm_fastload.ipc.daemon import RankServer, RankState, acquire
+from vllm_fastload.ipc.shm import pack, tensor_at
+from vllm_fastload.errors import FastloadError
+
+
+def fingerprint(**kw):
+    base = dict(shards=(ShardFacts("model.safetensors", 100, "ab"),), architecture="X", dtype="bfloat16",
+                quantization=None, rope=None, revision=None, kv_cache_dtype="auto", tp_size=1, tp_rank=0, pp_size=1,
+                pp_rank=0, dp_size=1, dp_rank=0, vllm_version="0")
+    base.update(kw)
+    return Fingerprint(**base)
+
+
+@pytest.fixture
+def server(tmp_path):
+    w = torch.arange(1000, dtype=torch.float32)
+    seg, entries = pack({"w": w})
+    fp = fingerprint()
+    manifest = {"type": "manifest", "version": protocol.PROTOCOL_VERSION, "fingerprint": fp.to_dict(),
+                "fingerprint_short": fp.short(), "segments": [{"size": seg.size}], "tensors": entries,
+                "aliases": {}, "reprocess": []}
+    path = tmp_path / "dev-target.sock"
+    lock = acquire(path)
+    st = RankState(fingerprint=fp.to_dict(), segment=seg, manifest=manifest, model="m", device="dev",
+                   socket=str(path), load_s=0.0, nbytes=4000)
+    srv = RankServer(st, path)
+    srv.bind()
+    t = threading.Thread(target=srv.serve_forever, daemon=True)
+    t.start()
+    yield srv, fp, w
+    srv.close()
+    os.close(lock)
+
+
+def test_fetch_maps_the_bytes_and_status_counts_clients(server):
+    srv, fp, w = server
+    lease = fetch(str(srv.path), fp.to_dict(), "zero_copy", 2, 5)
+    got = tensor_at(lease.segment, lease.manifest["tensors"]["w"])
+    assert torch.equal(got, w)
+    assert lease.attach("zero_copy") == 1
+    st = status_of(str(srv.path))
+    assert st["clients"] == 1 and st["client_modes"] == ["zero_copy"] and st["attaches"] == 1
+    lease.close()
+
+
+def test_mismatch_lists_fields_and_is_counted(server):
+    srv, fp, _ = server
+    with pytest.raises(FingerprintMismatch) as e:
+        fetch(str(srv.path), fingerprint(tp_size=2, tp_rank=1).to_dict(), "zero_copy", 2, 5)
+    assert e.value.mismatched == [["tp_size", 1, 2], ["tp_rank", 0, 1]]
+    assert status_of(str(srv.path))["fingerprint_mismatches"] == 1
+
+
+def test_copy_release_never_frees_memory_a_zero_copy_client_maps(server):
+    srv, fp, w = server
+    zc = fetch(str(srv.path), fp.to_dict(), "zero_copy", 2, 5)
+    zc.attach("zero_copy")
+    cp = fetch(str(srv.path), fp.to_dict(), "copy", 2, 5)
+    cp.attach("copy")
+    assert cp.release() is False  # a zero_copy client still maps it
+    cp.close()
+    assert torch.equal(tensor_at(zc.segment, zc.manifest["tensors"]["w"]), w)
+    zc.close()
+    cp2 = fetch(str(srv.path), fp.to_dict(), "copy", 2, 5)
+    cp2.attach("copy")
+    import time
+
+    for _ in range(50):  # the zero_copy client's disconnect is seen by the daemon's connection thread
+        if status_of(str(srv.path))["client_modes"] == ["copy"]:
+            break
+        time.sleep(0.05)
+    assert cp2.release() is True
+    cp2.close()
+    st = status_of(str(srv.path))
+    assert st["state"] == "released" and st["bytes"] == 0
+    with pytest.raises(CacheUnavailable, match="released by a copy-mode client"):
+        fetch(str(srv.path), fp.to_dict(), "copy", 2, 5)
+
+
+def test_no_daemon_fails_within_connect_timeout(tmp_path):
+    import time
+
+    t = time.monotonic()
+    with pytest.raises(CacheUnavailable, match="no preload daemon at .* within 0.5 s"):
+        fetch(str(tmp_path / "none.sock"), {}, "zero_copy", 0.5, 5)
+    assert time.monotonic() - t < 5
+
+
+def test_a_pickle_speaking_daemon_is_named(tmp_path):
+    path = tmp_path / "upstream.sock"
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.bind(str(path))
+    s.listen(1)
+
+    def serve():
+        c, _ = s.accept()
+        c.recv(65536)
+        payload = pickle.dumps({"state": "x"})
+        c.sendall(len(payload).to_bytes(4, "big") + payload)
+        c.close()
+
+    threading.Thread(target=serve, daemon=True).start()
+    with pytest.raises(CacheUnavailable, match="pickle frames.*vllm-fastload preload"):
+        fetch(str(path), fingerprint().to_dict(), "zero_copy", 2, 5)
+    s.close()
+
+
+def test_second_lock_holder_is_refused(server):
+    srv, _, _ = server
+    with pytest.raises(FastloadError, match="another preload daemon already serves this device"):
+        acquire(srv.path)
+
+
+def test_stale_socket_is_replaced(tmp_path):
+    path = tmp_path / "stale.sock"
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.bind(str(path))
+    s.close()  # file left behind, nobody listening
+    fd = acquire(path)
+    assert not path.exists()
+    os.close(fd)
+
+
+def test_oversized_frame_is_rejected():
+    a, b = socket.socketpair()
+    a.sendall((protocol.MAX_FRAME_BYTES + 1).to_bytes(4, "big"))
+    with pytest.raises(protocol.ProtocolError, match="frame of"):
+        protocol.recv(b)
+    a.close()
+    b.close()

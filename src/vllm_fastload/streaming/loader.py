@@ -229,17 +229,16 @@ class RunaiStreamerLoader(BaseModelLoader):
     @staticmethod
     def _timed(it: Iterator[tuple[str, Any]], report: LoadReport) -> Iterator[tuple[str, Any]]:
         """Pass tensors through, counting tensors/bytes and the seconds spent waiting for the reader."""
+        from .pipeline import next_timed
+
         while True:
-            t = time.perf_counter()
-            try:
-                name, tensor = next(it)
-            except StopIteration:
-                report.read_wait_s += time.perf_counter() - t
+            item, waited = next_timed(it)
+            report.read_wait_s += waited
+            if item is None:
                 return
-            report.read_wait_s += time.perf_counter() - t
             report.tensors += 1
-            report.bytes += tensor.numel() * tensor.element_size()
-            yield name, tensor
+            report.bytes += item[1].numel() * item[1].element_size()
+            yield item
 
     def _check_all_loaded(self, model: Any, model_config: Any, loaded: Any) -> None:
         """Raise when a parameter was not in the checkpoint, with vLLM's own check (as the default loader)."""

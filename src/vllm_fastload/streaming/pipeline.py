@@ -38,6 +38,16 @@ from typing import Any
 import torch
 
 
+def next_timed(it: Iterator[Any]) -> tuple[Any, float]:
+    """``(next item or None at the end, seconds spent waiting for it)``."""
+    t = time.perf_counter()
+    try:
+        item = next(it)
+    except StopIteration:
+        item = None
+    return item, time.perf_counter() - t
+
+
 @dataclass
 class StageTimes:
     """Seconds per stage of one load (see :class:`~vllm_fastload.report.LoadReport`).
@@ -182,14 +192,9 @@ class H2DPipeline:
             try:
                 torch.cuda.set_device(self.device)
                 while not stop.is_set():
-                    t = time.perf_counter()
-                    try:
-                        name, host = next(named)
-                    except StopIteration:
-                        self.times.read_wait_s += time.perf_counter() - t
-                        break
-                    self.times.read_wait_s += time.perf_counter() - t
-                    if not put((name, *self.to_device(host, consumer))):
+                    item, waited = next_timed(named)
+                    self.times.read_wait_s += waited
+                    if item is None or not put((item[0], *self.to_device(item[1], consumer))):
                         break
             except BaseException as e:  # noqa: BLE001 - handed to the consumer thread
                 errors.append(e)
@@ -222,17 +227,14 @@ class H2DPipeline:
         """``threaded=False``: reader, memcpy and copy issue run in the consumer's thread between its
         ``weight_loader`` calls; the copies themselves still run asynchronously on the copy stream."""
         while True:
-            t = time.perf_counter()
-            try:
-                name, host = next(named)
-            except StopIteration:
-                self.times.read_wait_s += time.perf_counter() - t
+            item, waited = next_timed(named)
+            self.times.read_wait_s += waited
+            if item is None:
                 return
-            self.times.read_wait_s += time.perf_counter() - t
-            dst, event = self.to_device(host, consumer)
+            dst, event = self.to_device(item[1], consumer)
             if event is not None:
                 consumer.wait_event(event)
-            yield name, dst
+            yield item[0], dst
 
     def close(self) -> StageTimes:
         """Wait for all copies, sum the H2D GPU time, free the ring and the copy threads. Returns the timings."""

@@ -35,7 +35,13 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     args = p.parse_args(argv)
     if args.cmd == "status":
-        return _status(args)
+        from .errors import FastloadError
+
+        try:
+            return _status(args)
+        except FastloadError as e:
+            print(f"vllm-fastload status: error: {e}", file=sys.stderr)
+            return 2
     if args.cmd == "build-demo-model":
         from .demo_model import build_model
 
@@ -53,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
                 big = hd.largest
                 out.append({"file": f, "tensors": len(hd.tensors), "bytes": hd.data_bytes,
                             "largest": big.name if big else None, "header_sha256": hd.header_sha256})
-        except FastloadError as e:
+        except (FastloadError, OSError) as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
         print(json.dumps(out, indent=2))

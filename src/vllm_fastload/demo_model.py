@@ -52,6 +52,9 @@ def build_model(out: Path | None = None) -> Path:
     out = Path(out) if out else default_model_dir()
     if (out / "model.safetensors").is_file() and (out / "config.json").is_file():
         return out
+    if out.exists() and any(out.iterdir()):
+        raise RuntimeError(f"{out} exists and is not a complete model directory (no model.safetensors + config.json); "
+                           f"remove it or choose an empty/new path (VLLM_FASTLOAD_MODEL_CACHE names the model directory)")
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
@@ -76,7 +79,7 @@ def build_model(out: Path | None = None) -> Path:
         model.save_pretrained(tmp, safe_serialization=True)
         tok.save_pretrained(tmp)
         if out.exists():
-            shutil.rmtree(out)
+            out.rmdir()  # empty (checked above)
         os.replace(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

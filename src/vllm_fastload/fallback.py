@@ -27,15 +27,15 @@ def fall_back(load_format: str, reason: str, allow: bool, load_config: Any, *, p
     checkpoint either (e.g. object storage): then a :class:`FastloadError` is raised whatever ``allow`` says.
     Raises :class:`FallbackRefused` when ``allow`` is false.
     """
-    if not allow:
-        raise FallbackRefused(
-            f"{load_format} cannot serve this load: {reason}. \"fallback\": false forbids loading with vLLM's "
-            f"default loader; fix the cause, or drop \"fallback\": false to load from disk with a warning."
-        )
     if not possible:
         raise FastloadError(
             f"{load_format} cannot serve this load: {reason}. vLLM's default loader cannot read this source "
             f"either, so there is nothing to fall back to."
+        )
+    if not allow:
+        raise FallbackRefused(
+            f"{load_format} cannot serve this load: {reason}. \"fallback\": false forbids loading with vLLM's "
+            f"default loader; fix the cause, or drop \"fallback\": false to load from disk with a warning."
         )
     logger.warning(
         "fastload: %s cannot serve this load: %s. Falling back to vLLM's default loader (load format %r).",

@@ -9,9 +9,11 @@ learned) and the environment variables that set endpoint and credentials.
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import importlib.util
 import os
+from collections.abc import Iterator
 from typing import Optional
 
 from .errors import StorageError
@@ -61,14 +63,30 @@ def missing_backend(path: str) -> Optional[str]:
     return None
 
 
-def apply_endpoint_env() -> None:
-    """Make the streamer read from the endpoint boto3 lists from.
+@contextlib.contextmanager
+def scoped_environ(updates: dict[str, str]) -> Iterator[None]:
+    """Set environment variables for the duration of the block, then restore the previous values."""
+    saved = {k: os.environ.get(k) for k in updates}
+    os.environ.update(updates)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def endpoint_env() -> dict[str, str]:
+    """The env update that makes the streamer read from the endpoint boto3 lists from.
 
     boto3 (listing, config pull) honours ``AWS_ENDPOINT_URL``; the streamer's C++ S3 client reads
     ``RUNAI_STREAMER_S3_ENDPOINT``. When only the former is set, copy it (vLLM's built-in loader does the same).
     """
     if os.environ.get("AWS_ENDPOINT_URL") and not os.environ.get("RUNAI_STREAMER_S3_ENDPOINT"):
-        os.environ["RUNAI_STREAMER_S3_ENDPOINT"] = os.environ["AWS_ENDPOINT_URL"]
+        return {"RUNAI_STREAMER_S3_ENDPOINT": os.environ["AWS_ENDPOINT_URL"]}
+    return {}
 
 
 def env_summary() -> str:
@@ -213,7 +231,7 @@ def read_range(path: str, offset: int, size: int) -> bytes:
     from runai_model_streamer import FileChunks, FileStreamer
 
     try:
-        with FileStreamer() as fs:
+        with scoped_environ(endpoint_env()), FileStreamer() as fs:
             fs.stream_files([FileChunks(0, path, [offset], [size])])
             chunks = [bytes(buf.numpy().tobytes()) for _, _, buf in fs.get_chunks()]
         return b"".join(chunks)

@@ -36,6 +36,7 @@ def server(tmp_path):
     lock = acquire(path)
     st = RankState(fingerprint=fp.to_dict(), segment=seg, manifest=manifest, model="m", device="dev",
                    socket=str(path), load_s=0.0, nbytes=4000)
+    st.ready.set()
     srv = RankServer(st, path)
     srv.bind()
     t = threading.Thread(target=srv.serve_forever, daemon=True)
@@ -141,3 +142,20 @@ def test_oversized_frame_is_rejected():
         protocol.recv(b)
     a.close()
     b.close()
+
+
+def test_engine_connecting_during_the_load_waits_bounded_by_state_timeout(server):
+    import time
+
+    srv, fp, w = server
+    srv.state.ready.clear()
+    srv.state.loading = True
+    assert status_of(str(srv.path))["state"] == "loading"
+    with pytest.raises(CacheUnavailable, match="no manifest within 0.3 s"):
+        fetch(str(srv.path), fp.to_dict(), "zero_copy", 2, 0.3)
+    threading.Timer(0.5, srv.state.ready.set).start()
+    t = time.monotonic()
+    lease = fetch(str(srv.path), fp.to_dict(), "zero_copy", 2, 10)
+    assert time.monotonic() - t >= 0.4
+    assert torch.equal(tensor_at(lease.segment, lease.manifest["tensors"]["w"]), w)
+    lease.close()

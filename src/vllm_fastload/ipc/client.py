@@ -90,6 +90,9 @@ def fetch(path: str, fingerprint: dict, mode: str, connect_timeout_s: float, sta
         raise CacheUnavailable(f"daemon at {path} sent no manifest within {state_timeout_s:g} s (state_timeout_s)") from None
     except protocol.ProtocolError as e:
         conn.close()
+        if "connection closed" in str(e):
+            raise CacheUnavailable(f"daemon at {path} closed the connection before sending the manifest (it may have "
+                                   f"died while loading; see its log)") from None
         raise CacheUnavailable(f"the process on {path} does not speak vllm-fastload's protocol ({e}). vLLM's own "
                                f"`vllm preload` daemon uses pickle frames, which this loader never reads; start "
                                f"`vllm-fastload preload` instead") from None

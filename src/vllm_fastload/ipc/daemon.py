@@ -51,6 +51,8 @@ class RankState:
     attaches: int = 0
     mismatches: int = 0
     released: bool = False
+    loading: bool = False
+    ready: threading.Event = field(default_factory=threading.Event)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def status(self) -> dict:
@@ -59,7 +61,8 @@ class RankState:
             return {"type": "status", "model": self.model, "device": self.device, "socket": self.socket,
                     "fingerprint": self.fingerprint, "fingerprint_short": self.manifest.get("fingerprint_short"),
                     "tensors": len(self.manifest.get("tensors", {})), "bytes": self.nbytes if not self.released else 0,
-                    "state": "released" if self.released else "ready", "clients": len(self.clients),
+                    "state": "loading" if self.loading else "released" if self.released else "ready",
+                    "clients": len(self.clients),
                     "client_modes": sorted(self.clients.values()), "attaches": self.attaches,
                     "fingerprint_mismatches": self.mismatches, "load_seconds": round(self.load_s, 3),
                     "uptime_s": round(time.time() - self.started, 1), "pid": os.getpid()}
@@ -159,8 +162,10 @@ class RankServer:
             self._next_id += 1
             cid = self._next_id
         try:
-            if _peer_uid(conn) not in (os.getuid(), 0):
-                protocol.send(conn, {"type": "error", "reason": "peer uid differs from the daemon's; refused"})
+            peer = _peer_uid(conn)
+            if peer not in (os.getuid(), 0):
+                protocol.send(conn, {"type": "error", "reason": f"peer uid {peer} is not the daemon's uid {os.getuid()} "
+                                     f"(or root); run the engine as the same user as `vllm-fastload preload`"})
                 return
             conn.settimeout(None)
             while True:
@@ -197,6 +202,7 @@ class RankServer:
         from ..fingerprint import Fingerprint
 
         st = self.state
+        st.ready.wait()  # an engine that connects while the daemon loads waits (bounded by its state_timeout_s)
         if msg.get("version") != protocol.PROTOCOL_VERSION:
             protocol.send(conn, {"type": "error", "reason": f"protocol version {msg.get('version')} != "
                                  f"{protocol.PROTOCOL_VERSION}; upgrade vllm-fastload on both sides"})
@@ -280,44 +286,55 @@ def acquire(path: Path) -> int:
 
 def serve_rank(vllm_config: Any, local_rank: int, rank: int, world_size: int, init_method: str,
                socket_dir: Path, ready: Any = None) -> int:
-    """Run one rank: lock, load, export, serve until SIGTERM/SIGINT. Returns the exit code."""
+    """Run one rank: lock, bind the socket (engines that connect now wait for the load), load, export, serve
+    until SIGTERM/SIGINT. A signal during the load aborts it. Socket and lock are removed on every exit.
+    Returns the exit code."""
     from vllm.platforms import current_platform
 
     identity = device_identity(current_platform.device_type, local_rank)
     path = socket_path(socket_dir, identity)
     lock_fd = acquire(path)
+    state = RankState(fingerprint={}, segment=None, manifest={}, model=vllm_config.model_config.model,
+                      device=identity, socket=str(path), load_s=0.0, nbytes=0, loading=True)
+    server = RankServer(state, path)
     stopping = threading.Event()
 
     def on_signal(signum: int, _frame: Any) -> None:
         stopping.set()
+        if state.loading:
+            raise KeyboardInterrupt(f"signal {signum} while loading")
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    segment, manifest, seconds = build_and_export(vllm_config, local_rank, rank, world_size, init_method)
-    nbytes = sum(e["nbytes"] for e in manifest["tensors"].values())
-    state = RankState(fingerprint=manifest["fingerprint"], segment=segment, manifest=manifest,
-                      model=vllm_config.model_config.model, device=identity, socket=str(path), load_s=seconds,
-                      nbytes=nbytes)
-    server = RankServer(state, path)
-    server.bind()
-    logger.info("fastload: rank %d exported %d tensors (%.2f GiB) in %.2f s", rank, len(manifest["tensors"]),
-                nbytes / 2**30, seconds)
-    logger.info("fastload: serving on %s", path)
-    if ready is not None:
-        ready.put((rank, str(path)))
-    else:
-        logger.info("fastload: ready")
-    t = threading.Thread(target=server.serve_forever, daemon=True)
-    t.start()
     try:
+        server.bind()
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        logger.info("fastload: serving on %s (engines that connect now wait until the load is done)", path)
+        try:
+            segment, manifest, seconds = build_and_export(vllm_config, local_rank, rank, world_size, init_method)
+        except KeyboardInterrupt:
+            logger.warning("fastload: rank %d: load aborted by a signal", rank)
+            return 130
+        with state.lock:
+            state.segment, state.manifest, state.load_s = segment, manifest, seconds
+            state.fingerprint = manifest["fingerprint"]
+            state.nbytes = sum(e["nbytes"] for e in manifest["tensors"].values())
+            state.loading = False
+        state.ready.set()
+        logger.info("fastload: rank %d exported %d tensors (%.2f GiB) in %.2f s", rank, len(manifest["tensors"]),
+                    state.nbytes / 2**30, seconds)
+        if ready is not None:
+            ready.put((rank, str(path)))
+        else:
+            logger.info("fastload: ready")
         while not stopping.wait(0.5):
             pass
+        return 0
     finally:
         server.close()
         os.close(lock_fd)
         Path(str(path) + ".lock").unlink(missing_ok=True)
         logger.info("fastload: rank %d stopped; socket and shared memory removed", rank)
-    return 0
 
 
 # --- health and metrics (main process) ------------------------------------------------------------------
@@ -396,7 +413,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--weight-cache-health-host", default="0.0.0.0", help="address of the health server")
     parser = EngineArgs.add_cli_args(parser)
     args = parser.parse_args(argv)
-    if not any(a == "--load-format" or a.startswith("--load-format=") for a in argv):
+    if not any(a.split("=", 1)[0] in ("--load-format", "--load_format") for a in argv):
         args.load_format = DEFAULT_LOAD_FORMAT
     engine_args = EngineArgs.from_cli_args(args)
     vllm_config = engine_args.create_engine_config()
@@ -432,12 +449,24 @@ def main(argv: list[str]) -> int:
 
         signal.signal(signal.SIGTERM, forward)
         signal.signal(signal.SIGINT, forward)
-        for _ in procs:
-            ready.get()
-        logger.info("fastload: ready")
+        import queue as _queue
+
+        pending = world
+        while pending:
+            try:
+                ready.get(timeout=1.0)
+                pending -= 1
+            except _queue.Empty:
+                dead = [r for r, p in enumerate(procs) if not p.is_alive()]
+                if dead:
+                    logger.error("fastload: rank(s) %s exited while loading; stopping the others", dead)
+                    forward(signal.SIGTERM, None)
+                    break
+        if not pending:
+            logger.info("fastload: ready")
         for p in procs:
             p.join()
-        code = max((p.exitcode or 0) for p in procs)
+        code = max((p.exitcode or 0) for p in procs) or (1 if pending else 0)
     if health is not None:
         health.shutdown()
     return code

@@ -65,6 +65,8 @@ class IpcCacheLoader(BaseModelLoader):
         except (ImportError, AssertionError, AttributeError):
             pass
         d = ensure_socket_dir(self.config.socket_dir, create=False)
+        # Drafts of speculative decoding have no daemon of their own yet: their socket never exists, so they fall
+        # back to disk with a warning.
         role = "draft" if self.config.is_draft else "target"
         return str(socket_path(d, device_identity(current_platform.device_type, local_rank), role))
 
@@ -86,6 +88,8 @@ class IpcCacheLoader(BaseModelLoader):
             reason = f"fingerprint mismatch with the daemon at {path}: {fields}"
         except (CacheUnavailable, ChecksumMismatch, InstallError, FastloadError) as e:
             reason = str(e)
+        except (ValueError, KeyError, TypeError, OSError) as e:  # malformed manifest or mapping failure
+            reason = f"the daemon's manifest or memory is unusable ({type(e).__name__}: {e})"
         loader = fall_back(LOAD_FORMAT, reason, self.config.fallback, self.load_config)
         model = loader.load_model(vllm_config=vllm_config, model_config=model_config, prefix=prefix)
         report = LoadReport(load_format=LOAD_FORMAT, source=path, format_used=loader.load_config.load_format,
@@ -132,7 +136,7 @@ class IpcCacheLoader(BaseModelLoader):
             man = lease.manifest
             tensors, nbytes = {}, 0
             for name, entry in man["tensors"].items():
-                t = tensor_at(lease.segment, entry)
+                t = tensor_at(lease.segment, entry, name)
                 if not verify(t, entry):
                     raise ChecksumMismatch(f"tensor {name!r} in the daemon's memory does not match its checksum "
                                            f"sample; the daemon at {path} serves corrupt memory: restart it")

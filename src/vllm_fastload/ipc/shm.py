@@ -102,14 +102,20 @@ def map_segment(fd: int, size: int) -> mmap.mmap:
         os.close(fd)
 
 
-def tensor_at(mm: mmap.mmap, entry: dict) -> torch.Tensor:
-    """The tensor an entry describes, viewing the mapping (no copy). Raises ``ValueError`` on a bad entry."""
-    dtype = DTYPES.get(entry["dtype"])
+def tensor_at(mm: mmap.mmap, entry: dict, name: str = "?") -> torch.Tensor:
+    """The tensor an entry describes, viewing the mapping (no copy). Raises ``ValueError`` naming the tensor on a
+    bad entry (unknown dtype, range outside the segment, size not matching shape x dtype)."""
+    dtype = DTYPES.get(entry.get("dtype"))
     if dtype is None:
-        raise ValueError(f"unknown dtype {entry['dtype']!r} in the manifest")
+        raise ValueError(f"manifest entry {name!r} has unknown dtype {entry.get('dtype')!r}")
     o, n = int(entry["offset"]), int(entry["nbytes"])
     if o < 0 or o + n > len(mm):
-        raise ValueError(f"entry [{o}, {o + n}) outside the {len(mm)}-byte segment")
+        raise ValueError(f"manifest entry {name!r} spans [{o}, {o + n}), outside the {len(mm)}-byte segment")
+    numel = 1
+    for d in entry["shape"]:
+        numel *= int(d)
+    if numel * torch.empty(0, dtype=dtype).element_size() != n:
+        raise ValueError(f"manifest entry {name!r}: {n} bytes do not hold {entry['dtype']} {entry['shape']}")
     if n == 0:
         return torch.empty(entry["shape"], dtype=dtype)
     raw = torch.frombuffer(mm, dtype=torch.uint8, count=n, offset=o)

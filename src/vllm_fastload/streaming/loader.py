@@ -31,7 +31,7 @@ from ..fallback import default_loader, fall_back
 from ..fingerprint import from_vllm
 from ..log import logger
 from ..report import LoadReport
-from ..storage import apply_endpoint_env, is_object_uri, missing_backend, page_cache_fraction, storage_error
+from ..storage import endpoint_env, is_object_uri, scoped_environ, missing_backend, page_cache_fraction, storage_error
 
 try:  # vLLM is an optional dependency of the package, required to use the loader.
     from vllm.model_executor.model_loader.base_loader import BaseModelLoader
@@ -126,19 +126,19 @@ class RunaiStreamerLoader(BaseModelLoader):
                 f"memory_limit >= {largest.nbytes}, 0 (= the largest tensor) or -1 (unlimited)."
             )
         self.config.warn_if_above_cgroup()
-        os.environ.update(self.config.runai_env())
-        apply_endpoint_env()
-        self._choose_fs_strategy(plan, report)
+        env = {**self.config.runai_env(), **endpoint_env(), **self._fs_strategy_env(plan, report)}
         fingerprint = from_vllm(model_config, headers)
         report.fingerprint, report.shards = fingerprint.short(), len(plan.files)
         if plan.ignored:
             logger.info("fastload: %s not in %s, not loaded: %s", LOAD_FORMAT, plan.index, ", ".join(plan.ignored))
         self._total = sum(len(h.tensors) for h in headers)
         device = _model_device(model)
-        if device.type == "cuda":
-            loaded = self._load_via_pinned_ring(model, plan, device, report)
-        else:
-            loaded = model.load_weights(self._timed(self._progress(self._stream(plan)), report))
+        # runai reads its settings from the environment when a stream starts: set them for this load only.
+        with scoped_environ(env):
+            if device.type == "cuda":
+                loaded = self._load_via_pinned_ring(model, plan, device, report)
+            else:
+                loaded = model.load_weights(self._timed(self._progress(self._stream(plan)), report))
         report.wall_s = self._weights_s = time.perf_counter() - t0
         # CPU: reader and consumer alternate in one thread. GPU: they overlap; the consumer's own time is what is
         # left after waiting for the producer thread.
@@ -147,10 +147,10 @@ class RunaiStreamerLoader(BaseModelLoader):
         self._check_all_loaded(model, model_config, loaded)
         report.emit(self.config.report_path)
 
-    def _choose_fs_strategy(self, plan: ShardPlan, report: LoadReport) -> None:
-        """Set ``RUNAI_STREAMER_FS_STRATEGY`` from ``fs_strategy`` (see config). ``auto``: buffered reads when >= 90%
-        of the shards' pages are in the page cache (O_DIRECT would re-read them from the device), else runai's
-        default; a value already in the environment wins over ``auto``."""
+    def _fs_strategy_env(self, plan: ShardPlan, report: LoadReport) -> dict[str, str]:
+        """``RUNAI_STREAMER_FS_STRATEGY`` from ``fs_strategy`` (see config), as an env update. ``auto``: buffered
+        reads when >= 90% of the shards' pages are in the page cache (O_DIRECT would re-read them from the device),
+        else runai's default; a value the user put in the environment wins over ``auto``."""
         choice = self.config.fs_strategy
         if choice == "auto":
             frac = page_cache_fraction(list(plan.files))
@@ -159,9 +159,10 @@ class RunaiStreamerLoader(BaseModelLoader):
                 choice = "runai"
             else:
                 choice = BUFFERED_STRATEGIES
-        if choice != "runai":
-            os.environ["RUNAI_STREAMER_FS_STRATEGY"] = choice
-        report.extra["fs_strategy"] = os.environ.get("RUNAI_STREAMER_FS_STRATEGY", "runai default")
+        env = {} if choice == "runai" else {"RUNAI_STREAMER_FS_STRATEGY": choice}
+        report.extra["fs_strategy"] = env.get("RUNAI_STREAMER_FS_STRATEGY",
+                                              os.environ.get("RUNAI_STREAMER_FS_STRATEGY", "runai default"))
+        return env
 
     def _load_via_pinned_ring(self, model: Any, plan: ShardPlan, device: Any, report: LoadReport) -> Any:
         """GPU path: reader -> pinned ring -> async H2D on a side stream -> ``model.load_weights``."""
@@ -169,10 +170,11 @@ class RunaiStreamerLoader(BaseModelLoader):
 
         cfg = self.config
         with pinned_reader_slots(enabled=cfg.pinned_reader) as direct:
+            bound = {}
             if direct and "RUNAI_STREAMER_MEMORY_LIMIT" not in os.environ:
                 # The read ring is pinned now: bound it (runai's default spans the whole model).
-                os.environ["RUNAI_STREAMER_MEMORY_LIMIT"] = str(max(PINNED_READ_RING_BYTES, 2 * self._largest))
-            with H2DPipeline(device, slot_bytes=cfg.pinned_slot_bytes, slots=cfg.pinned_slots,
+                bound = {"RUNAI_STREAMER_MEMORY_LIMIT": str(max(PINNED_READ_RING_BYTES, 2 * self._largest))}
+            with scoped_environ(bound), H2DPipeline(device, slot_bytes=cfg.pinned_slot_bytes, slots=cfg.pinned_slots,
                              copy_threads=cfg.copy_threads, direct=direct,
                              threaded=cfg.pipeline_thread) as pipe:
                 loaded = model.load_weights(pipe.run(self._progress(self._stream(plan, owned=False))))

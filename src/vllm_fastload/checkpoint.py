@@ -30,6 +30,7 @@ DTYPE_BYTES: dict[str, float] = {
 #: Largest header accepted (bytes); the safetensors library and runai-model-streamer use 100 MB too.
 MAX_HEADER_BYTES = 100 * 1024 * 1024
 SAFE_INDEX = "model.safetensors.index.json"
+MISTRAL_INDEX = "consolidated.safetensors.index.json"
 
 
 @dataclass(frozen=True)
@@ -209,15 +210,23 @@ class ShardPlan:
 def select_shards(source: str, index_dir: Optional[str] = None) -> ShardPlan:
     """Choose the ``*.safetensors`` shards of ``source`` to load.
 
-    With ``model.safetensors.index.json`` (looked for in ``index_dir``, default ``source``; for object storage
+    When ``consolidated*.safetensors`` exist (Mistral layout) only those are used, with
+    ``consolidated.safetensors.index.json``, as vLLM's default loader does. With ``model.safetensors.index.json``
+    (looked for in ``index_dir``, default ``source``; for object storage
     vLLM pulls the ``*.json`` files to a local directory, pass that), only the shards its ``weight_map`` names are
     used, and a named shard that does not exist raises :class:`CheckpointError` naming it — as vLLM's
     ``filter_duplicate_safetensors_files`` does. Without an index every ``*.safetensors`` file is used.
     Returns a plan with no files when the source holds no safetensors (the caller decides on fallback).
     """
     files = list_safetensors(source)
+    index_name = SAFE_INDEX
+    mistral = [f for f in files if f.rstrip("/").rsplit("/", 1)[-1].startswith("consolidated")]
+    if mistral:
+        # vLLM's default loader (load format auto) switches to the Mistral layout whenever consolidated*.safetensors
+        # exist, and then loads only those: never both layouts.
+        files, index_name = mistral, MISTRAL_INDEX
     index_dir = index_dir or (None if is_object_uri(source) else source)
-    index = os.path.join(index_dir, SAFE_INDEX) if index_dir else None
+    index = os.path.join(index_dir, index_name) if index_dir else None
     if not index or not os.path.isfile(index):
         return ShardPlan(source, tuple(files))
     try:

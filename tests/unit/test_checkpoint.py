@@ -18,13 +18,35 @@ def test_header_facts_match_file(tmp_path):
 
 
 def test_index_selects_named_shards_only(tmp_path):
-    for n in ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors", "consolidated.safetensors"):
+    for n in ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors", "extra.safetensors"):
         write_safetensors(tmp_path / n, {n: torch.ones(1)})
     (tmp_path / SAFE_INDEX).write_text(json.dumps({"weight_map": {
         "a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}))
     plan = select_shards(str(tmp_path))
     assert [p.rsplit("/", 1)[1] for p in plan.files] == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
-    assert [p.rsplit("/", 1)[1] for p in plan.ignored] == ["consolidated.safetensors"]
+    assert [p.rsplit("/", 1)[1] for p in plan.ignored] == ["extra.safetensors"]
+    assert list(plan.files) == vllm_default_choice(tmp_path)
+
+
+def test_mistral_layout_picks_consolidated_only_like_vllm(tmp_path):
+    for n in ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors", "consolidated.safetensors"):
+        write_safetensors(tmp_path / n, {n: torch.ones(1)})
+    (tmp_path / "params.json").write_text("{}")
+    (tmp_path / SAFE_INDEX).write_text(json.dumps({"weight_map": {
+        "a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}))
+    plan = select_shards(str(tmp_path))
+    assert [p.rsplit("/", 1)[1] for p in plan.files] == ["consolidated.safetensors"]
+    assert list(plan.files) == vllm_default_choice(tmp_path)
+
+
+def vllm_default_choice(path):
+    """The shard files vLLM's own DefaultModelLoader (load format auto) picks for a local directory."""
+    vllm = pytest.importorskip("vllm")  # noqa: F841
+    from vllm.config.load import LoadConfig
+    from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
+
+    _, files, _, _ = DefaultModelLoader(LoadConfig(load_format="auto"))._prepare_weights(str(path), None, None, True, None)
+    return sorted(files)
 
 
 def test_index_naming_missing_shard_is_an_error(tmp_path):
@@ -83,3 +105,26 @@ def test_malformed_files_name_the_file(tmp_path, kind, expect):
     with pytest.raises(CheckpointError) as e:
         read_header(str(p))
     assert str(p) in str(e.value) and expect in str(e.value)
+
+
+@pytest.mark.parametrize("meta", ["absent", {}, {"format": "pt", "note": "x"}])
+def test_metadata_forms_that_load(tmp_path, meta):
+    hdr = {"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}
+    if meta != "absent":
+        hdr["__metadata__"] = meta
+    h = read_header(str(write_raw(tmp_path / "m.safetensors", hdr, b"\0" * 8)))
+    assert list(h.tensors) == ["w"] and h.metadata == (None if meta == "absent" else meta)
+
+
+@pytest.mark.parametrize("meta", [None, {"n": 1}, {"n": None}, ["x"]])
+def test_metadata_forms_that_fail_name_the_file(tmp_path, meta):
+    hdr = {"__metadata__": meta, "w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}
+    p = write_raw(tmp_path / "m.safetensors", hdr, b"\0" * 8)
+    with pytest.raises(CheckpointError, match=rf"{p}: '__metadata__' must be an object of string values"):
+        read_header(str(p))
+
+
+def test_empty_dtype_names_tensor_and_dtype(tmp_path):
+    p = write_raw(tmp_path / "e.safetensors", {"w": {"dtype": "", "shape": [2], "data_offsets": [0, 2]}}, b"\0\0")
+    with pytest.raises(CheckpointError, match=r"tensor 'w' has unknown dtype ''"):
+        read_header(str(p))

@@ -31,3 +31,19 @@ def test_zoo_bit_exact_cpu(tmp_path):
         t = m.got[name]
         assert t.dtype == dtype and tuple(t.shape) == shape, name
         assert t.contiguous().view(-1).view(torch.uint8).numpy().tobytes() == raw, name
+
+
+def test_held_tensor_keeps_its_values_under_the_smallest_memory_limit(tmp_path):
+    """A weight, a 1 MB filler, then its scale, with memory_limit 0 (runai's ring = the largest tensor): the
+    weight the consumer holds past the next steps still has its own values (owned tensors on CPU)."""
+    from tests.conftest import write_safetensors
+
+    g = torch.Generator().manual_seed(3)
+    ts = {"a.weight": torch.randn(64, 64, generator=g), "b.filler": torch.randn(2**18, generator=g),
+          "c.scale": torch.randn(1, generator=g)}
+    write_safetensors(tmp_path / "model.safetensors", ts)
+    m = Collect()
+    RunaiStreamerLoader(LoadConfig(load_format="runai_streamer", model_loader_extra_config={"memory_limit": 0})) \
+        .load_weights(m, model_config(tmp_path))
+    for k, v in ts.items():
+        assert torch.equal(m.got[k], v), k

@@ -49,7 +49,10 @@ def vllm_default_choice(path):
     return sorted(files)
 
 
-def test_index_naming_missing_shard_is_an_error(tmp_path):
+@pytest.mark.parametrize("quantized", [False, True])
+def test_index_naming_missing_shard_is_an_error(tmp_path, quantized):
+    if quantized:
+        (tmp_path / "config.json").write_text(json.dumps({"quantization_config": {"quant_method": "fp8"}}))
     write_safetensors(tmp_path / "model-00001-of-00002.safetensors", {"a": torch.ones(1)})
     (tmp_path / SAFE_INDEX).write_text(json.dumps({"weight_map": {
         "a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}))

@@ -159,3 +159,48 @@ def test_engine_connecting_during_the_load_waits_bounded_by_state_timeout(server
     assert time.monotonic() - t >= 0.4
     assert torch.equal(tensor_at(lease.segment, lease.manifest["tensors"]["w"]), w)
     lease.close()
+
+
+def test_eight_clients_attach_at_once_all_correct_and_counted(server):
+    srv, fp, w = server
+    results, errors = [], []
+
+    def client():
+        try:
+            lease = fetch(str(srv.path), fp.to_dict(), "zero_copy", 5, 10)
+            lease.attach("zero_copy")
+            results.append((lease, torch.equal(tensor_at(lease.segment, lease.manifest["tensors"]["w"]), w)))
+        except Exception as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=client) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert errors == [] and len(results) == 8 and all(ok for _, ok in results)
+    st = status_of(str(srv.path))
+    assert st["clients"] == 8 and st["attaches"] == 8
+    for lease, _ in results:
+        lease.close()
+
+
+@pytest.mark.parametrize("problem", ["group-writable", "world-writable", "other-owner"])
+def test_socket_dir_must_be_private(tmp_path, problem):
+    from vllm_fastload.ipc.paths import ensure_socket_dir
+
+    d = tmp_path / "socks"
+    d.mkdir(mode=0o700)
+    if problem == "group-writable":
+        os.chmod(d, 0o770)
+        match = "writable by group or others.*chmod 700"
+    elif problem == "world-writable":
+        os.chmod(d, 0o707)
+        match = "writable by group or others.*chmod 700"
+    else:
+        if os.getuid() != 0:
+            pytest.skip("needs root to chown")
+        os.chown(d, 65534, 65534)
+        match = "owned by uid 65534, not by this user"
+    with pytest.raises(FastloadError, match=match):
+        ensure_socket_dir(str(d))

@@ -16,8 +16,10 @@ def main(argv: list[str] | None = None) -> int:
     sub = p.add_subparsers(dest="cmd", required=True)
     b = sub.add_parser("build-demo-model", help="build the embedded SmolLM2-135M-Instruct bf16 safetensors (cached)")
     b.add_argument("out", nargs="?", help="output directory (default: ~/.cache/vllm-fastload/smollm2-135m-instruct)")
-    h = sub.add_parser("headers", help="validate the safetensors headers of a directory or s3:// prefix")
-    h.add_argument("source")
+    ins = sub.add_parser("inspect", help="shards, problems, tuning and fingerprint of a checkpoint (dir or s3://)")
+    ins.add_argument("source")
+    ins.add_argument("--json", action="store_true", help="machine-readable output")
+    ins.add_argument("--no-fingerprint", action="store_true", help="skip the fingerprint (does not import vLLM)")
     sub.add_parser("preload", help="start the preload daemon(s): `vllm-fastload preload <vllm serve args>`",
                    add_help=False)
     st = sub.add_parser("status", help="list the preload daemons in a socket dir")
@@ -33,7 +35,20 @@ def main(argv: list[str] | None = None) -> int:
         except FastloadError as e:
             print(f"vllm-fastload preload: error: {e}", file=sys.stderr)
             return 2
-    args = p.parse_args(argv)
+    args, rest = p.parse_known_args(argv)
+    if rest and args.cmd != "inspect":
+        p.error(f"unrecognized arguments: {' '.join(rest)}")
+    if args.cmd == "inspect":
+        from .errors import FastloadError
+        from .inspect import inspect, render
+
+        try:
+            rep = inspect(args.source, rest, with_fingerprint=not args.no_fingerprint)
+        except (FastloadError, OSError) as e:
+            print(f"vllm-fastload inspect: error: {e}", file=sys.stderr)
+            return 2
+        print(json.dumps(rep, indent=2) if args.json else render(rep))
+        return 1 if rep["problems"] else 0
     if args.cmd == "status":
         from .errors import FastloadError
 
@@ -46,23 +61,6 @@ def main(argv: list[str] | None = None) -> int:
         from .demo_model import build_model
 
         print(build_model(args.out))
-        return 0
-    if args.cmd == "headers":
-        from .checkpoint import read_header, select_shards
-        from .errors import FastloadError
-
-        try:
-            plan = select_shards(args.source)
-            out = []
-            for f in plan.files:
-                hd = read_header(f)
-                big = hd.largest
-                out.append({"file": f, "tensors": len(hd.tensors), "bytes": hd.data_bytes,
-                            "largest": big.name if big else None, "header_sha256": hd.header_sha256})
-        except (FastloadError, OSError) as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
-        print(json.dumps(out, indent=2))
         return 0
     return 1
 

@@ -48,6 +48,11 @@ def test_local_dir_matches_default_loader(demo_model, logs, reference_ids):
     assert r["format_used"] == "runai_streamer" and r["fallback_reason"] is None
     assert r["tensors"] == len(header.tensors) and r["bytes"] == header.data_bytes
     assert r["line"] in log  # the same line was logged by the server
+    from vllm_fastload.inspect import inspect
+
+    rep = inspect(str(demo_model), ["--max-model-len", "2048"])
+    assert rep["problems"] == [] and rep["shards"][0]["tensors"] == r["tensors"]
+    assert rep["fingerprint"]["short"] == r["fingerprint"]  # inspect prints what the loader computed
 
 
 def test_s3_matches_default_loader(demo_model, logs, reference_ids, moto_s3):
@@ -60,6 +65,14 @@ def test_s3_matches_default_loader(demo_model, logs, reference_ids, moto_s3):
         assert ids_of(srv) == reference_ids
     r = json.loads(report.read_text())
     assert r["source"] == uri and r["format_used"] == "runai_streamer"
+    from vllm_fastload.inspect import inspect
+
+    with pytest.MonkeyPatch.context() as mp:
+        for k, v in moto_s3.env().items():
+            mp.setenv(k, v)
+        rep = inspect(uri, with_fingerprint=False)
+    local = read_header(str(demo_model / "model.safetensors"))
+    assert rep["shards"][0]["header_sha256"] == local.header_sha256 and rep["suggested"]["concurrency"] == 16
     assert r["bytes"] == read_header(str(demo_model / "model.safetensors")).data_bytes
 
 

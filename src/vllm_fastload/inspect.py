@@ -1,0 +1,119 @@
+"""``vllm-fastload inspect <dir | s3://...>``: what the loaders will read, what is wrong with it, how to tune.
+
+Per shard: tensor count, bytes, largest tensor (MiB), dtypes, tensors whose file offset is not a multiple of
+their element size (alignment), header problems (the checks of :mod:`vllm_fastload.checkpoint`). Then a suggested
+``memory_limit`` and ``concurrency`` for ``runai_streamer`` and, when vLLM is installed, the fingerprint the
+loaders compute for the given engine args (TP rank 0).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import Counter
+from typing import Any, Optional
+
+from .checkpoint import DTYPE_BYTES, read_header, select_shards
+from .errors import FastloadError
+from .storage import is_object_uri
+
+
+def shard_report(path: str) -> dict[str, Any]:
+    """Facts of one shard; ``problem`` is the header error text (then the other fields are absent)."""
+    name = path.rstrip("/").rsplit("/", 1)[-1]
+    try:
+        h = read_header(path)
+    except (FastloadError, OSError) as e:
+        return {"shard": name, "problem": str(e)}
+    base = 8 + h.header_len
+    unaligned = [t.name for t in h.tensors.values()
+                 if t.nbytes and DTYPE_BYTES[t.dtype] >= 1 and (base + t.begin) % int(DTYPE_BYTES[t.dtype])]
+    big = h.largest
+    return {"shard": name, "tensors": len(h.tensors), "bytes": h.data_bytes,
+            "largest_tensor": big.name if big else None,
+            "largest_mib": round(big.nbytes / 2**20, 2) if big else 0.0,
+            "dtypes": dict(sorted(Counter(t.dtype for t in h.tensors.values()).items())),
+            "unaligned_tensors": len(unaligned), "unaligned_examples": unaligned[:3],
+            "header_sha256": h.header_sha256, "problem": None}
+
+
+def suggest(shards: list[dict], remote: bool) -> dict[str, Any]:
+    """``memory_limit`` (bytes): twice the largest tensor, at least 1 GiB, at most the whole checkpoint;
+    ``concurrency``: 16 for object storage, else 2 x CPUs capped to 32 (measured best on a 32-CPU H200 host)."""
+    ok = [s for s in shards if not s.get("problem")]
+    largest = max((int(s["largest_mib"] * 2**20) for s in ok), default=0)
+    total = sum(s["bytes"] for s in ok)
+    mem = min(max(2 * largest, 2**30), max(total, largest))
+    conc = 16 if remote else min(32, 2 * (os.cpu_count() or 8))
+    return {"memory_limit": mem, "memory_limit_gib": round(mem / 2**30, 2), "concurrency": conc,
+            "extra_config": json.dumps({"memory_limit": mem, "concurrency": conc})}
+
+
+def fingerprint_for(source: str, engine_args: list[str]) -> Optional[dict[str, Any]]:
+    """The fingerprint the loaders compute for ``source`` with these engine args (TP rank 0), or None without
+    vLLM. Raises what vLLM raises for bad engine args."""
+    try:
+        from vllm.engine.arg_utils import EngineArgs
+        from vllm.utils.argparse_utils import FlexibleArgumentParser
+    except ImportError:
+        return None
+    from .fingerprint import from_vllm
+
+    parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
+    args = parser.parse_args(["--model", source, *engine_args])
+    vcfg = EngineArgs.from_cli_args(args).create_engine_config()
+    mc = vcfg.model_config
+    src = getattr(mc, "model_weights", None) or mc.model
+    plan = select_shards(src, mc.model if src != mc.model else None)
+    fp = from_vllm(mc, [read_header(f) for f in plan.files], vcfg)
+    pc = vcfg.parallel_config
+    d = fp.to_dict()
+    d.update(tp_size=pc.tensor_parallel_size, pp_size=pc.pipeline_parallel_size)
+    from .fingerprint import Fingerprint
+
+    fp = Fingerprint.from_dict(d)
+    return {"short": fp.short(), "fields": {k: v for k, v in fp.to_dict().items() if k != "shards"}}
+
+
+def inspect(source: str, engine_args: Optional[list[str]] = None, with_fingerprint: bool = True) -> dict[str, Any]:
+    """The whole report (JSON-ready). Raises :class:`~vllm_fastload.errors.StorageError` when ``source`` cannot
+    be listed and :class:`~vllm_fastload.errors.CheckpointError` for an index naming a missing shard."""
+    plan = select_shards(source)
+    shards = [shard_report(f) for f in plan.files]
+    out = {"source": source, "index": plan.index, "ignored": list(plan.ignored), "shards": shards,
+           "problems": [s["problem"] for s in shards if s.get("problem")],
+           "suggested": suggest(shards, is_object_uri(source))}
+    if not plan.files:
+        out["problems"].append(f"no *.safetensors in {source}: runai_streamer will fall back to vLLM's default loader")
+    if with_fingerprint and not out["problems"]:
+        out["fingerprint"] = fingerprint_for(source, engine_args or [])
+    return out
+
+
+def render(rep: dict[str, Any]) -> str:
+    """Human-readable text of :func:`inspect`'s report."""
+    lines = [f"{rep['source']}" + (f" (index {os.path.basename(rep['index'])})" if rep["index"] else "")]
+    for s in rep["shards"]:
+        if s.get("problem"):
+            lines.append(f"  {s['shard']}: PROBLEM: {s['problem']}")
+            continue
+        dt = ", ".join(f"{k} x{v}" for k, v in s["dtypes"].items())
+        lines.append(f"  {s['shard']}: {s['tensors']} tensors, {s['bytes'] / 2**30:.2f} GiB, largest "
+                     f"{s['largest_tensor']} {s['largest_mib']} MiB; dtypes {dt}")
+        if s["unaligned_tensors"]:
+            lines.append(f"    warning: {s['unaligned_tensors']} tensor(s) at offsets not aligned to their element "
+                         f"size (e.g. {', '.join(s['unaligned_examples'])}): runai copies each to align it")
+    for f in rep["ignored"]:
+        lines.append(f"  ignored (not in the index): {f}")
+    for p in rep["problems"]:
+        if not any(p == s.get("problem") for s in rep["shards"]):
+            lines.append(f"  PROBLEM: {p}")
+    sg = rep["suggested"]
+    lines.append(f"suggested runai_streamer extra-config: {sg['extra_config']}  "
+                 f"(memory_limit {sg['memory_limit_gib']} GiB)")
+    fp = rep.get("fingerprint")
+    if fp:
+        f = fp["fields"]
+        lines.append(f"fingerprint {fp['short']} (architecture {f['architecture']}, dtype {f['dtype']}, quantization "
+                     f"{f['quantization']}, TP {f['tp_size']} rank {f['tp_rank']}, vLLM {f['vllm_version']})")
+    return "\n".join(lines)

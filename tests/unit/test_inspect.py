@@ -1,0 +1,32 @@
+import json
+
+import torch
+
+from tests.conftest import write_raw, write_safetensors
+from vllm_fastload.checkpoint import SAFE_INDEX
+from vllm_fastload.cli import main
+from vllm_fastload.inspect import inspect
+
+
+def test_inspect_reports_shards_alignment_and_suggestions(tmp_path):
+    write_safetensors(tmp_path / "model-00001-of-00002.safetensors", {"a": torch.ones(256, 1024)})
+    # hand-written: a 3-byte U8 first, so the F32 after it sits at an unaligned offset
+    write_raw(tmp_path / "model-00002-of-00002.safetensors",
+              {"u": {"dtype": "U8", "shape": [3], "data_offsets": [0, 3]},
+               "f": {"dtype": "F32", "shape": [2], "data_offsets": [3, 11]}}, b"\1" * 11, pad_to=8 * 4)
+    (tmp_path / SAFE_INDEX).write_text(json.dumps({"weight_map": {
+        "a": "model-00001-of-00002.safetensors", "u": "model-00002-of-00002.safetensors"}}))
+    rep = inspect(str(tmp_path), with_fingerprint=False)
+    s1, s2 = rep["shards"]
+    assert (s1["tensors"], s1["bytes"], s1["largest_tensor"], s1["largest_mib"]) == (1, 2**20, "a", 1.0)
+    assert s2["dtypes"] == {"F32": 1, "U8": 1} and s2["unaligned_tensors"] == 1 and s2["unaligned_examples"] == ["f"]
+    assert rep["problems"] == [] and rep["suggested"]["memory_limit"] == 2**20 + 11
+
+
+def test_inspect_cli_names_a_broken_shard_and_exits_1(tmp_path, capsys):
+    p = write_safetensors(tmp_path / "model.safetensors", {"a": torch.ones(4)})
+    with open(p, "ab") as f:
+        f.write(b"junk")
+    assert main(["inspect", str(tmp_path), "--no-fingerprint", "--json"]) == 1
+    rep = json.loads(capsys.readouterr().out)
+    assert "4 bytes of trailing data" in rep["problems"][0] and str(p) in rep["problems"][0]

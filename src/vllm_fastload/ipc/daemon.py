@@ -398,6 +398,19 @@ def _rank_main(args: tuple) -> None:  # multiprocessing target (spawn)
     sys.exit(serve_rank(*args))
 
 
+def add_daemon_flags(parser: Any) -> Any:
+    """The daemon's own flags (names as upstream ``vllm preload``); every other flag is a vLLM engine arg."""
+    parser.add_argument("--weight-cache-socket-dir", default=None,
+                        help="directory of the daemons' sockets (default $XDG_RUNTIME_DIR/vllm-fastload or "
+                             "/tmp/vllm-fastload-<uid>); created 0700, must be owned by you")
+    parser.add_argument("--weight-cache-health-port", type=int, default=None,
+                        help="serve GET /health and /metrics on this port (off when not given)")
+    parser.add_argument("--weight-cache-health-host", default="0.0.0.0",
+                        help="address of the health server (0.0.0.0 as upstream; use 127.0.0.1 unless a probe "
+                             "from outside the host needs it)")
+    return parser
+
+
 def main(argv: list[str]) -> int:
     """``vllm-fastload preload``: parse vLLM's engine args plus our flags, start one daemon per local rank."""
     from vllm.engine.arg_utils import EngineArgs
@@ -405,12 +418,7 @@ def main(argv: list[str]) -> int:
 
     parser = FlexibleArgumentParser(prog="vllm-fastload preload",
                                     description="Keep post-processed weights resident for --load-format ipc_cache.")
-    parser.add_argument("--weight-cache-socket-dir", default=None,
-                        help="directory of the daemons' sockets (default $XDG_RUNTIME_DIR/vllm-fastload or "
-                             "/tmp/vllm-fastload-<uid>); created 0700, must be owned by you")
-    parser.add_argument("--weight-cache-health-port", type=int, default=None,
-                        help="serve GET /health and /metrics on this port (off when not given)")
-    parser.add_argument("--weight-cache-health-host", default="0.0.0.0", help="address of the health server")
+    add_daemon_flags(parser)
     parser = EngineArgs.add_cli_args(parser)
     args = parser.parse_args(argv)
     if not any(a.split("=", 1)[0] in ("--load-format", "--load_format") for a in argv):

@@ -12,5 +12,6 @@ def test_configuration_reference_is_in_sync():
 
 def test_readme_links_the_docs():
     readme = (ROOT / "README.md").read_text()
-    for doc in ("docs/configuration.md", "docs/benchmarks.md", "docs/design.md"):
+    for doc in ("docs/index.md", "docs/operations.md", "docs/troubleshooting.md", "docs/configuration.md",
+                "docs/benchmarks.md", "docs/design.md"):
         assert doc in readme and (ROOT / doc).is_file()

@@ -56,3 +56,23 @@ def test_fallback_refused_names_reason():
 def test_fallback_impossible_is_an_error_even_when_allowed():
     with pytest.raises(FastloadError, match="nothing to fall back to"):
         fall_back("runai_streamer", "no *.safetensors files in s3://b/m", True, LoadConfig(), possible=False)
+
+
+@pytest.mark.parametrize("name", ["runai_streamer", "ipc_cache"])
+def test_loader_classes_satisfy_the_installed_base_model_loader(name):
+    import inspect
+
+    from vllm.model_executor.model_loader import _LOAD_FORMAT_TO_MODEL_LOADER as reg
+
+    plugin.register()
+    cls = reg[name]
+    assert cls.__module__.startswith("vllm_fastload.") and issubclass(cls, BaseModelLoader)
+    assert not getattr(cls, "__abstractmethods__", None)
+    for meth in ("download_model", "load_weights", "load_model"):
+        base = inspect.signature(getattr(BaseModelLoader, meth))
+        ours = inspect.signature(getattr(cls, meth))
+        # every parameter vLLM passes is accepted by ours
+        for p in base.parameters:
+            assert p in ours.parameters or any(
+                q.kind in (q.VAR_POSITIONAL, q.VAR_KEYWORD) for q in ours.parameters.values()), (meth, p)
+    assert isinstance(cls(LoadConfig(load_format=name)), BaseModelLoader)  # __init__ with defaults works

@@ -39,8 +39,9 @@ except ImportError:  # pragma: no cover - exercised only without vLLM
     BaseModelLoader = object  # type: ignore[assignment,misc]
 
 LOAD_FORMAT = "runai_streamer"
-#: runai filesystem strategies (first available wins) used when the checkpoint is in the page cache.
-BUFFERED_STRATEGIES = "io_uring_buffered,sync_buffered"
+#: runai filesystem strategy used when the checkpoint is in the page cache: plain buffered reads by a thread pool
+#: (reader probe on the H200 host: 38 GB/s with 32 threads; on the 2-core CI machine the fastest too).
+BUFFERED_STRATEGIES = "sync_buffered"
 #: Bound of runai's read ring when it is pinned and the user set no memory_limit (bytes).
 PINNED_READ_RING_BYTES = 4 * 2**30
 
@@ -133,6 +134,7 @@ class RunaiStreamerLoader(BaseModelLoader):
             logger.info("fastload: %s not in %s, not loaded: %s", LOAD_FORMAT, plan.index, ", ".join(plan.ignored))
         self._total = sum(len(h.tensors) for h in headers)
         device = _model_device(model)
+        report.extra["prepare_s"] = round(time.perf_counter() - t0, 4)  # shards, headers, fingerprint, strategy
         # runai reads its settings from the environment when a stream starts: set them for this load only.
         with scoped_environ(env):
             if device.type == "cuda":
@@ -144,7 +146,9 @@ class RunaiStreamerLoader(BaseModelLoader):
         # left after waiting for the producer thread.
         waited = report.extra.get("consumer_wait_s", report.read_wait_s)
         report.consume_s = max(report.wall_s - waited, 0.0)
+        t_check = time.perf_counter()
         self._check_all_loaded(model, model_config, loaded)
+        report.extra["check_s"] = round(time.perf_counter() - t_check, 4)
         report.emit(self.config.report_path)
 
     def _fs_strategy_env(self, plan: ShardPlan, report: LoadReport) -> dict[str, str]:
@@ -160,6 +164,12 @@ class RunaiStreamerLoader(BaseModelLoader):
             else:
                 choice = BUFFERED_STRATEGIES
         env = {} if choice == "runai" else {"RUNAI_STREAMER_FS_STRATEGY": choice}
+        if (self.config.fs_strategy == "auto" and choice != "runai" and self.config.concurrency is None
+                and "RUNAI_STREAMER_CONCURRENCY" not in os.environ):
+            # Reading from the page cache is CPU work: one reader per CPU, up to 32 (runai's default of 16
+            # oversubscribes small machines: 0.70 s vs 0.25 s for SmolLM2 on 2 cores).
+            env["RUNAI_STREAMER_CONCURRENCY"] = str(min(32, os.cpu_count() or 16))
+            report.extra["concurrency"] = int(env["RUNAI_STREAMER_CONCURRENCY"])
         report.extra["fs_strategy"] = env.get("RUNAI_STREAMER_FS_STRATEGY",
                                               os.environ.get("RUNAI_STREAMER_FS_STRATEGY", "runai default"))
         return env

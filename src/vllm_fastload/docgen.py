@@ -15,8 +15,16 @@ from .config import IpcCacheConfig, StreamerConfig
 
 
 def _type_of(field: Any) -> str:
-    text = str(field.annotation).replace("typing.", "").replace("<class '", "").replace("'>", "")
-    return text.replace("Optional[", "").replace("Union[", "").rstrip("]") if "Literal" not in text else text
+    """A stable text of a field's type: union members sorted (typing caches unions in first-seen order, so
+    ``str(Union[int, str])`` depends on what was imported before), ``None`` last, Literal values in order."""
+    import typing
+
+    ann = field.annotation
+    if typing.get_origin(ann) is typing.Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(ann))
+    members = typing.get_args(ann) if typing.get_origin(ann) is typing.Union else (ann,)
+    names = sorted(getattr(m, "__name__", str(m)) for m in members if m is not type(None))
+    return ", ".join(names) + (", None" if type(None) in members else "")
 
 
 def _model_table(model: Any) -> list[str]:

@@ -23,7 +23,9 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("preload", help="start the preload daemon(s): `vllm-fastload preload <vllm serve args>`",
                    add_help=False)
     st = sub.add_parser("status", help="list the preload daemons in a socket dir")
-    st.add_argument("--weight-cache-socket-dir", default=None)
+    st.add_argument("--weight-cache-socket-dir", default=None,
+                    help="the daemons' socket directory (default: the daemon's default, "
+                         "$XDG_RUNTIME_DIR/vllm-fastload or /tmp/vllm-fastload-<uid>)")
     st.add_argument("--json", action="store_true")
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "preload":

@@ -162,13 +162,16 @@ class IpcCacheLoader(BaseModelLoader):
         else:
             _LEASES.append(lease)
         logger.info("Mapped %d tensors from the weight cache daemon (%s mode)", len(man["tensors"]), mode)
-        report = LoadReport(load_format=LOAD_FORMAT, source=path, verb="mapped", tensors=len(man["tensors"]),
-                            bytes=nbytes, wall_s=time.perf_counter() - t0, fingerprint=fp.short(), note="no disk read",
-                            shards=len(plan.files))
         lap("release_s")
         # The span comparable to a disk loader's weight loading: fetch + map + verify + install (+ copy).
         phases["weights_phase_s"] = round(phases["connect_manifest_s"] + phases["map_verify_install_s"]
                                           + phases["release_s"], 4)
-        report.extra.update(mode=mode, reprocessed_modules=len(man.get("reprocess", [])), **phases)
+        n_re = len(man.get("reprocess", []))
+        report = LoadReport(load_format=LOAD_FORMAT, source=path, verb="mapped", tensors=len(man["tensors"]),
+                            bytes=nbytes, wall_s=time.perf_counter() - t0, fingerprint=fp.short(),
+                            note=f"no disk read (weights phase {phases['weights_phase_s']:.3f} s, re-processing "
+                                 f"{n_re} module(s) {phases['reprocess_s']:.3f} s)",
+                            shards=len(plan.files))
+        report.extra.update(mode=mode, reprocessed_modules=n_re, **phases)
         return model.eval(), report
 

@@ -14,7 +14,7 @@ import math
 import os
 import struct
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 from .errors import CheckpointError
 from .storage import is_object_uri, list_safetensors, read_range
@@ -205,6 +205,19 @@ class ShardPlan:
     files: tuple[str, ...]
     index: Optional[str] = None
     ignored: tuple[str, ...] = field(default=())
+
+
+def weights_source(model_config: Any) -> str:
+    """Where vLLM's ``ModelConfig`` says the weights are: ``model_weights`` (set by vLLM to the object-storage
+    URI when it pulled config and tokenizer files to the local ``model`` directory) or ``model``."""
+    return str(getattr(model_config, "model_weights", None) or model_config.model)
+
+
+def model_shards(model_config: Any) -> ShardPlan:
+    """:func:`select_shards` for a vLLM ``ModelConfig``; an object-storage source finds its index in the local
+    directory vLLM pulled the ``*.json`` files to."""
+    source, local = weights_source(model_config), str(model_config.model)
+    return select_shards(source, local if source != local else None)
 
 
 def select_shards(source: str, index_dir: Optional[str] = None) -> ShardPlan:

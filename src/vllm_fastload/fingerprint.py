@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Optional
 
 from . import __version__
-from .checkpoint import SafetensorsHeader
+from .checkpoint import SafetensorsHeader, ShardPlan, model_shards, read_header
 
 
 @dataclass(frozen=True)
@@ -127,6 +127,12 @@ def _parallel() -> dict[str, int]:
     except ImportError:
         pass
     return out
+
+
+def of_model(model_config: Any, vllm_config: Any = None) -> tuple[ShardPlan, Fingerprint]:
+    """Shards and fingerprint of what vLLM's ``model_config`` loads in this process (headers read, validated)."""
+    plan = model_shards(model_config)
+    return plan, from_vllm(model_config, [read_header(f) for f in plan.files], vllm_config)
 
 
 def from_vllm(model_config: Any, headers: Iterable[SafetensorsHeader], vllm_config: Any = None) -> Fingerprint:

@@ -57,21 +57,15 @@ def fingerprint_for(source: str, engine_args: list[str]) -> Optional[dict[str, A
         from vllm.utils.argparse_utils import FlexibleArgumentParser
     except ImportError:
         return None
-    from .fingerprint import from_vllm
+    from .fingerprint import Fingerprint, of_model
 
     parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
     args = parser.parse_args(["--model", source, *engine_args])
     vcfg = EngineArgs.from_cli_args(args).create_engine_config()
-    mc = vcfg.model_config
-    src = getattr(mc, "model_weights", None) or mc.model
-    plan = select_shards(src, mc.model if src != mc.model else None)
-    fp = from_vllm(mc, [read_header(f) for f in plan.files], vcfg)
-    pc = vcfg.parallel_config
-    d = fp.to_dict()
-    d.update(tp_size=pc.tensor_parallel_size, pp_size=pc.pipeline_parallel_size)
-    from .fingerprint import Fingerprint
-
-    fp = Fingerprint.from_dict(d)
+    _, fp = of_model(vcfg.model_config, vcfg)
+    pc = vcfg.parallel_config  # this process has no parallel state: take the sizes the engine will have
+    fp = Fingerprint.from_dict({**fp.to_dict(), "tp_size": pc.tensor_parallel_size,
+                                "pp_size": pc.pipeline_parallel_size})
     return {"short": fp.short(), "fields": {k: v for k, v in fp.to_dict().items() if k != "shards"}}
 
 

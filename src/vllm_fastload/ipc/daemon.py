@@ -78,8 +78,7 @@ def build_and_export(vllm_config: Any, local_rank: int, rank: int, world_size: i
     from vllm.platforms import current_platform
     from vllm.utils.torch_utils import set_default_torch_dtype
 
-    from ..checkpoint import read_header, select_shards
-    from ..fingerprint import from_vllm
+    from ..fingerprint import of_model
     from .state import collect, snapshot
 
     t0 = time.perf_counter()
@@ -91,9 +90,7 @@ def build_and_export(vllm_config: Any, local_rank: int, rank: int, world_size: i
     mc, lc = vllm_config.model_config, vllm_config.load_config
     with set_current_vllm_config(vllm_config):
         ensure_model_parallel_initialized(pc.tensor_parallel_size, pc.pipeline_parallel_size)
-        source = getattr(mc, "model_weights", None) or mc.model
-        plan = select_shards(source, mc.model if source != mc.model else None)
-        fp = from_vllm(mc, [read_header(f) for f in plan.files], vllm_config)
+        _, fp = of_model(mc, vllm_config)
         device = torch.device(vllm_config.device_config.device if lc.device is None else lc.device)
         loader = get_model_loader(lc)
         with set_default_torch_dtype(mc.dtype):

@@ -102,8 +102,7 @@ class IpcCacheLoader(BaseModelLoader):
         from vllm.model_executor.model_loader.utils import initialize_model
         from vllm.utils.torch_utils import set_default_torch_dtype
 
-        from ..checkpoint import read_header, select_shards
-        from ..fingerprint import from_vllm
+        from ..fingerprint import of_model
         from .client import CacheUnavailable, fetch
         from .shm import tensor_at, verify
         from .state import install, reprocess_modules
@@ -121,9 +120,7 @@ class IpcCacheLoader(BaseModelLoader):
             phases[name] = round(now - tick, 4)
             tick = now
 
-        source = getattr(model_config, "model_weights", None) or model_config.model
-        plan = select_shards(source, model_config.model if source != model_config.model else None)
-        fp = from_vllm(model_config, [read_header(f) for f in plan.files], vllm_config)
+        plan, fp = of_model(model_config, vllm_config)
         lap("fingerprint_s")
         mode = self.config.mode
         lease = fetch(path, fp.to_dict(), mode, self.config.connect_timeout_s, self.config.state_timeout_s)

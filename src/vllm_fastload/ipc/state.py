@@ -81,11 +81,6 @@ class Export:
     aliases: dict[str, str] = field(default_factory=dict)
     reprocess: list[str] = field(default_factory=list)
 
-    @property
-    def nbytes(self) -> int:
-        """Bytes of all canonical tensors."""
-        return sum(t.numel() * t.element_size() for _, t in self.tensors.values())
-
 
 def collect(model: nn.Module, snap: Snapshot) -> Export:
     """Apply the per-module rule (module docstring) to a post-processed ``model``. Tensors that are the same

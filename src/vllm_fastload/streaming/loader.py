@@ -24,7 +24,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from ..checkpoint import ShardPlan, read_header, select_shards
+from ..checkpoint import ShardPlan, model_shards, read_header, weights_source
 from ..config import StreamerConfig
 from ..errors import CheckpointError, ConfigError
 from ..fallback import default_loader, fall_back
@@ -52,12 +52,6 @@ def _model_device(model: Any) -> Any:
 
     p = next(iter(model.parameters()), None)
     return p.device if p is not None else torch.device("cpu")
-
-
-def weights_source(model_config: Any) -> tuple[str, str]:
-    """``(source, index_dir)``: where the weights are (dir or URI) and the local dir holding the index/config."""
-    source = getattr(model_config, "model_weights", None) or model_config.model
-    return str(source), str(model_config.model)
 
 
 class RunaiStreamerLoader(BaseModelLoader):
@@ -97,17 +91,16 @@ class RunaiStreamerLoader(BaseModelLoader):
     def download_model(self, model_config: Any) -> None:
         """Nothing to download: vLLM already pulled config files; weights are streamed at load time.
         Checks that the shards can be chosen (raises CheckpointError/StorageError otherwise)."""
-        source, index_dir = weights_source(model_config)
-        if not missing_backend(source):
-            select_shards(source, index_dir if is_object_uri(source) else None)
+        if not missing_backend(weights_source(model_config)):
+            model_shards(model_config)
 
     def load_weights(self, model: Any, model_config: Any) -> None:
         """Stream the checkpoint into ``model`` (see module docstring). Raises ConfigError, CheckpointError,
         StorageError, FallbackRefused; never leaves a parameter uninitialized without an error."""
         t0 = time.perf_counter()
-        source, index_dir = weights_source(model_config)
+        source = weights_source(model_config)
         report = LoadReport(load_format=LOAD_FORMAT, source=source)
-        reason, possible = self._why_not(source, index_dir)
+        reason, possible = self._why_not(model_config)
         if reason:
             loader = fall_back(LOAD_FORMAT, reason, self.config.fallback, self.load_config, possible=possible)
             loader.load_weights(model, model_config)
@@ -197,14 +190,15 @@ class RunaiStreamerLoader(BaseModelLoader):
         return loaded
 
     # -- helpers ----------------------------------------------------------------------------------------
-    def _why_not(self, source: str, index_dir: str) -> tuple[str | None, bool]:
-        """``(reason, fallback_possible)`` when this loader cannot serve ``source``; ``(None, True)`` otherwise.
-        Stores the chosen shards in ``self._plan``."""
+    def _why_not(self, model_config: Any) -> tuple[str | None, bool]:
+        """``(reason, fallback_possible)`` when this loader cannot serve the model's weights; ``(None, True)``
+        otherwise. Stores the chosen shards in ``self._plan``."""
+        source = weights_source(model_config)
         remote = is_object_uri(source)
         reason = missing_backend(source)
         if reason:
             return reason, False
-        plan: ShardPlan = select_shards(source, index_dir if remote else None)
+        plan: ShardPlan = model_shards(model_config)
         if not plan.files:
             found = [] if remote else sorted(os.listdir(source))[:8] if os.path.isdir(source) else []
             what = f"; it holds {', '.join(found)}" if found else ""

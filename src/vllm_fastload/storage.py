@@ -5,16 +5,29 @@ packages: ``runai-model-streamer-s3`` etc.). This module lists shards, reads byt
 safetensors headers) and turns the backends' terse failures ("File access error") into a
 :class:`~vllm_fastload.errors.StorageError` that names the URI, the cause (HTTP status where one can be
 learned) and the environment variables that set endpoint and credentials.
+
+S3 specifics (runai-model-streamer 0.17, measured against moto):
+
+* Listing goes through our own boto3 client with bounded timeouts (:data:`LIST_TIMEOUTS`); runai's own listing uses
+  boto3's defaults (60 s read timeout, retries), which took minutes against an endpoint that accepts connections
+  but never answers.
+* Anonymous reads (public buckets) need ``RUNAI_STREAMER_S3_UNSIGNED=1``: without it boto3 refuses to list without
+  credentials (``NoCredentialsError``), even when the bucket is public. With it, no credentials are ever used, so
+  the scoped environment also sets ``AWS_EC2_METADATA_DISABLED=true`` (when unset): the streamer's C++ AWS SDK
+  otherwise waits 8-10 s per stream on the EC2 instance metadata service (IMDS) when it is not reachable.
+* boto3's IMDS wait is pinned to 1 s and 1 attempt (``AWS_METADATA_SERVICE_TIMEOUT`` /
+  ``AWS_METADATA_SERVICE_NUM_ATTEMPTS``, when unset): a load without credentials fails in ~2 s outside EC2.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fnmatch
 import glob
 import importlib.util
 import os
 from collections.abc import Iterator
-from typing import Optional
+from typing import Any, Optional
 
 from .errors import StorageError
 
@@ -35,7 +48,15 @@ S3_ENV = (
     "AWS_PROFILE",
     "AWS_DEFAULT_REGION",
     "AWS_EC2_METADATA_DISABLED",
+    "RUNAI_STREAMER_S3_UNSIGNED",
 )
+#: runai's switch for anonymous (unsigned) S3 requests: public buckets without credentials.
+UNSIGNED_ENV = "RUNAI_STREAMER_S3_UNSIGNED"
+#: boto3's wait on the EC2 instance metadata service for credentials, pinned when the user did not set it.
+METADATA_BOUNDS = {"AWS_METADATA_SERVICE_TIMEOUT": "1", "AWS_METADATA_SERVICE_NUM_ATTEMPTS": "1"}
+#: Our S3 listing: connect/read timeouts (s) and attempts. An endpoint that never answers fails in ~20 s, one that
+#: refuses connections at once.
+LIST_TIMEOUTS = {"connect_timeout": 5, "read_timeout": 10, "attempts": 2}
 
 
 def is_object_uri(path: str) -> bool:
@@ -79,14 +100,22 @@ def scoped_environ(updates: dict[str, str]) -> Iterator[None]:
 
 
 def endpoint_env() -> dict[str, str]:
-    """The env update that makes the streamer read from the endpoint boto3 lists from.
+    """The env update for one object-storage operation (listing, header reads, the stream), to apply with
+    :func:`scoped_environ`.
 
-    boto3 (listing, config pull) honours ``AWS_ENDPOINT_URL``; the streamer's C++ S3 client reads
-    ``RUNAI_STREAMER_S3_ENDPOINT``. When only the former is set, copy it (vLLM's built-in loader does the same).
+    * boto3 (listing, config pull) honours ``AWS_ENDPOINT_URL``; the streamer's C++ S3 client reads
+      ``RUNAI_STREAMER_S3_ENDPOINT``. When only the former is set, copy it (vLLM's built-in loader does the same).
+    * ``AWS_METADATA_SERVICE_TIMEOUT=1`` / ``AWS_METADATA_SERVICE_NUM_ATTEMPTS=1`` when unset (boto3's wait on the
+      instance metadata service).
+    * With ``RUNAI_STREAMER_S3_UNSIGNED=1`` (anonymous reads, no credentials used): ``AWS_EC2_METADATA_DISABLED=true``
+      when unset, so the C++ SDK does not wait on the metadata service for credentials it will not use.
     """
+    env = {k: v for k, v in METADATA_BOUNDS.items() if k not in os.environ}
     if os.environ.get("AWS_ENDPOINT_URL") and not os.environ.get("RUNAI_STREAMER_S3_ENDPOINT"):
-        return {"RUNAI_STREAMER_S3_ENDPOINT": os.environ["AWS_ENDPOINT_URL"]}
-    return {}
+        env["RUNAI_STREAMER_S3_ENDPOINT"] = os.environ["AWS_ENDPOINT_URL"]
+    if os.environ.get(UNSIGNED_ENV) == "1" and "AWS_EC2_METADATA_DISABLED" not in os.environ:
+        env["AWS_EC2_METADATA_DISABLED"] = "true"
+    return env
 
 
 def env_summary() -> str:
@@ -103,56 +132,124 @@ def env_summary() -> str:
     return ", ".join(parts)
 
 
-def _s3_probe(uri: str, timeout_s: float = 3.0) -> str:
-    """Ask S3 directly (boto3, short timeouts, no retries) why ``uri`` cannot be read. Returns a cause text."""
+def _s3_client(connect_timeout: float, read_timeout: float, attempts: int, unsigned: bool,
+               endpoint: Optional[str] = None) -> Any:
+    """A boto3 S3 client with bounded timeouts, the streamer's addressing style and ``endpoint`` (default: the one
+    boto3 lists from, ``AWS_ENDPOINT_URL``, else ``RUNAI_STREAMER_S3_ENDPOINT``)."""
+    import boto3.session
+    from botocore import UNSIGNED
+    from botocore.config import Config
+
+    kwargs: dict[str, Any] = {"connect_timeout": connect_timeout, "read_timeout": read_timeout,
+                              "retries": {"total_max_attempts": attempts, "mode": "standard"}}
+    if os.environ.get("RUNAI_STREAMER_S3_USE_VIRTUAL_ADDRESSING", "1") == "0":
+        kwargs["s3"] = {"addressing_style": "path"}
+    if unsigned:
+        kwargs["signature_version"] = UNSIGNED
+    endpoint = endpoint or os.environ.get("AWS_ENDPOINT_URL") or os.environ.get("RUNAI_STREAMER_S3_ENDPOINT")
+    # A new session each time: boto3's default session caches the credentials it found first.
+    return boto3.session.Session().client("s3", endpoint_url=endpoint, config=Config(**kwargs))
+
+
+def _s3_list(source: str) -> list[str]:
+    """``s3://bucket/prefix/*.safetensors`` directly under ``source`` (as runai's listing: not recursive), with the
+    bounded timeouts of :data:`LIST_TIMEOUTS`. Raises boto3's exceptions."""
+    bucket, _, key = source[len("s3://"):].partition("/")
+    prefix = key.strip("/") + "/" if key.strip("/") else ""
+    client = _s3_client(LIST_TIMEOUTS["connect_timeout"], LIST_TIMEOUTS["read_timeout"], LIST_TIMEOUTS["attempts"],
+                        unsigned=os.environ.get(UNSIGNED_ENV) == "1")
+    out = []
+    for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix, Delimiter="/"):
+        for obj in page.get("Contents", []):
+            if fnmatch.fnmatch(obj["Key"], "*.safetensors") and not obj["Key"].endswith("/"):
+                out.append(f"s3://{bucket}/{obj['Key']}")
+    return out
+
+
+#: error code -> what it means and what to set
+_S3_HINTS = {
+    "404": "no such bucket or key",
+    "NoSuchBucket": "no such bucket",
+    "NoSuchKey": "no such key",
+    "403": "access denied: check credentials and bucket policy",
+    "AccessDenied": "access denied: check credentials and bucket policy",
+    "InvalidAccessKeyId": "unknown access key: check AWS_ACCESS_KEY_ID",
+    "SignatureDoesNotMatch": "wrong secret key: check AWS_SECRET_ACCESS_KEY",
+}
+NO_CREDENTIALS = ("no AWS credentials found (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, AWS_PROFILE, "
+                  "~/.aws/credentials, instance metadata)")
+
+
+def _s3_probe(uri: str, exc: Optional[BaseException] = None, timeout_s: float = 3.0) -> str:
+    """Ask S3 directly (boto3, short timeouts, no retries) why ``uri`` cannot be read. Returns a cause text.
+
+    Lists the prefix and reads the first byte of its first object (or of the key ``uri`` names). Without credentials
+    (or with ``RUNAI_STREAMER_S3_UNSIGNED=1``) the probe is anonymous and says whether the bucket is public.
+    """
     try:
         import boto3
-        from botocore.config import Config
-        from botocore.exceptions import BotoCoreError, ClientError
+        from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError
     except ImportError:
         return "boto3 is not installed, no further diagnosis"
     bucket, _, key = uri[len("s3://"):].partition("/")
-    kwargs = {"connect_timeout": timeout_s, "read_timeout": timeout_s, "retries": {"max_attempts": 1}}
-    if os.environ.get("RUNAI_STREAMER_S3_USE_VIRTUAL_ADDRESSING", "1") == "0":
-        kwargs["s3"] = {"addressing_style": "path"}
-    endpoint = os.environ.get("RUNAI_STREAMER_S3_ENDPOINT") or os.environ.get("AWS_ENDPOINT_URL")
-    try:
-        client = boto3.client("s3", endpoint_url=endpoint, config=Config(**kwargs))
-        prefix = key.rstrip("/") + "/" if key else ""
-        listed = client.list_objects_v2(Bucket=bucket, Prefix=prefix, MaxKeys=1000)
-        if listed.get("KeyCount", 0):
-            return (f"bucket and prefix are readable now ({listed['KeyCount']} object(s) under it); the failure was "
-                    f"transient (timeout, throttling) or inside the streamer")
-        if key:
-            client.head_object(Bucket=bucket, Key=key)
-        return "the object is readable now; the failure was transient or inside the streamer"
-    except ClientError as e:
-        meta = e.response.get("ResponseMetadata", {})
-        code = e.response.get("Error", {}).get("Code", "?")
-        status = meta.get("HTTPStatusCode", "?")
-        hint = {
-            "404": "no such bucket or key",
-            "NoSuchBucket": "no such bucket",
-            "NoSuchKey": "no such key",
-            "403": "access denied: check credentials and bucket policy",
-            "AccessDenied": "access denied: check credentials and bucket policy",
-            "InvalidAccessKeyId": "unknown access key",
-            "SignatureDoesNotMatch": "wrong secret key",
-        }.get(str(code), "")
-        label = f"HTTP {status}" if str(code) == str(status) else f"HTTP {status} {code}"
-        return label + (f" ({hint})" if hint else "")
-    except BotoCoreError as e:
-        return f"{type(e).__name__}: {e}"
+    unsigned = os.environ.get(UNSIGNED_ENV) == "1"
+    ok: Optional[str] = None
+    failure = ""
+    with scoped_environ(endpoint_env()):
+        anonymous = unsigned or isinstance(exc, NoCredentialsError)
+        if not anonymous:
+            try:
+                anonymous = boto3.Session().get_credentials() is None
+            except BotoCoreError as e:
+                return f"credentials could not be resolved ({type(e).__name__}: {e})"
+        try:
+            # the endpoint the streamer read from (the listing's when only AWS_ENDPOINT_URL is set)
+            client = _s3_client(timeout_s, timeout_s, 1, unsigned=anonymous,
+                                endpoint=os.environ.get("RUNAI_STREAMER_S3_ENDPOINT"))
+            prefix = key.rstrip("/") + "/" if key else ""
+            listed = client.list_objects_v2(Bucket=bucket, Prefix=prefix, MaxKeys=1000)
+            keys = [o["Key"] for o in listed.get("Contents", [])]
+            if keys or key:  # a 1-byte ranged GET, as the streamer reads (HEAD is authorised differently by some stores)
+                client.get_object(Bucket=bucket, Key=keys[0] if keys else key, Range="bytes=0-0")["Body"].close()
+            ok = (f"bucket and prefix are readable now ({len(keys)} object(s) under it); the failure was transient "
+                  f"(timeout, throttling) or inside the streamer" if keys else
+                  "the object is readable now; the failure was transient or inside the streamer")
+        except ClientError as e:
+            meta = e.response.get("ResponseMetadata", {})
+            code = e.response.get("Error", {}).get("Code", "?")
+            status = meta.get("HTTPStatusCode", "?")
+            hint = _S3_HINTS.get(str(code), "")
+            failure = (f"HTTP {status}" if str(code) == str(status) else f"HTTP {status} {code}") + (
+                f" ({hint})" if hint else "")
+        except BotoCoreError as e:
+            failure = f"{type(e).__name__}: {e}"
+    if not anonymous:
+        return ok or failure
+    denied = failure.startswith("HTTP 403")
+    creds = "set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE)"
+    if unsigned:
+        if ok:
+            return f"an anonymous request ({UNSIGNED_ENV}=1) can read it now: {ok}"
+        if denied:
+            return (f"an anonymous request ({UNSIGNED_ENV}=1) got {failure}: the bucket is not public; unset "
+                    f"{UNSIGNED_ENV} and {creds}")
+        return f"an anonymous request ({UNSIGNED_ENV}=1) got {failure}"
+    if ok:
+        return (f"{NO_CREDENTIALS}; an anonymous request can read it (a public bucket): set {UNSIGNED_ENV}=1 for "
+                f"anonymous reads, or {creds}")
+    return f"{NO_CREDENTIALS}; an anonymous request got {failure}" + (f": {creds}" if denied else "")
 
 
 def storage_error(uri: str, exc: BaseException, action: str = "read") -> StorageError:
     """Build the one error for a failed object-storage operation on ``uri`` (the original as context)."""
-    cause = _s3_probe(uri) if scheme_of(uri) == "s3://" else f"{type(exc).__name__}: {exc}"
+    cause = _s3_probe(uri, exc) if scheme_of(uri) == "s3://" else f"{type(exc).__name__}: {exc}"
+    said = "Listing said" if action == "list" else "Streamer said"
     return StorageError(
-        f"cannot {action} {uri}: {cause}. Streamer said: {type(exc).__name__}: {exc}. "
+        f"cannot {action} {uri}: {cause}. {said}: {type(exc).__name__}: {exc}. "
         f"Endpoint and credentials come from: {env_summary()}. For S3-compatible stores set AWS_ENDPOINT_URL "
-        f"and, for path-style addressing, RUNAI_STREAMER_S3_USE_VIRTUAL_ADDRESSING=0; set "
-        f"AWS_EC2_METADATA_DISABLED=true outside EC2 so a missing credential does not wait on the metadata service."
+        f"and, for path-style addressing, RUNAI_STREAMER_S3_USE_VIRTUAL_ADDRESSING=0; for public buckets "
+        f"{UNSIGNED_ENV}=1; set AWS_EC2_METADATA_DISABLED=true outside EC2 so a missing credential does not wait on "
+        f"the metadata service."
     )
 
 
@@ -212,7 +309,8 @@ def list_safetensors(source: str) -> list[str]:
     from runai_model_streamer import list_safetensors as runai_list
 
     try:
-        return sorted(runai_list(source))
+        with scoped_environ(endpoint_env()):
+            return sorted(_s3_list(source) if scheme_of(source) == "s3://" else runai_list(source))
     except Exception as e:  # noqa: BLE001 - every backend failure becomes one StorageError
         raise storage_error(source, e, "list") from e
 

@@ -1,11 +1,17 @@
 """Object-storage errors against a local moto S3: one StorageError naming the URI, the cause and the env vars."""
 
+import json
+import os
+import socket
 import time
 
 import pytest
 
 pytest.importorskip("runai_model_streamer_s3")
 pytest.importorskip("moto")
+
+import requests  # noqa: E402
+import torch  # noqa: E402
 
 from vllm_fastload.checkpoint import read_header, select_shards  # noqa: E402
 from vllm_fastload.errors import StorageError  # noqa: E402
@@ -64,3 +70,220 @@ def test_unreachable_endpoint_fails_with_the_cause(s3env, monkeypatch):
     assert "Could not connect" in str(e.value) or "EndpointConnectionError" in str(e.value)
     assert dead in str(e.value)
     assert time.monotonic() - t < 120  # no hang
+
+
+# --- credentials: public vs private buckets, no / wrong keys, the metadata-service wait --------------------------
+#: credential variables a test clears so only what it sets is in effect
+CRED_VARS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE", "AWS_DEFAULT_PROFILE",
+             "AWS_EC2_METADATA_DISABLED", "AWS_METADATA_SERVICE_TIMEOUT", "AWS_METADATA_SERVICE_NUM_ATTEMPTS",
+             "RUNAI_STREAMER_S3_UNSIGNED", "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI", "AWS_CONTAINER_CREDENTIALS_FULL_URI",
+             "AWS_WEB_IDENTITY_TOKEN_FILE", "AWS_ROLE_ARN")
+
+
+@pytest.fixture(scope="module")
+def buckets(moto_s3, tmp_path_factory):
+    """``pub`` (bucket policy: anyone may list and get) and ``priv`` (no policy), the same one-shard model in each;
+    IAM users ``reader`` (s3:* on everything) and ``pub-only`` (s3:* on ``pub`` only) with their keys."""
+    import boto3
+    from safetensors.torch import save_file
+
+    d = tmp_path_factory.mktemp("cred-model")
+    save_file({"w": torch.arange(64, dtype=torch.float32), "b": torch.ones(3, 5, dtype=torch.bfloat16)},
+              str(d / "model.safetensors"))
+    pub, priv = moto_s3.upload_dir(d, "pub", "m"), moto_s3.upload_dir(d, "priv", "m")
+    admin = dict(endpoint_url=moto_s3.endpoint, region_name="us-east-1", aws_access_key_id="testing",
+                 aws_secret_access_key="testing")
+    boto3.client("s3", **admin).put_bucket_policy(Bucket="pub", Policy=json.dumps({
+        "Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Principal": "*",
+                                                "Action": ["s3:GetObject", "s3:ListBucket"],
+                                                "Resource": ["arn:aws:s3:::pub", "arn:aws:s3:::pub/*"]}]}))
+    iam = boto3.client("iam", **admin)
+    keys = {}
+    for user, resources in (("reader", ["*"]), ("pub-only", ["arn:aws:s3:::pub", "arn:aws:s3:::pub/*"])):
+        iam.create_user(UserName=user)
+        iam.put_user_policy(UserName=user, PolicyName="s3", PolicyDocument=json.dumps({
+            "Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": "s3:*", "Resource": resources}]}))
+        k = iam.create_access_key(UserName=user)["AccessKey"]
+        keys[user] = (k["AccessKeyId"], k["SecretAccessKey"])
+    return {"pub": pub, "priv": priv, "keys": keys, "local": d / "model.safetensors"}
+
+
+@pytest.fixture
+def imds_black_hole():
+    """A TCP listener on 127.0.0.1 that never answers: stands in for an instance metadata service that does not
+    reply (outside EC2), so no request leaves the host."""
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen(64)
+    yield f"http://127.0.0.1:{s.getsockname()[1]}"
+    s.close()
+
+
+@pytest.fixture
+def no_creds(moto_s3, monkeypatch, tmp_path, imds_black_hole):
+    """Endpoint of the moto server and nothing else: no keys, no profile files, the metadata service NOT disabled
+    (its endpoint is the black hole above)."""
+    for k in CRED_VARS:
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", moto_s3.endpoint)
+    monkeypatch.setenv("RUNAI_STREAMER_S3_ENDPOINT", moto_s3.endpoint)
+    monkeypatch.setenv("RUNAI_STREAMER_S3_USE_VIRTUAL_ADDRESSING", "0")
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "no-credentials"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-config"))
+    monkeypatch.setenv("AWS_EC2_METADATA_SERVICE_ENDPOINT", imds_black_hole)
+    return monkeypatch
+
+
+@pytest.fixture
+def auth_on(moto_s3, buckets, no_creds):
+    """moto checks signatures and IAM policies for every request while the test runs (anonymous requests get a
+    500 from moto in this mode, so the no-credential tests run without it)."""
+    assert requests.post(moto_s3.endpoint + "/moto-api/reset-auth", data=b"0", timeout=10).status_code == 200
+    no_creds.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    try:
+        yield no_creds
+    finally:
+        requests.post(moto_s3.endpoint + "/moto-api/reset-auth", data=b"inf", timeout=10)
+
+
+def load_with_streamer(uri, extra=None, timing=None):
+    """RunaiStreamerLoader.load_weights of ``uri`` into the test Sink; returns the tensors it received. ``timing``
+    (a list) gets the seconds load_weights took (imports excluded)."""
+    pytest.importorskip("vllm")
+    from vllm.config.load import LoadConfig
+
+    from tests.unit.test_loader_inprocess import Sink, model_config
+    from vllm_fastload.streaming.loader import RunaiStreamerLoader
+
+    loader = RunaiStreamerLoader(LoadConfig(load_format="runai_streamer", model_loader_extra_config=extra or {}))
+    sink = Sink({"w": ((64,), torch.float32), "b": ((3, 5), torch.bfloat16)})
+    t = time.monotonic()
+    try:
+        loader.load_weights(sink, model_config(uri))
+    finally:
+        if timing is not None:
+            timing.append(time.monotonic() - t)
+    return sink.seen
+
+
+def test_public_bucket_without_credentials_says_to_set_unsigned(buckets, no_creds):
+    t = time.monotonic()
+    with pytest.raises(StorageError) as e:
+        list_safetensors(buckets["pub"])
+    msg = str(e.value)
+    assert f"cannot list {buckets['pub']}: no AWS credentials found" in msg
+    assert "an anonymous request can read it (a public bucket): set RUNAI_STREAMER_S3_UNSIGNED=1" in msg
+    assert "AWS_EC2_METADATA_DISABLED unset" in msg
+    assert time.monotonic() - t < 8  # boto3's metadata-service wait is bounded (1 s, 1 attempt)
+
+
+def test_public_bucket_unsigned_loads_the_same_bytes_without_waiting_on_the_metadata_service(buckets, no_creds):
+    from safetensors.torch import load_file
+
+    no_creds.setenv("RUNAI_STREAMER_S3_UNSIGNED", "1")
+    timing = []
+    seen = load_with_streamer(buckets["pub"], timing=timing)
+    took = timing[0]
+    want = load_file(str(buckets["local"]))
+    assert sorted(seen) == ["b", "w"]
+    for k, v in want.items():
+        assert seen[k].dtype == v.dtype and torch.equal(seen[k].view(torch.uint8), v.view(torch.uint8))
+    # The C++ SDK waits 8-10 s per stream on an unanswering metadata service unless AWS_EC2_METADATA_DISABLED is
+    # set; the scoped environment sets it for anonymous reads (two streams here: header, then tensors).
+    assert took < 5, took
+    assert "AWS_EC2_METADATA_DISABLED" not in os.environ  # restored after the load
+
+
+def test_private_bucket_without_credentials_fails_within_seconds_and_never_falls_back(buckets, no_creds):
+    timing = []
+    with pytest.raises(StorageError) as e:
+        # "fallback" is true by default: object storage has nothing to fall back to
+        load_with_streamer(buckets["priv"], timing=timing)
+    took = timing[0]
+    msg = str(e.value)
+    assert f"cannot list {buckets['priv']}: no AWS credentials found" in msg
+    assert "an anonymous request got HTTP 403" in msg and "set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY" in msg
+    assert "Listing said: NoCredentialsError" in msg
+    assert took < 8, took
+
+
+def test_private_bucket_unsigned_names_the_403_and_the_variable(buckets, no_creds):
+    no_creds.setenv("RUNAI_STREAMER_S3_UNSIGNED", "1")
+    with pytest.raises(StorageError) as e:
+        read_range(buckets["priv"] + "/model.safetensors", 0, 8)
+    msg = str(e.value)
+    assert f"cannot read {buckets['priv']}/model.safetensors: an anonymous request (RUNAI_STREAMER_S3_UNSIGNED=1) " \
+           f"got HTTP 403" in msg
+    assert "the bucket is not public; unset RUNAI_STREAMER_S3_UNSIGNED" in msg
+
+
+def test_valid_keys_read_when_moto_enforces_auth(buckets, auth_on):
+    auth_on.setenv("AWS_ACCESS_KEY_ID", buckets["keys"]["reader"][0])
+    auth_on.setenv("AWS_SECRET_ACCESS_KEY", buckets["keys"]["reader"][1])
+    assert list_safetensors(buckets["priv"]) == [buckets["priv"] + "/model.safetensors"]
+    assert read_range(buckets["priv"] + "/model.safetensors", 0, 40) == buckets["local"].read_bytes()[:40]
+
+
+@pytest.mark.parametrize("case", ["unknown-key-id", "wrong-secret", "no-permission"])
+def test_wrong_keys_name_the_status_and_the_variable(buckets, auth_on, case):
+    key_id, secret = buckets["keys"]["reader"]
+    if case == "unknown-key-id":
+        key_id, want = "AKIAUNKNOWNUNKNOWN00", "HTTP 403 InvalidAccessKeyId (unknown access key: check AWS_ACCESS_KEY_ID)"
+    elif case == "wrong-secret":
+        secret, want = "not-the-secret", "HTTP 403 SignatureDoesNotMatch (wrong secret key: check AWS_SECRET_ACCESS_KEY)"
+    else:
+        key_id, secret = buckets["keys"]["pub-only"]
+        want = "HTTP 403 AccessDenied (access denied: check credentials and bucket policy)"
+    auth_on.setenv("AWS_ACCESS_KEY_ID", key_id)
+    auth_on.setenv("AWS_SECRET_ACCESS_KEY", secret)
+    uri = buckets["priv"]
+    with pytest.raises(StorageError) as e:
+        list_safetensors(uri)
+    assert f"cannot list {uri}: {want}" in str(e.value) and "AWS_ACCESS_KEY_ID=<set>" in str(e.value)
+    with pytest.raises(StorageError) as e:
+        read_range(uri + "/model.safetensors", 0, 8)
+    assert f"cannot read {uri}/model.safetensors: {want}" in str(e.value)
+    assert "File access error" in str(e.value)  # what the streamer itself said, kept as context
+
+
+def test_refused_endpoint_fails_within_seconds_for_list_read_and_load(s3env, monkeypatch):
+    dead = f"http://127.0.0.1:{free_port()}"
+    monkeypatch.setenv("AWS_ENDPOINT_URL", dead)
+    monkeypatch.setenv("RUNAI_STREAMER_S3_ENDPOINT", dead)
+    for what, call in (("list", lambda: list_safetensors("s3://bucket-ok/models/tiny")),
+                       ("read", lambda: read_range("s3://bucket-ok/models/tiny/model.safetensors", 0, 8)),
+                       ("list", lambda: load_with_streamer("s3://bucket-ok/models/tiny"))):
+        t = time.monotonic()
+        with pytest.raises(StorageError) as e:
+            call()
+        assert time.monotonic() - t < 15
+        msg = str(e.value)
+        assert f"cannot {what} s3://bucket-ok/models/tiny" in msg and "EndpointConnectionError" in msg and dead in msg
+        assert f"AWS_ENDPOINT_URL={dead}" in msg
+
+
+def test_an_endpoint_that_never_answers_is_bounded_by_the_listing_timeouts(s3env, monkeypatch):
+    from vllm_fastload import storage
+
+    hole = socket.socket()
+    hole.bind(("127.0.0.1", 0))
+    hole.listen(64)
+    try:
+        url = f"http://127.0.0.1:{hole.getsockname()[1]}"
+        monkeypatch.setenv("AWS_ENDPOINT_URL", url)
+        monkeypatch.setenv("RUNAI_STREAMER_S3_ENDPOINT", url)
+        # the defaults bound a hung listing to ~20 s (runai's own listing: 60 s read timeout with retries, ~3 min);
+        # the test shortens them to keep it quick
+        d = storage.LIST_TIMEOUTS
+        assert d["read_timeout"] * d["attempts"] <= 30
+        monkeypatch.setattr(storage, "LIST_TIMEOUTS", {"connect_timeout": 1, "read_timeout": 1, "attempts": 2})
+        t = time.monotonic()
+        with pytest.raises(StorageError) as e:
+            list_safetensors("s3://bucket-ok/models/tiny")
+        assert time.monotonic() - t < 10
+        msg = str(e.value)
+        assert "cannot list s3://bucket-ok/models/tiny: ReadTimeoutError: Read timeout on endpoint URL" in msg
+        assert url in msg
+    finally:
+        hole.close()

@@ -5,9 +5,13 @@ Tests run in file order and share two daemons (module scope); every process is s
 
 from __future__ import annotations
 
+import contextlib
 import json
+import mmap
 import os
 import signal
+import socket
+import time
 
 import pytest
 
@@ -15,6 +19,7 @@ pytest.importorskip("vllm")
 pytestmark = pytest.mark.e2e
 
 from tests.e2e_cpu.conftest import ids_of  # noqa: E402
+from vllm_fastload.ipc import protocol  # noqa: E402
 from vllm_fastload.ipc.client import status_of  # noqa: E402
 from vllm_fastload.servers import PreloadDaemon, VllmServer, free_port  # noqa: E402
 
@@ -100,6 +105,13 @@ def test_engine_survives_daemon_sigkill_and_next_start_falls_back(demo_model, so
         os.kill(daemon.pid, signal.SIGKILL)
         daemon.proc.wait(30)
         assert ids_of(srv) == reference_ids  # the mapping outlives the daemon
+        # the engine noticed (its lease connection closed) and said what it means
+        deadline = time.monotonic() + 10
+        while "went away" not in srv.log() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        [line] = [ln for ln in srv.log().splitlines() if "went away" in ln]
+        assert "WARNING" in line and f"the preload daemon at {sorted(sock_dir.glob('*.sock'))[0]} went away" in line
+        assert "keeps serving its mapped copy" in line and "second copy of the weights on this device" in line
         assert len(list(sock_dir.glob("*.sock"))) == 1  # a stale socket is left behind
     with engine(demo_model, sock_dir, e2e_logs, "after-kill", connect_timeout_s=2) as srv:
         assert srv.wait_ready(), srv.log()[-3000:]
@@ -138,6 +150,59 @@ def test_fingerprint_mismatch_falls_back_naming_dtype(demo_model, sock_dir, e2e_
         log = srv.log()
     assert "fingerprint mismatch" in log and "dtype (daemon 'bfloat16', engine 'float32')" in log
     assert daemon_status(sock_dir)["fingerprint_mismatches"] == 1
+
+
+@contextlib.contextmanager
+def corrupted_tensor(sock_dir, nbytes=64):
+    """Flip ``nbytes`` bytes at the start of one tensor in the running daemon's shared memory, restore them on exit.
+
+    Writes through the segment's file descriptor, which the daemon hands to any client of its user with the manifest:
+    mapped ``MAP_SHARED`` it is the daemon's own pages (engines map ``MAP_PRIVATE`` and never write them). The
+    manifest, and the checksum samples in it, stay as exported. Yields the tensor's name.
+    """
+    sock = str(sorted(sock_dir.glob("*.sock"))[0])
+    c = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    c.connect(sock)
+    protocol.send(c, {"type": "hello", "version": protocol.PROTOCOL_VERSION, "pid": os.getpid(), "mode": "copy",
+                      "fingerprint": status_of(sock)["fingerprint"]})
+    man, fds = protocol.recv(c)
+    protocol.send(c, {"type": "bye"})
+    c.close()
+    assert man["type"] == "manifest" and len(fds) == 1, man.get("reason")
+    mm = mmap.mmap(fds[0], int(man["segments"][0]["size"]), flags=mmap.MAP_SHARED,
+                   prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    os.close(fds[0])
+    name = next(k for k in sorted(man["tensors"]) if ".layers.1." in k and man["tensors"][k]["nbytes"] >= 4096)
+    off = int(man["tensors"][name]["offset"])
+    original = mm[off:off + nbytes]
+    mm[off:off + nbytes] = bytes(b ^ 0xFF for b in original)
+    try:
+        yield name
+    finally:
+        mm[off:off + nbytes] = original
+        mm.close()
+
+
+def test_corrupt_daemon_memory_is_caught_by_the_checksum_sample(demo_model, sock_dir, e2e_logs, daemon2,
+                                                                reference_ids):
+    with corrupted_tensor(sock_dir) as name:
+        reason = f"tensor {name!r} in the daemon's memory does not match its checksum sample"
+        with engine(demo_model, sock_dir, e2e_logs, "corrupt-strict", fallback=False) as srv:
+            assert srv.wait_ready() is False
+            srv.proc.wait(120)
+            assert srv.proc.returncode != 0
+            log = srv.log()
+            assert "FallbackRefused" in log and reason in log, log[-3000:]
+            assert "Loading weights took" not in log and "Mapped " not in log
+        with engine(demo_model, sock_dir, e2e_logs, "corrupt-fallback") as srv:
+            assert srv.wait_ready(), srv.log()[-3000:]
+            warning = [ln for ln in srv.log().splitlines() if "ipc_cache cannot serve this load" in ln]
+            assert len(warning) == 1 and "WARNING" in warning[0] and reason in warning[0], warning
+            assert "Falling back to vLLM's default loader" in warning[0]
+            assert ids_of(srv) == reference_ids  # served from disk, correct
+            r = report(e2e_logs, "corrupt-fallback")
+            assert r["format_used"] == "auto" and reason in r["fallback_reason"]
+    assert daemon_status(sock_dir)["clients"] == 0
 
 
 def test_copy_mode_matches_and_daemon_frees_its_memory(demo_model, sock_dir, e2e_logs, daemon2, reference_ids):

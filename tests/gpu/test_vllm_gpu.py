@@ -3,7 +3,6 @@
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -13,9 +12,6 @@ if not torch.cuda.is_available():
 
 pytest.importorskip("vllm")
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-from make_model import make  # noqa: E402
 
 CHILD = r"""
 import json, sys
@@ -28,11 +24,6 @@ prompts = [{"prompt_token_ids": p} for p in ([1, 5, 9, 200, 31], [7, 7, 7, 1000]
 outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, detokenize=False))
 print("IDS " + json.dumps([list(o.outputs[0].token_ids) for o in outs]), flush=True)
 """
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return make(tmp_path_factory.mktemp("tiny") / "tiny-llama", "tiny")
 
 
 def greedy(model, fmt, tp, extra=None, tmp=None):

@@ -45,7 +45,8 @@ def vllm_default_choice(path):
     from vllm.config.load import LoadConfig
     from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
-    _, files, _, _ = DefaultModelLoader(LoadConfig(load_format="auto"))._prepare_weights(str(path), None, None, True, None)
+    # (vLLM 0.32 returns 4 values, 0.26 three; the file list is the second in both)
+    files = DefaultModelLoader(LoadConfig(load_format="auto"))._prepare_weights(str(path), None, None, True, None)[1]
     return sorted(files)
 
 

@@ -4,6 +4,7 @@ import os
 import pickle
 import socket
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,7 +13,8 @@ from vllm_fastload.fingerprint import Fingerprint, ShardFacts
 from vllm_fastload.ipc import protocol
 from vllm_fastload.ipc.client import CacheUnavailable, FingerprintMismatch, fetch, status_of
 from vllm_fastload.ipc.daemon import RankServer, RankState, acquire
-from vllm_fastload.ipc.shm import pack, tensor_at
+from vllm_fastload.ipc.layout import view_at
+from vllm_fastload.ipc.shm import pack
 from vllm_fastload.errors import FastloadError
 
 
@@ -30,7 +32,7 @@ def server(tmp_path):
     seg, entries = pack({"w": w})
     fp = fingerprint()
     manifest = {"type": "manifest", "version": protocol.PROTOCOL_VERSION, "fingerprint": fp.to_dict(),
-                "fingerprint_short": fp.short(), "segments": [{"size": seg.size}], "tensors": entries,
+                "fingerprint_short": fp.short(), "segments": [seg.meta()], "tensors": entries,
                 "aliases": {}, "reprocess": []}
     path = tmp_path / "dev-target.sock"
     lock = acquire(path)
@@ -49,7 +51,7 @@ def server(tmp_path):
 def test_fetch_maps_the_bytes_and_status_counts_clients(server):
     srv, fp, w = server
     lease = fetch(str(srv.path), fp.to_dict(), "zero_copy", 2, 5)
-    got = tensor_at(lease.segment, lease.manifest["tensors"]["w"])
+    got = view_at(lease.segment.buf, lease.manifest["tensors"]["w"])
     assert torch.equal(got, w)
     assert lease.attach("zero_copy") == 1
     st = status_of(str(srv.path))
@@ -73,7 +75,7 @@ def test_copy_release_never_frees_memory_a_zero_copy_client_maps(server):
     cp.attach("copy")
     assert cp.release() is False  # a zero_copy client still maps it
     cp.close()
-    assert torch.equal(tensor_at(zc.segment, zc.manifest["tensors"]["w"]), w)
+    assert torch.equal(view_at(zc.segment.buf, zc.manifest["tensors"]["w"]), w)
     zc.close()
     cp2 = fetch(str(srv.path), fp.to_dict(), "copy", 2, 5)
     cp2.attach("copy")
@@ -157,7 +159,7 @@ def test_engine_connecting_during_the_load_waits_bounded_by_state_timeout(server
     t = time.monotonic()
     lease = fetch(str(srv.path), fp.to_dict(), "zero_copy", 2, 10)
     assert time.monotonic() - t >= 0.4
-    assert torch.equal(tensor_at(lease.segment, lease.manifest["tensors"]["w"]), w)
+    assert torch.equal(view_at(lease.segment.buf, lease.manifest["tensors"]["w"]), w)
     lease.close()
 
 
@@ -169,7 +171,7 @@ def test_eight_clients_attach_at_once_all_correct_and_counted(server):
         try:
             lease = fetch(str(srv.path), fp.to_dict(), "zero_copy", 5, 10)
             lease.attach("zero_copy")
-            results.append((lease, torch.equal(tensor_at(lease.segment, lease.manifest["tensors"]["w"]), w)))
+            results.append((lease, torch.equal(view_at(lease.segment.buf, lease.manifest["tensors"]["w"]), w)))
         except Exception as e:  # noqa: BLE001
             errors.append(e)
 
@@ -204,3 +206,27 @@ def test_socket_dir_must_be_private(tmp_path, problem):
         match = "owned by uid 65534, not by this user"
     with pytest.raises(FastloadError, match=match):
         ensure_socket_dir(str(d))
+
+
+def test_a_socket_path_longer_than_unix_allows_is_named_with_the_fix(tmp_path):
+    """GPU sockets are named by UUID (~40 chars): a long socket dir must fail clearly, not with 'AF_UNIX path too long'."""
+    from vllm_fastload.errors import FastloadError
+    from vllm_fastload.ipc.paths import MAX_SOCKET_PATH, socket_path
+
+    import tempfile
+
+    ident = "gpu-GPU-b92c24e2-f10f-0ceb-9335-6cf88fa62a98"
+    short = Path(tempfile.mkdtemp(prefix="fl", dir="/tmp"))
+    ok = socket_path(short, ident)
+    assert len(str(ok)) <= MAX_SOCKET_PATH
+    deep = tmp_path / ("d" * (MAX_SOCKET_PATH - len(str(tmp_path))))
+    with pytest.raises(FastloadError, match=r"socket path .* is \d+ bytes; Unix sockets allow 107.*socket dir of at most \d+ bytes"):
+        socket_path(deep, ident)
+    s = socket.socket(socket.AF_UNIX)  # and the limit is the kernel's: the longest accepted path binds
+    edge = short / ("e" * (MAX_SOCKET_PATH - len(str(short)) - 1))
+    try:
+        s.bind(str(edge))
+    finally:
+        s.close()
+        edge.unlink()
+        short.rmdir()

@@ -8,7 +8,8 @@ pytest.importorskip("vllm")
 
 from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase  # noqa: E402
 
-from vllm_fastload.ipc.shm import pack, tensor_at, verify  # noqa: E402
+from vllm_fastload.ipc.layout import sample_checksums, view_at  # noqa: E402
+from vllm_fastload.ipc.shm import open_segment, pack  # noqa: E402
 from vllm_fastload.ipc.state import InstallError, collect, install, reprocess_modules, snapshot  # noqa: E402
 
 
@@ -69,16 +70,15 @@ def daemon_side():
 
 def transported(exp):
     seg, entries = pack({k: t for k, (_, t) in exp.tensors.items()})
-    import mmap
     import os
 
-    mm = mmap.mmap(os.dup(seg.fd), seg.size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    mapped = open_segment(os.dup(seg.fd), seg.meta(), torch.device("cpu"))
+    crcs = sample_checksums(mapped.buf, entries)
     out = {}
     for k, e in entries.items():
-        t = tensor_at(mm, e)
-        assert verify(t, e)
-        out[k] = (exp.tensors[k][0], t)
-    return seg, mm, out
+        assert crcs[k] == e["checksum"]
+        out[k] = (exp.tensors[k][0], view_at(mapped.buf, e, k))
+    return seg, mapped, out
 
 
 def test_both_paths_round_trip():
@@ -102,11 +102,12 @@ def test_both_paths_round_trip():
 def test_corrupted_memory_fails_the_checksum():
     m, snap, _, _ = daemon_side()
     seg, entries = pack({k: t for k, (_, t) in collect(m, snap).tensors.items()})
-    buf = torch.frombuffer(seg.mm, dtype=torch.uint8)
     e = entries["sc.weight"]
-    buf[e["offset"]] ^= 0xFF
-    assert not verify(tensor_at(seg.mm, e), e)
-    del buf
+    assert sample_checksums(seg.buf, entries)["sc.weight"] == e["checksum"]
+    seg.buf[e["offset"] + e["nbytes"] // 2] ^= 0xFF  # the middle window
+    crcs = sample_checksums(seg.buf, entries)
+    assert crcs["sc.weight"] != e["checksum"]
+    assert all(crcs[k] == x["checksum"] for k, x in entries.items() if k != "sc.weight")
     seg.close()
 
 
@@ -119,3 +120,70 @@ def test_shape_mismatch_of_a_reprocessed_module_names_the_tensor():
         eng = Toy()
     with pytest.raises(InstallError, match=r"'lin.weight' is torch.float32 \(5, 3\).*expects torch.float32 \(4, 3\)"):
         install(eng, bad, exp.aliases, exp.reprocess)
+
+
+def test_strided_and_odd_tensors_keep_layout_and_bytes():
+    """FP8 post-processing keeps ``weight.t()``: the export must keep strides, not make it contiguous."""
+    base = torch.randn(64, 48)
+    ts = {"t": base.t(), "c": torch.randn(3, 5).to(torch.bfloat16), "u8": torch.arange(7, dtype=torch.uint8),
+          "empty": torch.empty(0, 4), "overlap": torch.randn(5)[None].expand(3, 5)}
+    seg, entries = pack(ts)
+    assert entries["t"]["stride"] == [1, 48] and entries["t"]["nbytes"] == 64 * 48 * 4
+    assert entries["overlap"]["stride"] == [5, 1]  # an overlapping view is stored contiguous
+    assert all(e["offset"] % 256 == 0 for e in entries.values())
+    for k, t in ts.items():
+        got = view_at(seg.buf, entries[k], k)
+        assert got.stride() == t.stride() or k == "overlap"
+        assert got.shape == t.shape and got.dtype == t.dtype and torch.equal(got, t)
+    seg.close()
+
+
+def test_bad_manifest_entries_are_named():
+    seg, entries = pack({"w": torch.ones(4, 4)})
+    e = dict(entries["w"])
+    with pytest.raises(ValueError, match="'w'.*outside"):
+        view_at(seg.buf, {**e, "offset": seg.size}, "w")
+    with pytest.raises(ValueError, match="'w'.*do not hold"):
+        view_at(seg.buf, {**e, "stride": [1, 1]}, "w")
+    with pytest.raises(ValueError, match="'w'.*unknown dtype 'float99'"):
+        view_at(seg.buf, {**e, "dtype": "float99"}, "w")
+    seg.close()
+
+
+def test_plain_attributes_set_by_post_processing_reach_the_engine():
+    """Online FP8 sets ``layer.input_scale = None`` and a private flag; a skeleton without them would run wrong."""
+    import json
+
+    m = Toy()
+    snap = snapshot(m)
+    m.sc.input_scale = None
+    m.sc._already_called_process_weights_after_loading = True
+    m.sc.orig_dtype = torch.bfloat16
+    m.sc.widths = (3, 4)
+    m.sc.where = torch.device("cpu")  # devices do not cross processes
+    exp = collect(m, snap)
+    attrs = json.loads(json.dumps(exp.attrs))  # what crosses the socket
+    assert "where" not in attrs["sc"]
+    with torch.device("meta"):
+        eng = Toy()
+    seg, _mapped, tensors = transported(exp)
+    install(eng, tensors, exp.aliases, exp.reprocess, attrs)
+    assert eng.sc.input_scale is None and eng.sc._already_called_process_weights_after_loading is True
+    assert eng.sc.orig_dtype is torch.bfloat16 and eng.sc.widths == (3, 4)
+    seg.close()
+
+
+def test_daemon_finishes_online_quantization_like_vllms_loader(monkeypatch):
+    """vLLM's BaseModelLoader.load_model runs finalize_layerwise_processing for online quantization (fp8) before
+    post-processing; the daemon, which calls load_weights itself, must do the same (else deferred layers stay on
+    the meta device)."""
+    from vllm.model_executor.model_loader import reload
+
+    from vllm_fastload.ipc.daemon import finish_online_quantization
+
+    calls = []
+    monkeypatch.setattr(reload, "finalize_layerwise_processing", lambda m, c: calls.append((m, c)))
+    m = Toy()
+    assert finish_online_quantization(m, "cfg") is False and calls == []
+    m.lin.quant_method.uses_meta_device = True
+    assert finish_online_quantization(m, "cfg") is True and calls == [(m, "cfg")]

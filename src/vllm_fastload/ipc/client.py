@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
-import mmap
 import os
 import socket
+import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from ..errors import FastloadError
+from ..log import logger
 from . import protocol
-from .shm import map_segment
+from .shm import Segment, open_segment
 
 
 class CacheUnavailable(FastloadError):
@@ -28,29 +29,85 @@ class FingerprintMismatch(CacheUnavailable):
 
 @dataclass
 class Lease:
-    """An open connection and the mapped segment; keep it alive as long as mapped tensors are used."""
+    """An open connection and the mapped segment; keep it alive as long as mapped tensors are used.
+
+    A ``zero_copy`` lease watches its connection after :meth:`attach` (:meth:`watch`): when the daemon goes away
+    it logs a WARNING; the mapping stays valid (the kernel keeps the memory).
+    """
 
     conn: socket.socket
     manifest: dict
-    segment: mmap.mmap
+    segment: Segment
+    _closing: threading.Event = field(default_factory=threading.Event, repr=False)
+    _watcher: Optional[threading.Thread] = field(default=None, repr=False)
 
     def attach(self, mode: str) -> int:
-        """Tell the daemon we use the cache in ``mode``; returns its client count."""
-        reply, _ = protocol.request(self.conn, {"type": "attach", "mode": mode}, "attached")
+        """Tell the daemon we use the cache in ``mode``; returns its client count. For ``zero_copy`` this starts
+        :meth:`watch`, so no further request may be made on this lease (only :meth:`close`)."""
+        try:
+            reply, _ = protocol.request(self.conn, {"type": "attach", "mode": mode}, "attached")
+        except (protocol.ProtocolError, OSError) as e:
+            raise CacheUnavailable(f"daemon at {self._path()} went away before the attach ({e}); see its log") from None
+        if mode == "zero_copy":
+            self.watch()
         return int(reply["clients"])
 
     def release(self) -> bool:
-        """copy mode: we cloned everything; the daemon may free its memory. Returns whether it did."""
-        reply, _ = protocol.request(self.conn, {"type": "release"}, "released")
+        """copy mode: we cloned everything; the daemon may free its memory. Returns whether it did (False, with a
+        WARNING, when the daemon is gone: the copy is complete either way)."""
+        try:
+            reply, _ = protocol.request(self.conn, {"type": "release"}, "released")
+        except (protocol.ProtocolError, OSError) as e:
+            logger.warning("fastload: the preload daemon at %s went away before the release (%s); this engine's "
+                           "copy of the weights is complete", self._path(), e)
+            return False
         return bool(reply["freed"])
+
+    def _path(self) -> str:
+        """The daemon's socket path (the peer address of the connection), ``"?"`` when unknown."""
+        try:
+            return self.conn.getpeername() or "?"
+        except OSError:
+            return "?"
+
+    def watch(self) -> None:
+        """Start a daemon thread that notices when the daemon closes this connection (killed, stopped, restarted)
+        and logs a WARNING on ``vllm.fastload`` naming the socket. Idempotent. Call only after the last request on
+        this lease: the thread reads the connection (the daemon sends nothing unasked)."""
+        if self._watcher is not None:
+            return
+        self._watcher = threading.Thread(target=self._watch, args=(self._path(),), name="fastload-lease-watch",
+                                         daemon=True)
+        self._watcher.start()
+
+    def _watch(self, path: str) -> None:
+        cause = "its connection closed"
+        try:
+            while self.conn.recv(4096):
+                pass  # nothing is expected; a frame the daemon might send unasked is ignored
+        except OSError as e:
+            cause = f"{type(e).__name__}: {e}"
+        if self._closing.is_set():
+            return
+        logger.warning(
+            "fastload: the preload daemon at %s went away (%s). This engine keeps serving its mapped copy of the "
+            "weights (the kernel keeps that memory). A restarted daemon will hold a second copy of the weights on "
+            "this device until this engine restarts and maps the new daemon's copy.", path, cause)
 
     def close(self) -> None:
         """Say bye and close the connection (the mapping stays until :attr:`segment` is closed)."""
+        self._closing.set()
         try:
             protocol.send(self.conn, {"type": "bye"})
         except OSError:
             pass
+        try:
+            self.conn.shutdown(socket.SHUT_RDWR)  # wakes a watcher blocked in recv (close alone does not)
+        except OSError:
+            pass
         self.conn.close()
+        if self._watcher is not None:
+            self._watcher.join(5)
 
 
 def connect(path: str, timeout_s: float) -> socket.socket:
@@ -74,8 +131,10 @@ def connect(path: str, timeout_s: float) -> socket.socket:
         time.sleep(0.1)
 
 
-def fetch(path: str, fingerprint: dict, mode: str, connect_timeout_s: float, state_timeout_s: float) -> Lease:
-    """Connect, send hello with ``fingerprint``, receive the manifest and map its segment.
+def fetch(path: str, fingerprint: dict, mode: str, connect_timeout_s: float, state_timeout_s: float,
+          device: Any = None) -> Lease:
+    """Connect, send hello with ``fingerprint``, receive the manifest and map its segment on ``device``
+    (a ``torch.device``; default CPU).
 
     Raises :class:`FingerprintMismatch` or :class:`CacheUnavailable` (with the reason).
     """
@@ -91,8 +150,8 @@ def fetch(path: str, fingerprint: dict, mode: str, connect_timeout_s: float, sta
     except protocol.ProtocolError as e:
         conn.close()
         if "connection closed" in str(e):
-            raise CacheUnavailable(f"daemon at {path} closed the connection before sending the manifest (it may have "
-                                   f"died while loading; see its log)") from None
+            raise CacheUnavailable(f"daemon at {path} closed the connection before sending the manifest ({e}; it may "
+                                   f"have died while loading or been killed during the hand-over; see its log)") from None
         raise CacheUnavailable(f"the process on {path} does not speak vllm-fastload's protocol ({e}). vLLM's own "
                                f"`vllm preload` daemon uses pickle frames, which this loader never reads; start "
                                f"`vllm-fastload preload` instead") from None
@@ -110,8 +169,14 @@ def fetch(path: str, fingerprint: dict, mode: str, connect_timeout_s: float, sta
         conn.close()
         raise CacheUnavailable(f"daemon at {path} sent {reply['type']!r} with {len(fds)} segment(s); expected a manifest")
     conn.settimeout(None)
-    mm = map_segment(fds[0], int(reply["segments"][0]["size"]))
-    return Lease(conn, reply, mm)
+    import torch
+
+    try:
+        seg = open_segment(fds[0], reply["segments"][0], torch.device(device or "cpu"))
+    except BaseException:
+        conn.close()
+        raise
+    return Lease(conn, reply, seg)
 
 
 def status_of(path: str, timeout_s: float = 2.0) -> Optional[dict[str, Any]]:

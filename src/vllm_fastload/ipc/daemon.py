@@ -68,6 +68,22 @@ class RankState:
                     "uptime_s": round(time.time() - self.started, 1), "pid": os.getpid()}
 
 
+def finish_online_quantization(model: Any, model_config: Any) -> bool:
+    """What vLLM's ``BaseModelLoader.load_model`` does between ``load_weights`` and post-processing when a quant
+    method quantizes online (``uses_meta_device``, e.g. ``--quantization fp8``): process the layers the layerwise
+    loader deferred (attention layers, layers with padding, weights absent from the checkpoint) with
+    ``finalize_layerwise_processing``. Like the layerwise quantization during ``load_weights``, this counts as
+    loading here: its results are exported as processed. Returns whether it ran (vLLM 0.26 and later)."""
+    try:
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_processing
+    except ImportError:
+        return False
+    online = any(getattr(getattr(m, "quant_method", None), "uses_meta_device", False) for m in model.modules())
+    if online:
+        finalize_layerwise_processing(model, model_config)
+    return online
+
+
 def build_and_export(vllm_config: Any, local_rank: int, rank: int, world_size: int, init_method: str) -> tuple[Segment, dict, float]:
     """Load this rank's model like the engine does, post-process, pack. Returns (segment, manifest, seconds)."""
     import torch
@@ -97,17 +113,37 @@ def build_and_export(vllm_config: Any, local_rank: int, rank: int, world_size: i
             with device:
                 model = initialize_model(vllm_config=vllm_config, model_config=mc)
             loader.load_weights(model, mc)
+            finish_online_quantization(model, mc)
             snap = snapshot(model)
             process_weights_after_loading(model, mc, device)
         exp = collect(model, snap)
         tensors = {k: t for k, (_, t) in exp.tensors.items()}
-        segment, entries = pack(tensors)
+        unloaded = [k for k, t in tensors.items() if t.device.type == "meta"]
+        if unloaded:
+            raise FastloadError(f"{len(unloaded)} tensor(s) were never loaded in the daemon (still on the meta device), "
+                                f"e.g. {unloaded[0]!r}; this checkpoint/quantization is not supported by the preload "
+                                f"daemon yet — serve it with --load-format runai_streamer")
+        if device.type == "cuda":
+            device = torch.device("cuda", torch.cuda.current_device())
+        # One export buffer per rank (one fd, one CUDA allocation): engines open one handle and build every
+        # tensor by offset. Peak memory during the copy is twice the weights; the model is freed right after.
+        segment, entries = pack(tensors, device)
         for k, (kind, _) in exp.tensors.items():
             entries[k]["kind"] = kind
         del model, snap, tensors
+        exp.tensors.clear()
+        if device.type == "cuda":
+            import gc
+
+            gc.collect()
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+    meta = segment.meta()
+    if device.type == "cuda":
+        meta["device"] = device_identity("cuda", device.index)
     manifest = {"type": "manifest", "version": protocol.PROTOCOL_VERSION, "fingerprint": fp.to_dict(),
-                "fingerprint_short": fp.short(), "segments": [{"size": segment.size}],
-                "tensors": entries, "aliases": exp.aliases, "reprocess": exp.reprocess}
+                "fingerprint_short": fp.short(), "segments": [meta],
+                "tensors": entries, "aliases": exp.aliases, "reprocess": exp.reprocess, "attrs": exp.attrs}
     logger.info("fastload: rank %d: %d tensors exported as is, %d module(s) re-processed by the engine: %s",
                 rank, len(entries), len(exp.reprocess), ", ".join(exp.reprocess[:6]) + (" ..." if len(exp.reprocess) > 6 else ""))
     return segment, manifest, time.perf_counter() - t0
@@ -190,6 +226,9 @@ class RankServer:
                     return
                 else:
                     protocol.send(conn, {"type": "error", "reason": f"unknown message type {kind!r}"})
+        except OSError as e:  # the client went away while we were sending (killed mid-transfer): not our failure
+            logger.info("fastload: client %d disconnected while the daemon was sending to it (%s: %s); still serving",
+                        cid, type(e).__name__, e)
         finally:
             with st.lock:
                 st.clients.pop(cid, None)

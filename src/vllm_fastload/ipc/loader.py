@@ -35,8 +35,39 @@ class ChecksumMismatch(FastloadError):
     says); the message names the tensor."""
 
 
+def _skeleton_registrations(vllm_config: Any) -> tuple[set, set]:
+    """What building a model registers process-wide: attention layers in ``static_forward_context`` and cached
+    rotary embeddings (``rotary_embedding._ROPE_DICT``); recorded so a failed mapping can undo it."""
+    ctx = getattr(getattr(vllm_config, "compilation_config", None), "static_forward_context", None) or {}
+    try:
+        from vllm.model_executor.layers import rotary_embedding as rope
+
+        ropes = set(getattr(rope, "_ROPE_DICT", {}))
+    except ImportError:
+        ropes = set()
+    return set(ctx), ropes
+
+
+def _forget_skeleton(vllm_config: Any, before: tuple[set, set]) -> None:
+    """Remove what a skeleton built after :func:`_skeleton_registrations` registered, so the fallback loader can
+    build the model again (otherwise vLLM raises "Duplicate layer name" or reuses meta-device RoPE caches)."""
+    ctx = getattr(getattr(vllm_config, "compilation_config", None), "static_forward_context", None)
+    if ctx is not None:
+        for k in set(ctx) - before[0]:
+            ctx.pop(k, None)
+    try:
+        from vllm.model_executor.layers import rotary_embedding as rope
+    except ImportError:
+        return
+    cache = getattr(rope, "_ROPE_DICT", None)
+    if cache is not None:
+        for k in set(cache) - before[1]:
+            cache.pop(k, None)
+
+
 class IpcCacheLoader(BaseModelLoader):
-    """Maps post-processed weights from a ``vllm-fastload preload`` daemon (CPU: shared memory)."""
+    """Maps post-processed weights from a ``vllm-fastload preload`` daemon (CPU: memfd shared memory; CUDA: one
+    VMM allocation per rank, see :mod:`.cuda_vmm`)."""
 
     def __init__(self, load_config: Any):
         self.config = IpcCacheConfig.from_extra(load_config.model_loader_extra_config)
@@ -48,6 +79,19 @@ class IpcCacheLoader(BaseModelLoader):
     def load_weights(self, model: Any, model_config: Any) -> None:
         """In-place (re)load of an existing model: done from disk by vLLM's default loader."""
         default_loader(self.load_config).load_weights(model, model_config)
+
+    def get_external_weight_memory(self, vllm_config: Any) -> int:
+        """vLLM >= 0.33 hook (``BaseModelLoader.get_external_weight_memory``): bytes of daemon memory this process
+        serves weights from (zero_copy on CUDA), so the KV cache is sized as if the weights were the engine's own.
+        0 in copy mode, on CPU, and after a fallback."""
+        from .accounting import mapped_bytes
+
+        try:
+            import torch
+
+            return mapped_bytes(torch.cuda.current_device()) if torch.cuda.is_available() else 0
+        except (ImportError, RuntimeError):
+            return 0
 
     def socket_for_this_rank(self) -> str:
         """The daemon socket of the device this worker uses (``socket_path`` wins over ``socket_dir``)."""
@@ -104,13 +148,18 @@ class IpcCacheLoader(BaseModelLoader):
 
         from ..fingerprint import of_model
         from .client import CacheUnavailable, fetch
-        from .shm import tensor_at, verify
+        from .layout import sample_checksums, view_at
         from .state import install, reprocess_modules
 
-        device = vllm_config.device_config.device if self.load_config.device is None else self.load_config.device
-        if torch.device(device).type != "cpu":
-            raise CacheUnavailable(f"ipc_cache on {torch.device(device).type} needs the CUDA transport, which this "
-                                   f"version does not have yet (CPU shared memory only)")
+        device = torch.device(vllm_config.device_config.device if self.load_config.device is None
+                              else self.load_config.device)
+        if device.type == "cuda":
+            if torch.version.hip is not None:
+                raise CacheUnavailable("ipc_cache on ROCm is not supported yet (the CUDA VMM transport is bound to "
+                                       "libcuda); loading from disk")
+            device = torch.device("cuda", torch.cuda.current_device())
+        elif device.type != "cpu":
+            raise CacheUnavailable(f"ipc_cache has no transport for {device.type} devices (CPU and CUDA only)")
         phases: dict[str, float] = {}
         tick = time.perf_counter()
 
@@ -123,41 +172,69 @@ class IpcCacheLoader(BaseModelLoader):
         plan, fp = of_model(model_config, vllm_config)
         lap("fingerprint_s")
         mode = self.config.mode
-        lease = fetch(path, fp.to_dict(), mode, self.config.connect_timeout_s, self.config.state_timeout_s)
+        lease = fetch(path, fp.to_dict(), mode, self.config.connect_timeout_s, self.config.state_timeout_s, device)
         lap("connect_manifest_s")
+        registered = _skeleton_registrations(vllm_config)
         try:
+            man = lease.manifest
+            entries = man["tensors"]
+            buf = lease.segment.buf
+            # Verify before building anything: a corrupt daemon must not leave a half-built model behind.
+            tv = time.perf_counter()
+            crcs = sample_checksums(buf, entries)
+            phases["verify_s"] = round(time.perf_counter() - tv, 4)
+            bad = [name for name, e in entries.items() if crcs[name] != e["checksum"]]
+            if bad:
+                raise ChecksumMismatch(f"tensor {bad[0]!r} in the daemon's memory does not match its checksum sample "
+                                       f"({len(bad)} tensor(s) differ); the daemon at {path} serves corrupt memory: "
+                                       f"restart it")
+            tv = time.perf_counter()
             with set_default_torch_dtype(model_config.dtype):
                 with torch.device("meta"):
                     model = initialize_model(vllm_config=vllm_config, model_config=model_config, prefix=prefix)
-            lap("skeleton_s")
-            man = lease.manifest
+            phases["skeleton_s"] = round(time.perf_counter() - tv, 4)
+            tick += phases["skeleton_s"]  # the skeleton is not part of the weights phase
             tensors, nbytes = {}, 0
-            for name, entry in man["tensors"].items():
-                t = tensor_at(lease.segment, entry, name)
-                if not verify(t, entry):
-                    raise ChecksumMismatch(f"tensor {name!r} in the daemon's memory does not match its checksum "
-                                           f"sample; the daemon at {path} serves corrupt memory: restart it")
+            for name, entry in entries.items():
+                t = view_at(buf, entry, name)
                 tensors[name] = (entry["kind"], t.clone() if mode == "copy" else t)
                 nbytes += int(entry["nbytes"])
-            install(model, tensors, man.get("aliases", {}), man.get("reprocess", []))
+            t = buf = None
+            install(model, tensors, man.get("aliases", {}), man.get("reprocess", []), man.get("attrs", {}))
             lap("map_verify_install_s")
             reprocess_modules(model, man.get("reprocess", []), model_config)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
             lap("reprocess_s")
             lease.attach(mode)
         except BaseException:
+            _forget_skeleton(vllm_config, registered)
             lease.close()
             raise
         if mode == "copy":
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)  # the clones are complete before the daemon may free the source
             freed = lease.release()
             lease.close()
             del tensors
-            try:
-                lease.segment.close()  # every tensor is a clone: nothing views the mapping any more
-            except BufferError:
-                pass  # a view is still referenced somewhere; the mapping goes with it
+            lease.segment.close()  # every tensor is a clone: nothing views the mapping any more
             logger.info("fastload: copy mode: daemon %s its memory", "freed" if freed else "kept (zero_copy clients)")
+            if freed and device.type == "cuda":
+                # vLLM's profiler took its free-memory baseline while the daemon held these bytes; freeing them
+                # during the load would read as negative non-torch memory and grow the KV cache beyond
+                # gpu_memory_utilization. Count them once more as weights to cancel that (vLLM < 0.33).
+                from .accounting import add_mapped, count_in_vllm_profiler, has_external_weight_hook
+
+                if not has_external_weight_hook():
+                    add_mapped(device.index, lease.segment.size)
+                    count_in_vllm_profiler()
         else:
             _LEASES.append(lease)
+            if device.type == "cuda":
+                from .accounting import add_mapped, count_in_vllm_profiler
+
+                add_mapped(device.index, lease.segment.size)
+                count_in_vllm_profiler()
         logger.info("Mapped %d tensors from the weight cache daemon (%s mode)", len(man["tensors"]), mode)
         lap("release_s")
         # The span comparable to a disk loader's weight loading: fetch + map + verify + install (+ copy).

@@ -49,6 +49,18 @@ def device_identity(device_type: str, local_rank: int) -> str:
     return f"cpu-{host}-r{local_rank}"
 
 
+#: Longest Unix socket path Linux accepts (``sun_path`` is 108 bytes including the terminating NUL; unix(7)).
+MAX_SOCKET_PATH = 107
+
+
 def socket_path(socket_dir: Path, identity: str, role: str = "target") -> Path:
-    """``<dir>/<identity>-<role>.sock``."""
-    return Path(socket_dir) / f"{identity}-{role}.sock"
+    """``<dir>/<identity>-<role>.sock``. GPU identities are UUIDs (~40 characters), so the directory must stay
+    short: raises :class:`FastloadError` naming the path when it exceeds :data:`MAX_SOCKET_PATH` bytes."""
+    path = Path(socket_dir) / f"{identity}-{role}.sock"
+    n = len(str(path).encode())
+    if n > MAX_SOCKET_PATH:
+        raise FastloadError(
+            f"socket path {path} is {n} bytes; Unix sockets allow {MAX_SOCKET_PATH}. The file name takes "
+            f"{len(path.name)}, so use a socket dir of at most {MAX_SOCKET_PATH - len(path.name) - 1} bytes "
+            f"(--weight-cache-socket-dir / \"socket_dir\", e.g. $XDG_RUNTIME_DIR/vllm-fastload)")
+    return path

@@ -20,6 +20,7 @@ counts the client as gone.
 from __future__ import annotations
 
 import json
+import os
 import socket
 import struct
 from typing import Any, Optional
@@ -67,16 +68,26 @@ def recv(sock: socket.socket) -> tuple[dict[str, Any], list[int]]:
     """Receive one frame: ``(message, file descriptors)``. Raises :class:`ProtocolError` on bad input and
     ``socket.timeout`` when the socket's timeout expires."""
     fds: list[int] = []
-    (n,) = _LEN.unpack(_recv_exact(sock, 4, fds))
-    if n > MAX_FRAME_BYTES:
-        raise ProtocolError(f"peer announced a frame of {n} bytes (limit {MAX_FRAME_BYTES}); not this protocol?")
-    body = _recv_exact(sock, n, fds) if n else b""
     try:
-        msg = json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ProtocolError(f"frame is not JSON ({e}); is the peer upstream vLLM's pickle-based daemon?") from None
-    if not isinstance(msg, dict) or not isinstance(msg.get("type"), str):
-        raise ProtocolError(f"frame without a 'type': {str(msg)[:200]}")
+        (n,) = _LEN.unpack(_recv_exact(sock, 4, fds))
+        if n > MAX_FRAME_BYTES:
+            raise ProtocolError(f"peer announced a frame of {n} bytes (limit {MAX_FRAME_BYTES}); not this protocol?")
+        body = _recv_exact(sock, n, fds) if n else b""
+        try:
+            msg = json.loads(body)
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ProtocolError(f"frame is not JSON ({e}); is the peer upstream vLLM's pickle-based daemon?") from None
+        if not isinstance(msg, dict) or not isinstance(msg.get("type"), str):
+            raise ProtocolError(f"frame without a 'type': {str(msg)[:200]}")
+    except BaseException:
+        # descriptors that arrived with a frame that broke off (peer killed mid-frame, timeout) are closed, not
+        # leaked: a leaked memfd would keep the daemon's memory alive in this process
+        for fd in fds:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        raise
     return msg, fds
 
 

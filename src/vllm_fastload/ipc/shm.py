@@ -1,127 +1,108 @@
-"""CPU transport: every exported tensor of a rank packed into one anonymous shared-memory segment (memfd).
+"""A rank's export buffer ("segment") and its two transports, both handed over as one file descriptor.
 
-Why memfd and not ``/dev/shm`` files: a memfd has no name, so nothing is left behind when the daemon is killed,
-nobody else can open it (it is reachable only through a file descriptor passed over the 0600 Unix socket), and
-the kernel keeps its pages alive while any process maps them — an engine keeps serving after the daemon died.
+* ``memfd`` (CPU): one anonymous shared-memory file. It has no name, so nothing is left behind when the daemon
+  is killed and nobody can open it without the fd passed over the 0600 socket; the kernel keeps its pages while
+  any process maps them. Engines map it ``MAP_PRIVATE`` (copy-on-write): they can never write into the daemon's
+  pages.
+* ``cuda_vmm`` (CUDA): one VMM allocation exported as a POSIX fd (:mod:`.cuda_vmm`); the physical memory lives
+  while any process holds or maps it.
 
-Clients map the segment ``MAP_PRIVATE`` (read/write, copy-on-write): zero_copy engines share the daemon's pages
-and can never write into them. ``copy`` clients clone what they mapped and unmap.
+Where each tensor sits inside a segment and how it is checked: :mod:`.layout`.
 """
 
 from __future__ import annotations
 
 import mmap
 import os
-import zlib
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-ALIGN = 64
-#: bytes hashed per checksum sample window (start, middle, end of each tensor)
-SAMPLE = 4096
-
-DTYPES = {str(d).removeprefix("torch."): d for d in (
-    torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16, torch.int8,
-    torch.uint8, torch.bool, torch.complex64) }
-for _name in ("float8_e4m3fn", "float8_e5m2", "float8_e8m0fnu", "uint16", "uint32", "uint64", "float8_e4m3fnuz",
-              "float8_e5m2fnuz"):
-    if hasattr(torch, _name):
-        DTYPES[_name] = getattr(torch, _name)
-
-
-def checksum(raw: torch.Tensor) -> str:
-    """CRC32 (hex) of up to three ``SAMPLE``-byte windows (start, middle, end) of a flat uint8 tensor."""
-    n = raw.numel()
-    parts = [raw[:SAMPLE], raw[max(0, n // 2 - SAMPLE // 2): n // 2 + SAMPLE // 2], raw[max(0, n - SAMPLE):]]
-    crc = 0
-    for p in parts:
-        crc = zlib.crc32(p.numpy().tobytes(), crc)
-    return f"{crc:08x}"
-
-
-def _bytes_view(t: torch.Tensor) -> torch.Tensor:
-    """The bytes of ``t``'s storage span as a flat uint8 tensor (t must be on CPU)."""
-    if t.numel() == 0:
-        return torch.empty(0, dtype=torch.uint8)
-    return t.contiguous().reshape(-1).view(torch.uint8)
+from .layout import fill, plan, sample_checksums
 
 
 @dataclass
 class Segment:
-    """A memfd holding packed tensors. ``fd`` stays open in the daemon; ``size`` in bytes."""
+    """An export buffer: ``buf`` is its flat ``torch.uint8`` view (``size`` bytes), ``fd`` the descriptor sent to
+    clients (owned by this object), ``transport`` ``"memfd"`` or ``"cuda_vmm"``."""
 
     fd: int
     size: int
-    mm: Any = None
+    transport: str
+    buf: Any
+    owner: Any = None
+
+    def meta(self) -> dict[str, Any]:
+        """The manifest's description of this segment (JSON)."""
+        return {"size": self.size, "transport": self.transport}
 
     def close(self) -> None:
-        """Unmap and close the daemon's handle (clients that map it keep the pages alive)."""
-        if self.mm is not None:
-            self.mm.close()
-            self.mm = None
+        """Drop this process's view and handle (other processes that map it keep the memory alive)."""
+        self.buf = None
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
+        if self.owner is not None:
+            try:
+                self.owner.close()
+            except BufferError:  # a tensor still views the mapping; it is freed with that tensor
+                pass
+            self.owner = None
 
 
-def pack(tensors: dict[str, torch.Tensor], name: str = "vllm-fastload") -> tuple[Segment, dict[str, dict]]:
-    """Copy CPU ``tensors`` into one new memfd segment.
+def new_segment(size: int, device: torch.device, name: str = "vllm-fastload") -> Segment:
+    """A fresh segment of at least ``size`` bytes on ``device`` (CPU -> memfd, CUDA -> VMM allocation)."""
+    if device.type == "cuda":
+        from .cuda_vmm import VmmBuffer
 
-    Returns the segment and, per name, a manifest entry ``{dtype, shape, offset, nbytes, checksum}`` (offset and
-    nbytes in bytes, 64-byte aligned offsets). Tensors are stored contiguous (their stride is re-derived).
-    """
-    layout, off = {}, 0
-    for k, t in tensors.items():
-        nbytes = t.numel() * t.element_size()
-        layout[k] = (off, nbytes)
-        off += -(-nbytes // ALIGN) * ALIGN
-    size = max(off, ALIGN)
+        vb = VmmBuffer.allocate(device.index if device.index is not None else torch.cuda.current_device(), size)
+        return Segment(vb.export_fd(), vb.size, "cuda_vmm", vb.tensor(), vb)
+    if device.type != "cpu":
+        raise ValueError(f"ipc_cache has no transport for {device.type} devices (CPU memfd and CUDA VMM only)")
     fd = os.memfd_create(name, os.MFD_CLOEXEC)
     os.ftruncate(fd, size)
     mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-    buf = torch.frombuffer(mm, dtype=torch.uint8)
-    entries = {}
-    for k, t in tensors.items():
-        o, n = layout[k]
-        raw = _bytes_view(t.detach().cpu())
-        if n:
-            buf[o:o + n].copy_(raw)
-        entries[k] = {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape), "offset": o,
-                      "nbytes": n, "checksum": checksum(buf[o:o + n])}
-    del buf
-    return Segment(fd, size, mm), entries
+    return Segment(fd, size, "memfd", torch.frombuffer(mm, dtype=torch.uint8), mm)
 
 
-def map_segment(fd: int, size: int) -> mmap.mmap:
-    """Map a received segment copy-on-write (``MAP_PRIVATE``) and close the fd (the mapping keeps it alive)."""
+def pack(tensors: dict[str, torch.Tensor], device: torch.device = torch.device("cpu")) -> tuple[Segment, dict]:
+    """Copy ``tensors`` into one new segment on ``device``.
+
+    Returns the segment and, per name, a manifest entry (:func:`.layout.plan` plus its ``checksum``).
+    """
+    entries, size = plan(tensors)
+    seg = new_segment(size, device)
+    fill(seg.buf, tensors, entries)
+    for k, crc in sample_checksums(seg.buf, entries).items():
+        entries[k]["checksum"] = crc
+    return seg, entries
+
+
+def open_segment(fd: int, meta: dict[str, Any], device: torch.device) -> Segment:
+    """Map a received segment (closes ``fd``; the mapping keeps the memory). CPU segments are mapped copy-on-write.
+    Raises ``ValueError`` when the segment's transport does not fit ``device``."""
+    transport, size = meta.get("transport", "memfd"), int(meta["size"])
+    if transport == "cuda_vmm":
+        if device.type != "cuda":
+            os.close(fd)
+            raise ValueError(f"the daemon exports CUDA memory but this engine runs on {device.type}")
+        from .cuda_vmm import VmmBuffer
+        from .paths import device_identity
+
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        mine = device_identity("cuda", index)
+        if meta.get("device") and meta["device"] != mine:
+            os.close(fd)
+            raise ValueError(f"the daemon exports memory of {meta['device']} but this rank uses {mine} (cuda:{index}); "
+                             f"check CUDA_VISIBLE_DEVICES and the socket path")
+        vb = VmmBuffer.import_fd(index, fd, size)
+        return Segment(-1, size, transport, vb.tensor(), vb)
+    if transport != "memfd" or device.type != "cpu":
+        os.close(fd)
+        raise ValueError(f"the daemon exports {transport!r} memory, which a {device.type} engine cannot map")
     try:
-        return mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        mm = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
     finally:
         os.close(fd)
-
-
-def tensor_at(mm: mmap.mmap, entry: dict, name: str = "?") -> torch.Tensor:
-    """The tensor an entry describes, viewing the mapping (no copy). Raises ``ValueError`` naming the tensor on a
-    bad entry (unknown dtype, range outside the segment, size not matching shape x dtype)."""
-    dtype = DTYPES.get(entry.get("dtype"))
-    if dtype is None:
-        raise ValueError(f"manifest entry {name!r} has unknown dtype {entry.get('dtype')!r}")
-    o, n = int(entry["offset"]), int(entry["nbytes"])
-    if o < 0 or o + n > len(mm):
-        raise ValueError(f"manifest entry {name!r} spans [{o}, {o + n}), outside the {len(mm)}-byte segment")
-    numel = 1
-    for d in entry["shape"]:
-        numel *= int(d)
-    if numel * torch.empty(0, dtype=dtype).element_size() != n:
-        raise ValueError(f"manifest entry {name!r}: {n} bytes do not hold {entry['dtype']} {entry['shape']}")
-    if n == 0:
-        return torch.empty(entry["shape"], dtype=dtype)
-    raw = torch.frombuffer(mm, dtype=torch.uint8, count=n, offset=o)
-    return raw.view(dtype).view(entry["shape"])
-
-
-def verify(t: torch.Tensor, entry: dict) -> bool:
-    """True when the sampled checksum of ``t``'s bytes equals the manifest's."""
-    return checksum(_bytes_view(t)) == entry["checksum"]
+    return Segment(-1, size, transport, torch.frombuffer(mm, dtype=torch.uint8), mm)

@@ -73,13 +73,59 @@ def snapshot(model: nn.Module) -> Snapshot:
     return snap
 
 
+_SKIP = object()
+
+
+def encode_plain(v: Any) -> Any:
+    """JSON form of a plain attribute value (``torch.dtype`` -> ``{"dtype": name}``, tuple -> ``{"tuple": [...]}``);
+    :data:`_SKIP` for values that do not cross processes as JSON (devices, objects, non-finite floats)."""
+    if v is None or isinstance(v, (bool, int, str)):
+        return v
+    if isinstance(v, float):
+        return v if v == v and v not in (float("inf"), float("-inf")) else _SKIP
+    if isinstance(v, torch.dtype):
+        return {"dtype": str(v).removeprefix("torch.")}
+    if isinstance(v, (tuple, list)):
+        items = [encode_plain(x) for x in v]
+        if any(x is _SKIP for x in items):
+            return _SKIP
+        return {"tuple": items} if isinstance(v, tuple) else items
+    return _SKIP
+
+
+def decode_plain(v: Any) -> Any:
+    """Inverse of :func:`encode_plain`."""
+    if isinstance(v, dict):
+        if "dtype" in v:
+            return getattr(torch, v["dtype"])
+        return tuple(decode_plain(x) for x in v["tuple"])
+    if isinstance(v, list):
+        return [decode_plain(x) for x in v]
+    return v
+
+
+def plain_attrs(m: nn.Module) -> dict[str, Any]:
+    """A module's own plain attributes (JSON-encoded), private ones included: post-processing sets flags such as
+    ``input_scale = None`` or ``_already_called_process_weights_after_loading = True`` that the engine needs."""
+    out = {}
+    for k, v in vars(m).items():
+        if k.startswith("__") or k == "training":
+            continue
+        e = encode_plain(v)
+        if e is not _SKIP:
+            out[k] = e
+    return out
+
+
 @dataclass
 class Export:
-    """What the daemon exports: canonical tensors, aliases (name -> canonical name), reprocess module names."""
+    """What the daemon exports: canonical tensors, aliases (name -> canonical name), reprocess module names, and
+    the plain attributes of processed modules (module -> {attribute: JSON value})."""
 
     tensors: dict[str, tuple[str, torch.Tensor]] = field(default_factory=dict)
     aliases: dict[str, str] = field(default_factory=dict)
     reprocess: list[str] = field(default_factory=list)
+    attrs: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
 def collect(model: nn.Module, snap: Snapshot) -> Export:
@@ -96,6 +142,9 @@ def collect(model: nn.Module, snap: Snapshot) -> Export:
             own = snap.tensors.get(name, {})
         else:
             own = _own_tensors(m)
+            attrs = plain_attrs(m)
+            if attrs:
+                out.attrs[name] = attrs
         for leaf, (kind, t) in own.items():
             full = f"{name}.{leaf}" if name else leaf
             key = (t.data_ptr(), t.dtype, tuple(t.shape), tuple(t.stride())) if t.numel() else None
@@ -113,13 +162,14 @@ class InstallError(RuntimeError):
 
 
 def install(model: nn.Module, tensors: dict[str, tuple[str, torch.Tensor]], aliases: dict[str, str],
-            reprocess: list[str]) -> None:
+            reprocess: list[str], attrs: dict[str, dict[str, Any]] | None = None) -> None:
     """Put ``tensors`` (name -> (kind, tensor)) into a skeleton ``model`` built on the meta device.
 
     Parameters keep the Python attributes of the skeleton's parameter (``weight_loader``, ``output_dim``...).
     For reprocess modules each tensor must match the skeleton's shape and dtype (it is pre-post-processing
     state). Skeleton tensors of processed modules that the daemon did not export were removed by
-    post-processing and are removed here too. Raises :class:`InstallError`.
+    post-processing and are removed here too. Plain attributes of processed modules (``attrs``, JSON as made by
+    :func:`plain_attrs`) are set where the skeleton's differ. Raises :class:`InstallError`.
     """
     modules = dict(model.named_modules(remove_duplicate=False))
     again = set(reprocess)
@@ -167,6 +217,20 @@ def install(model: nn.Module, tensors: dict[str, tuple[str, torch.Tensor]], alia
                     if name in again:
                         raise InstallError(f"{name}.{leaf} was not in the cache (its module is re-processed here)")
                     del store[leaf]
+    for mod_name, values in (attrs or {}).items():
+        m = modules.get(mod_name)
+        if m is None:
+            raise InstallError(f"cached attributes of module {mod_name!r}, which this model does not have")
+        for leaf, enc in values.items():
+            if leaf in m._parameters or leaf in m._buffers or leaf in m._modules:
+                if enc is None and leaf in m._parameters and m._parameters[leaf] is None:
+                    continue
+                if enc is None:  # post-processing replaced a skeleton parameter by None (e.g. input_scale)
+                    m._parameters.pop(leaf, None)
+                    m._buffers.pop(leaf, None)
+                else:
+                    continue
+            object.__setattr__(m, leaf, decode_plain(enc))
 
 
 def reprocess_modules(model: nn.Module, names: list[str], model_config: Any) -> None:

@@ -1,0 +1,133 @@
+"""Where each exported tensor lives inside a rank's one export buffer, and the checksum samples that prove it.
+
+Transport-neutral: the buffer is a flat ``torch.uint8`` tensor, in host shared memory (memfd, :mod:`.shm`) or in
+device memory (CUDA VMM, :mod:`.cuda_vmm`). Both daemon and engine use these functions, so the layout and the
+checksum are computed by one piece of code.
+
+A manifest entry is ``{dtype, shape, stride, offset, nbytes, checksum}``: ``offset`` (bytes, a multiple of
+:data:`ALIGN`) and ``nbytes`` (bytes of the span the strides address) locate the tensor; ``shape`` and ``stride``
+(elements) rebuild it with ``as_strided``, so non-contiguous results of post-processing (FP8 kernels keep
+``weight.t()``) keep their layout.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+#: Byte alignment of every tensor in the buffer (cudaMalloc's guarantee is 256 bytes).
+ALIGN = 256
+#: Bytes per checksum window; each tensor is sampled at its start, middle and end.
+SAMPLE = 4096
+
+DTYPES = {str(d).removeprefix("torch."): d for d in (
+    torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16, torch.int8,
+    torch.uint8, torch.bool, torch.complex64)}
+for _name in ("float8_e4m3fn", "float8_e5m2", "float8_e8m0fnu", "uint16", "uint32", "uint64", "float8_e4m3fnuz",
+              "float8_e5m2fnuz"):
+    if hasattr(torch, _name):
+        DTYPES[_name] = getattr(torch, _name)
+
+
+def span_elements(shape: list[int], stride: list[int]) -> int:
+    """Elements from the first to the last one a (shape, stride) view addresses; 0 for an empty tensor."""
+    if any(int(d) == 0 for d in shape):
+        return 0
+    return 1 + sum((int(d) - 1) * int(s) for d, s in zip(shape, stride))
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """True when ``t`` addresses each element of its span exactly once (contiguous or a permutation of it)."""
+    return t.numel() == span_elements(list(t.shape), list(t.stride()))
+
+
+def plan(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, dict[str, Any]], int]:
+    """Place ``tensors`` in one buffer. Returns (entries without checksums, buffer size in bytes).
+
+    Dense tensors keep their strides; overlapping or gapped views (rare) are stored contiguous.
+    """
+    entries, off = {}, 0
+    for k, t in tensors.items():
+        stride = list(t.stride()) if _dense(t) else list(torch.empty(t.shape).stride())
+        n = span_elements(list(t.shape), stride) * t.element_size()
+        entries[k] = {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape), "stride": stride,
+                      "offset": off, "nbytes": n}
+        off += -(-n // ALIGN) * ALIGN
+    return entries, max(off, ALIGN)
+
+
+def view_at(buf: torch.Tensor, entry: dict[str, Any], name: str = "?") -> torch.Tensor:
+    """The tensor ``entry`` describes, as a view into the flat uint8 ``buf`` (no copy).
+
+    Raises ``ValueError`` naming the tensor when the entry is bad: unknown dtype, a range outside the buffer, a
+    size that does not match shape x stride x dtype, or a misaligned offset.
+    """
+    dtype = DTYPES.get(entry.get("dtype"))
+    if dtype is None:
+        raise ValueError(f"manifest entry {name!r} has unknown dtype {entry.get('dtype')!r}")
+    o, n = int(entry["offset"]), int(entry["nbytes"])
+    shape = [int(d) for d in entry["shape"]]
+    stride = [int(s) for s in entry.get("stride") or torch.empty(shape, device="meta").stride()]
+    if o < 0 or o + n > buf.numel():
+        raise ValueError(f"manifest entry {name!r} spans [{o}, {o + n}), outside the {buf.numel()}-byte buffer")
+    size = torch.empty(0, dtype=dtype).element_size()
+    if len(stride) != len(shape) or span_elements(shape, stride) * size != n:
+        raise ValueError(f"manifest entry {name!r}: {n} bytes do not hold {entry['dtype']} {shape} stride {stride}")
+    if o % size:
+        raise ValueError(f"manifest entry {name!r}: offset {o} is not aligned to {size}-byte {entry['dtype']}")
+    if n == 0:
+        return torch.empty(shape, dtype=dtype, device=buf.device)
+    return buf[o:o + n].view(dtype).as_strided(shape, stride)
+
+
+def fill(buf: torch.Tensor, tensors: dict[str, torch.Tensor], entries: dict[str, dict[str, Any]]) -> None:
+    """Copy each tensor into its place in ``buf`` (same device or across host/device)."""
+    for k, t in tensors.items():
+        if t.numel():
+            view_at(buf, entries[k], k).copy_(t)
+
+
+#: odd 64-bit multipliers, one per 8-byte word of a window (position-dependent, so swapped words change the sum)
+_MIX = 0x9E3779B97F4A7C15
+
+
+def _word_weights(device: torch.device) -> torch.Tensor:
+    words = SAMPLE // 8
+    w = [((2 * j + 1) * _MIX) % 2**64 for j in range(words)]
+    return torch.tensor([x - 2**64 if x >= 2**63 else x for x in w], dtype=torch.int64).to(device)
+
+
+def sample_checksums(buf: torch.Tensor, entries: dict[str, dict[str, Any]]) -> dict[str, str]:
+    """A 64-bit checksum (hex) of each entry's three :data:`SAMPLE`-byte windows (start, middle, end of its span).
+
+    Each window is read as 8-byte words and summed with position-dependent odd weights, modulo 2**64 (integer
+    arithmetic, so the result does not depend on the reduction order); the three window sums are combined on the
+    host. All windows are gathered with one indexing operation on the buffer's device and reduced there, so a GPU
+    buffer costs a handful of kernels and an 8-byte-per-window D2H copy, not one copy per tensor. Windows of a span
+    shorter than :data:`SAMPLE` repeat its last byte. This detects changed or moved bytes in the sampled windows;
+    it is not a cryptographic hash.
+    """
+    names = [k for k, e in entries.items() if int(e["nbytes"])]
+    out = {k: f"{0:016x}" for k in entries}
+    if not names:
+        return out
+    starts, ends = [], []
+    for k in names:
+        o, n = int(entries[k]["offset"]), int(entries[k]["nbytes"])
+        last = o + max(0, n - SAMPLE)
+        for s in (o, o + n // 2 - SAMPLE // 2, last):
+            starts.append(min(max(s, o), last))
+            ends.append(o + n)
+    dev = buf.device
+    st = torch.tensor(starts, dtype=torch.int64).to(dev)
+    en = torch.tensor(ends, dtype=torch.int64).to(dev)
+    idx = torch.minimum(st[:, None] + torch.arange(SAMPLE, device=dev)[None, :], en[:, None] - 1)
+    words = buf[idx.reshape(-1)].view(torch.int64).reshape(len(starts), SAMPLE // 8)
+    sums = (words * _word_weights(dev)[None, :]).sum(dim=1).tolist()
+    for i, k in enumerate(names):
+        h = 0
+        for v in sums[3 * i: 3 * i + 3]:
+            h = (h * 0x100000001B3 + (v % 2**64)) % 2**64
+        out[k] = f"{h:016x}"
+    return out

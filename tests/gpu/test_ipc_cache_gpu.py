@@ -1,0 +1,260 @@
+"""ipc_cache on CUDA (run on the device: ``bash benchmarks/device.sh ipctests``).
+
+The VMM transport across processes (bytes, strides, survival of the exporter's SIGKILL, an exporter with
+``expandable_segments``), and real vLLM engines against a real ``vllm-fastload preload`` daemon: greedy ids equal
+built-in ``auto`` (zero_copy and copy, bf16 and online FP8, TP=1 and TP=2), the KV cache sized as if the weights
+were the engine's own, a copy client next to a zero_copy one, the engine surviving the daemon's SIGKILL, and
+``"fallback": false`` failing within ``connect_timeout_s``. Every process is stopped by its PID.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip("no CUDA device: GPU tests run on the device machine (benchmarks/device.sh)", allow_module_level=True)
+
+pytest.importorskip("vllm")
+
+ROOT = Path(__file__).resolve().parents[2]
+
+from tests.gpu.zoo_cuda import zoo  # noqa: E402
+
+from vllm_fastload.ipc.client import status_of  # noqa: E402
+from vllm_fastload.ipc.layout import sample_checksums, view_at  # noqa: E402
+from vllm_fastload.ipc.shm import open_segment  # noqa: E402
+from vllm_fastload.servers import PreloadDaemon  # noqa: E402
+
+# --- transport ------------------------------------------------------------------------------------------------
+EXPORTER = r"""
+import json, socket, sys, time, torch
+from tests.gpu.zoo_cuda import zoo
+from vllm_fastload.ipc.shm import pack
+seg, entries = pack({k: v.cuda() for k, v in zoo().items()}, torch.device("cuda", 0))
+s = socket.socket(fileno=int(sys.argv[1]))
+socket.send_fds(s, [json.dumps({"entries": entries, "meta": seg.meta()}).encode()], [seg.fd])
+time.sleep(600)
+"""
+
+
+@pytest.mark.parametrize("expandable", [False, True], ids=["default-allocator", "expandable_segments"])
+def test_vmm_transport_across_processes_and_exporter_sigkill(expandable):
+    mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
+    if expandable:
+        env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+    p = subprocess.Popen([sys.executable, "-c", EXPORTER, str(theirs.fileno())], pass_fds=[theirs.fileno()],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    theirs.close()
+    try:
+        mine.settimeout(120)
+        data, fds, _, _ = socket.recv_fds(mine, 1 << 20, 1)
+        assert fds, p.stderr.read() if p.poll() is not None else "no fd received"
+        msg = json.loads(data.decode())
+        seg = open_segment(fds[0], msg["meta"], torch.device("cuda", 0))
+        want = zoo()
+        crcs = sample_checksums(seg.buf, msg["entries"])
+
+        def check():
+            for k, t in want.items():
+                got = view_at(seg.buf, msg["entries"][k], k)
+                assert got.device.type == "cuda" and got.dtype == t.dtype and got.shape == t.shape, k
+                assert got.stride() == t.stride(), k  # the transposed view keeps its layout
+                assert torch.equal(got.cpu().contiguous().view(torch.uint8), t.contiguous().view(torch.uint8)), k
+                assert crcs[k] == msg["entries"][k]["checksum"], k
+
+        check()
+        os.kill(p.pid, signal.SIGKILL)
+        p.wait(30)
+        time.sleep(1)
+        check()  # the exporter is gone; the memory lives while we map it
+        seg.close()
+    finally:
+        if p.poll() is None:
+            p.kill()
+        p.wait()
+        mine.close()
+
+
+# --- real vLLM ----------------------------------------------------------------------------------------------------
+CHILD = r"""
+import json, sys, torch
+from vllm import LLM, SamplingParams
+a = json.loads(sys.argv[1])
+kw = dict(model=a["model"], load_format=a["fmt"], enforce_eager=True, skip_tokenizer_init=True,
+          tensor_parallel_size=a["tp"], max_model_len=512, gpu_memory_utilization=0.3,
+          model_loader_extra_config=a["extra"])
+if a.get("quant"):
+    kw["quantization"] = a["quant"]
+llm = LLM(**kw)
+prompts = [{"prompt_token_ids": p} for p in ([1, 5, 9, 200, 31], [7, 7, 7, 1000], [42])]
+def ids():
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, detokenize=False))
+    return [list(o.outputs[0].token_ids) for o in outs]
+print("RESULT " + json.dumps({"ids": ids(), "blocks": llm.llm_engine.vllm_config.cache_config.num_gpu_blocks}), flush=True)
+for line in sys.stdin:
+    if line.strip() != "gen":
+        break
+    print("RESULT " + json.dumps({"ids": ids()}), flush=True)
+"""
+
+
+class Engine:
+    """A vLLM ``LLM`` in its own process; prints RESULT lines, answers ``gen`` on stdin; stopped by its PID."""
+
+    def __init__(self, model, fmt, tp=1, extra=None, quant=None, log=None):
+        self.log_path = Path(log)
+        self.fh = open(self.log_path, "w")
+        arg = json.dumps({"model": str(model), "fmt": fmt, "tp": tp, "extra": extra or {}, "quant": quant})
+        self.p = subprocess.Popen([sys.executable, "-c", CHILD, arg], stdin=subprocess.PIPE, stdout=self.fh,
+                                  stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        self.seen = 0
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def result(self, timeout=600) -> dict:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            lines = [ln for ln in self.log().splitlines() if ln.startswith("RESULT ")]
+            if len(lines) > self.seen:
+                self.seen += 1
+                return json.loads(lines[self.seen - 1][7:])
+            if self.p.poll() is not None:
+                raise AssertionError(f"engine exited {self.p.returncode}:\n{self.log()[-4000:]}")
+            time.sleep(0.5)
+        raise TimeoutError(self.log()[-3000:])
+
+    def gen(self) -> dict:
+        self.p.stdin.write("gen\n")
+        self.p.stdin.flush()
+        return self.result()
+
+    def stop(self) -> int:
+        if self.p.poll() is None:
+            try:
+                self.p.stdin.write("quit\n")
+                self.p.stdin.flush()
+                self.p.wait(60)
+            except (BrokenPipeError, subprocess.TimeoutExpired):
+                self.p.kill()
+                self.p.wait()
+        self.fh.close()
+        return self.p.returncode
+
+
+def one_shot(model, fmt, log, **kw) -> tuple[dict, str]:
+    e = Engine(model, fmt, log=log, **kw)
+    try:
+        return e.result(), e.log()
+    finally:
+        e.stop()
+
+
+@pytest.fixture
+def sock():
+    """A short socket dir (GPU socket names carry the 36-character UUID; Unix paths stop at 107 bytes)."""
+    import shutil
+    import tempfile
+
+    d = Path(tempfile.mkdtemp(prefix="fl", dir="/tmp"))
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def start_daemon(model, sock, logs, name, args=()):
+    os.chmod(sock, 0o700)
+    d = PreloadDaemon(str(model), sock, list(args), log_path=logs / f"{name}.log")
+    assert d.wait_ready(600), d.log()[-4000:]
+    return d
+
+
+def socket_of(sock: Path) -> str:
+    socks = sorted(sock.glob("*.sock"))
+    assert len(socks) == 1, socks
+    return str(socks[0])
+
+
+def test_zero_copy_copy_accounting_and_daemon_death(small, sock, tmp_path):
+    ref, _ = one_shot(small, "auto", tmp_path / "auto.log")
+    daemon = start_daemon(small, sock, tmp_path, "preload")
+    zc = None
+    try:
+        assert "fastload: rank 0 exported" in daemon.log()
+        st = status_of(socket_of(sock))
+        assert st["state"] == "ready" and st["device"] == "gpu-" + str(torch.cuda.get_device_properties(0).uuid)
+        rep_z = tmp_path / "zc.json"
+        zc = Engine(small, "ipc_cache", extra={"socket_dir": str(sock), "report_path": str(rep_z)},
+                    log=tmp_path / "zc.log")
+        got = zc.result()
+        assert got["ids"] == ref["ids"]
+        r = json.loads(rep_z.read_text())
+        assert r["format_used"] == "ipc_cache" and r["extra"]["mode"] == "zero_copy" and "no disk read" in r["note"]
+        assert r["extra"]["reprocessed_modules"] == 0  # the engine ran no post-processing
+        # The mapped weights count as the engine's own: same KV cache as a disk load at the same utilization.
+        cfg = json.loads((small / "config.json").read_text())
+        block_bytes = (2 * cfg["num_hidden_layers"] * 16 * cfg["num_key_value_heads"]
+                       * cfg["hidden_size"] // cfg["num_attention_heads"] * 2)
+        weight_blocks = r["bytes"] / block_bytes
+        # Without the accounting the engine would get ~weight_blocks more blocks than auto.
+        assert got["blocks"] < ref["blocks"] + weight_blocks / 2, (got["blocks"], ref["blocks"], weight_blocks)
+
+        # A copy client next to the zero_copy one: both correct, the daemon keeps its memory for zero_copy.
+        rep_c = tmp_path / "copy.json"
+        cp, log_c = one_shot(small, "ipc_cache", tmp_path / "copy.log",
+                             extra={"socket_dir": str(sock), "mode": "copy", "report_path": str(rep_c)})
+        assert cp["ids"] == ref["ids"]
+        assert "copy mode: daemon kept (zero_copy clients)" in log_c
+        assert zc.gen()["ids"] == ref["ids"]
+        st = status_of(socket_of(sock))
+        assert st["clients"] == 1 and st["client_modes"] == ["zero_copy"] and st["state"] == "ready"
+
+        # The daemon dies: the engine keeps answering from the memory it maps.
+        os.kill(daemon.pid, signal.SIGKILL)
+        time.sleep(2)
+        assert zc.gen()["ids"] == ref["ids"]
+
+        # With fallback off and no daemon, the next start fails within connect_timeout_s, naming the socket.
+        t = time.monotonic()
+        e = Engine(small, "ipc_cache", extra={"socket_dir": str(sock), "fallback": False, "connect_timeout_s": 2},
+                   log=tmp_path / "strict.log")
+        with pytest.raises(AssertionError, match="engine exited"):
+            e.result()
+        e.stop()
+        assert "no preload daemon at" in e.log()
+        assert time.monotonic() - t < 120
+    finally:
+        if zc is not None:
+            zc.stop()
+        daemon.stop()
+
+
+@pytest.mark.parametrize("tp,quant", [(1, "fp8"), (2, None)], ids=["tp1-fp8", "tp2-bf16"])
+def test_zero_copy_matches_auto(tiny, sock, tmp_path, tp, quant):
+    if torch.cuda.device_count() < tp:
+        pytest.skip(f"needs {tp} GPUs")
+    ref, _ = one_shot(tiny, "auto", tmp_path / "auto.log", tp=tp, quant=quant)
+    args = ["--tensor-parallel-size", str(tp)] + (["--quantization", quant] if quant else [])
+    daemon = start_daemon(tiny, sock, tmp_path, "preload", args)
+    try:
+        rep = tmp_path / "zc.json"
+        got, log = one_shot(tiny, "ipc_cache", tmp_path / "zc.log", tp=tp, quant=quant,
+                            extra={"socket_dir": str(sock), "report_path": str(rep), "fallback": False})
+        assert got["ids"] == ref["ids"]
+        assert log.count("no disk read") >= tp  # every rank mapped
+        r = json.loads(rep.read_text())
+        assert r["extra"]["reprocessed_modules"] == 0  # FP8 weights and scales mapped, not re-quantized
+        if quant == "fp8":  # the linear weights travel as FP8 (embeddings stay bf16): clearly under the checkpoint
+            assert r["bytes"] < 0.9 * sum(f.stat().st_size for f in tiny.glob("*.safetensors"))
+    finally:
+        daemon.stop()

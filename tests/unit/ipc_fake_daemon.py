@@ -1,0 +1,92 @@
+"""A stand-in preload daemon for the fault tests, in its own process so a test can SIGKILL it.
+
+``python -m tests.unit.ipc_fake_daemon SOCK`` serves a small packed segment (:func:`weights`) with the real
+``RankServer`` (real lock, real socket, real protocol) until killed. ``--half-manifest`` instead plays a daemon
+killed during the hand-over: it answers the first hello with the first half of a manifest frame (and the segment's
+file descriptor, as the real daemon sends it with the frame's first bytes), then SIGKILLs itself.
+Prints ``ready`` once the socket accepts connections.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import struct
+from pathlib import Path
+
+import torch
+
+from vllm_fastload.fingerprint import Fingerprint, ShardFacts
+from vllm_fastload.ipc import protocol
+from vllm_fastload.ipc.daemon import RankServer, RankState, acquire
+from vllm_fastload.ipc.shm import pack
+
+
+def fingerprint(**kw) -> Fingerprint:
+    base = dict(shards=(ShardFacts("model.safetensors", 100, "ab"),), architecture="X", dtype="bfloat16",
+                quantization=None, rope=None, revision=None, kv_cache_dtype="auto", tp_size=1, tp_rank=0, pp_size=1,
+                pp_rank=0, dp_size=1, dp_rank=0, vllm_version="0")
+    base.update(kw)
+    return Fingerprint(**base)
+
+
+def weights(n_extra: int = 0) -> dict[str, torch.Tensor]:
+    """``w`` (4000 bytes of known values) plus ``n_extra`` one-element tensors (a large manifest)."""
+    out = {"w": torch.arange(1000, dtype=torch.float32)}
+    out.update({f"extra.{i}": torch.full((1,), float(i)) for i in range(n_extra)})
+    return out
+
+
+def make_state(path, fp: Fingerprint, tensors: dict[str, torch.Tensor]) -> RankState:
+    """A ready RankState serving ``tensors`` packed into one segment, as ``serve_rank`` builds it after a load."""
+    seg, entries = pack(tensors)
+    for e in entries.values():
+        e["kind"] = "param"
+    manifest = {"type": "manifest", "version": protocol.PROTOCOL_VERSION, "fingerprint": fp.to_dict(),
+                "fingerprint_short": fp.short(), "segments": [seg.meta()], "tensors": entries,
+                "aliases": {}, "reprocess": []}
+    st = RankState(fingerprint=fp.to_dict(), segment=seg, manifest=manifest, model="m", device="dev",
+                   socket=str(path), load_s=0.0, nbytes=sum(int(e["nbytes"]) for e in entries.values()))
+    st.ready.set()
+    return st
+
+
+def serve(path: str) -> None:
+    acquire(Path(path))  # the lock fd stays open for the process's life
+    srv = RankServer(make_state(path, fingerprint(), weights()), path)
+    srv.bind()
+    print("ready", flush=True)
+    srv.serve_forever()
+
+
+def half_manifest(path: str) -> None:
+    st = make_state(path, fingerprint(), weights(2000))
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.bind(path)
+    s.listen(1)
+    print("ready", flush=True)
+    conn, _ = s.accept()
+    protocol.recv(conn)  # the hello
+    body = json.dumps(st.manifest).encode()
+    data = struct.pack(">I", len(body)) + body[: len(body) // 2]
+    socket.send_fds(conn, [data[:1024]], [st.segment.fd])
+    conn.sendall(data[1024:])
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("socket")
+    p.add_argument("--half-manifest", action="store_true")
+    a = p.parse_args()
+    if a.half_manifest:
+        half_manifest(a.socket)
+    else:
+        serve(a.socket)
+
+
+if __name__ == "__main__":
+    main()

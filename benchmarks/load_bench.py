@@ -30,7 +30,13 @@ LOADERS = {
     "auto": ("auto", {}),
     "runai_builtin": ("runai_streamer", {"VLLM_PLUGINS": ""}),
     "runai_fastload": ("runai_streamer", {}),
+    # ipc_cache needs a `vllm-fastload preload` daemon for the same model/TP; started by main() when asked for.
+    # ipc_copy releases the daemon's memory, so it must come last.
+    "ipc_zero_copy": ("ipc_cache", {}),
+    "ipc_copy": ("ipc_cache", {}),
 }
+#: set by main() when an ipc_cache loader is benchmarked
+SOCKET_DIR: list = []
 
 CHILD = r"""
 import json, os, sys, time
@@ -45,8 +51,17 @@ if args.get("extra"):
 t1 = time.perf_counter()
 llm = LLM(**kw)
 t_llm = time.perf_counter() - t1
-out = llm.generate([{"prompt_token_ids": [1, 450, 7483, 310, 3444, 338]}], SamplingParams(temperature=0, max_tokens=8, detokenize=False))
-print("BENCH_RESULT " + json.dumps({"import_s": t_import, "llm_init_s": t_llm, "ids": list(out[0].outputs[0].token_ids)}), flush=True)
+out = llm.generate([{"prompt_token_ids": [1, 450, 783, 310, 344, 338]}], SamplingParams(temperature=0, max_tokens=8, detokenize=False))
+used = None
+try:
+    import torch
+    free, total = torch.cuda.mem_get_info()
+    used = total - free  # device-wide: the daemon's memory included
+except Exception:
+    pass
+blocks = llm.llm_engine.vllm_config.cache_config.num_gpu_blocks
+print("BENCH_RESULT " + json.dumps({"import_s": t_import, "llm_init_s": t_llm, "ids": list(out[0].outputs[0].token_ids),
+                                    "gpu_used_bytes": used, "num_gpu_blocks": blocks}), flush=True)
 """
 
 PATTERNS = {
@@ -65,6 +80,8 @@ def run_one(name: str, model: str, tp: int, gmu: float, report: Path, extra: dic
     ex = dict(extra) if name == "runai_fastload" else {}
     if name == "runai_fastload":
         ex["report_path"] = str(report)
+    if name.startswith("ipc_"):
+        ex = {"socket_dir": SOCKET_DIR[0], "mode": name[4:], "report_path": str(report), "fallback": False}
     args = {"model": model, "load_format": fmt, "tp": tp, "gmu": gmu, "extra": ex}
     t = time.perf_counter()
     p = subprocess.run([sys.executable, "-c", CHILD, json.dumps(args)], capture_output=True, text=True, env=env, timeout=900)
@@ -77,9 +94,11 @@ def run_one(name: str, model: str, tp: int, gmu: float, report: Path, extra: dic
         m = rx.findall(log)
         res[key] = float(m[-1]) if m else None
     res.update(json.loads(log.split("BENCH_RESULT ", 1)[1].splitlines()[0]))
-    if name == "runai_fastload" and report.exists():
+    if report.exists() and name != "auto":
         r = json.loads(report.read_text())
         res["report"] = {k: r[k] for k in ("bytes", "wall_s", "read_wait_s", "gb_per_s", "extra")}
+        if name.startswith("ipc_"):
+            res["ipc_weights_s"] = r["extra"].get("weights_phase_s")
     res["log_tail"] = "\n".join(l for l in log.splitlines() if "fastload" in l or "took" in l)[-2000:]
     return res
 
@@ -106,6 +125,21 @@ def h2d_bandwidth() -> dict:
     return out
 
 
+def weights_s(r: dict):
+    """The weights phase of one run (seconds): ipc_cache's report, our streamer's line, vLLM's lines."""
+    return (r.get("ipc_weights_s") or r.get("fastload_weights_s") or r.get("default_weights_s")
+            or r.get("runai_builtin_stream_s"))
+
+
+def gpu_used() -> int:
+    import torch
+
+    if not torch.cuda.is_available():
+        return 0
+    free, total = torch.cuda.mem_get_info()
+    return total - free
+
+
 def write_outputs(results: dict, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(results, indent=2))
@@ -115,16 +149,22 @@ def write_outputs(results: dict, out: Path) -> None:
         f"model {results['model']} ({results['model_gb']:.2f} GB); TP={results['tp']}; "
         f"H2D pinned {results['h2d'].get('pinned_h2d_gbps', '-')} GB/s, pageable {results['h2d'].get('pageable_h2d_gbps', '-')} GB/s",
         "",
-        "| loader | weights phase s | weights GB/s | \"Model loading took\" s | LLM() s | greedy ids equal auto |",
-        "|---|---|---|---|---|---|",
+        "| loader | weights phase s | weights GB/s | \"Model loading took\" s | LLM() s | GPU used GiB (all processes) | KV blocks | greedy ids equal auto |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     ref = next((r["ids"] for r in rows if r["loader"] == "auto"), None)
     for r in rows:
-        w = r.get("fastload_weights_s") or r.get("default_weights_s") or r.get("runai_builtin_stream_s")
+        w = weights_s(r)
         gbps = results["model_gb"] / w if w else None
+        used = r.get("gpu_used_bytes")
         lines.append(
             f"| {r['loader']} | {w if w is not None else '-'} | {f'{gbps:.1f}' if gbps else '-'} | "
-            f"{r.get('model_loading_s') or '-'} | {r['llm_init_s']:.2f} | {r['ids'] == ref if ref else '-'} |")
+            f"{r.get('model_loading_s') or '-'} | {r['llm_init_s']:.2f} | {f'{used / 2**30:.1f}' if used else '-'} | "
+            f"{r.get('num_gpu_blocks') or '-'} | {r['ids'] == ref if ref else '-'} |")
+    if results.get("daemon"):
+        d = results["daemon"]
+        lines += ["", f"preload daemon: ready after {d['ready_s']:.1f} s (load + post-process + export); "
+                      f"GPU used with only the daemon: {d['gpu_used_bytes'] / 2**30:.1f} GiB"]
     (out / "results.md").write_text("\n".join(lines) + "\n")
     try:
         import matplotlib
@@ -135,7 +175,7 @@ def write_outputs(results: dict, out: Path) -> None:
         fig, ax = plt.subplots(figsize=(7, 3.5))
         names = [r["loader"] for r in rows]
         ml = [r.get("model_loading_s") or 0 for r in rows]
-        ww = [r.get("fastload_weights_s") or r.get("default_weights_s") or r.get("runai_builtin_stream_s") or 0 for r in rows]
+        ww = [weights_s(r) or 0 for r in rows]
         x = range(len(names))
         ax.bar([i - 0.2 for i in x], ml, 0.4, label='"Model loading took" (s)')
         ax.bar([i + 0.2 for i in x], ww, 0.4, label="weights phase (s)")
@@ -180,16 +220,50 @@ def main() -> int:
     results = {"machine": f"{gpu} x{max(torch.cuda.device_count(), 1)}, {os.cpu_count()} CPUs", "date": time.strftime("%Y-%m-%d"),
                "vllm": vllm.__version__, "torch": torch.__version__, "model": a.model.name, "model_gb": size / 1e9,
                "tp": a.tp, "h2d": h2d, "command": " ".join(sys.argv), "loaders": []}
-    for name in a.loaders.split(","):
-        runs = [run_one(name, str(a.model), a.tp, a.gmu, a.out / f"{name}.report.json", json.loads(a.extra))
-                for _ in range(a.repeats)]
-        key = "model_loading_s" if runs[0].get("model_loading_s") is not None else "llm_init_s"
-        runs.sort(key=lambda r: r[key] or 0)
-        best = runs[len(runs) // 2]
-        results["loaders"].append(best)
-        print(f"[bench] {name}: {best.get('model_loading_s')} s model loading; {best['log_tail'][-400:]}", flush=True)
+    names = a.loaders.split(",")
+    daemon = None
+    try:
+        for name in names:
+            if name.startswith("ipc_") and daemon is None:
+                daemon = start_daemon(a, results)  # only now, so it does not compete with the disk loaders
+            run_loader(name, a, results)
+    finally:
+        if daemon is not None:
+            daemon.stop()
     write_outputs(results, a.out)
     return 0
+
+
+def start_daemon(a: argparse.Namespace, results: dict):
+    """Start `vllm-fastload preload` for the model (same TP) and wait until it serves; records its start time and
+    the GPU memory it holds."""
+    import tempfile
+
+    sys.path.insert(0, str(HERE.parent / "src"))
+    from vllm_fastload.servers import PreloadDaemon
+
+    sock = Path(tempfile.mkdtemp(prefix="fastload-bench-sock-"))
+    SOCKET_DIR.append(str(sock))
+    a.out.mkdir(parents=True, exist_ok=True)
+    t = time.perf_counter()
+    daemon = PreloadDaemon(str(a.model), sock, ["--tensor-parallel-size", str(a.tp), "--max-model-len", "1024"],
+                           log_path=a.out / "preload.log")
+    if not daemon.wait_ready():
+        daemon.stop()
+        raise RuntimeError("preload daemon exited:\n" + daemon.log()[-4000:])
+    results["daemon"] = {"ready_s": time.perf_counter() - t, "gpu_used_bytes": gpu_used()}
+    return daemon
+
+
+def run_loader(name: str, a: argparse.Namespace, results: dict) -> None:
+    """Run one loader ``--repeats`` times, keep the median run in ``results``."""
+    runs = [run_one(name, str(a.model), a.tp, a.gmu, a.out / f"{name}.report.json", json.loads(a.extra))
+            for _ in range(a.repeats)]
+    key = "model_loading_s" if runs[0].get("model_loading_s") is not None else "llm_init_s"
+    runs.sort(key=lambda r: r[key] or 0)
+    best = runs[len(runs) // 2]
+    results["loaders"].append(best)
+    print(f"[bench] {name}: {best.get('model_loading_s')} s model loading; {best['log_tail'][-400:]}", flush=True)
 
 
 if __name__ == "__main__":

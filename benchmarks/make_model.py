@@ -1,6 +1,7 @@
 """Write a random Llama-shaped bf16 safetensors checkpoint (no tokenizer), for benchmarks and GPU tests.
 
     python benchmarks/make_model.py OUT --shape 8b      # Llama-3-8B shape, ~16 GB in 4 shards
+    python benchmarks/make_model.py OUT --shape small   # 8 layers, ~0.4 GB (KV accounting tests)
     python benchmarks/make_model.py OUT --shape tiny    # 2 layers, ~20 MB, for correctness tests
 
 Weights are drawn on the GPU when there is one (fast), scaled small so greedy decoding is well defined.
@@ -19,6 +20,8 @@ from safetensors.torch import save_file
 SHAPES = {
     "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                num_key_value_heads=8, vocab_size=128256, shards=4),
+    "small": dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=8, num_attention_heads=16,
+                  num_key_value_heads=4, vocab_size=32000, shards=2),
     "tiny": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, vocab_size=4096, shards=2),
 }

@@ -109,7 +109,16 @@ def endpoint_env() -> dict[str, str]:
       instance metadata service).
     * With ``RUNAI_STREAMER_S3_UNSIGNED=1`` (anonymous reads, no credentials used): ``AWS_EC2_METADATA_DISABLED=true``
       when unset, so the C++ SDK does not wait on the metadata service for credentials it will not use.
+
+    Raises :class:`StorageError` when ``AWS_ENDPOINT_URL`` and ``RUNAI_STREAMER_S3_ENDPOINT`` name different
+    endpoints (listing and reading must use one store).
     """
+    listing, reading = os.environ.get("AWS_ENDPOINT_URL"), os.environ.get("RUNAI_STREAMER_S3_ENDPOINT")
+    if listing and reading and listing.rstrip("/") != reading.rstrip("/"):
+        raise StorageError(
+            f"AWS_ENDPOINT_URL={listing} (boto3: listing, config) and RUNAI_STREAMER_S3_ENDPOINT={reading} (the "
+            f"streamer: reading) name different endpoints, so shards would be listed from one store and read from "
+            f"another; set only AWS_ENDPOINT_URL (vllm-fastload passes it to the streamer) or both to the same URL")
     env = {k: v for k, v in METADATA_BOUNDS.items() if k not in os.environ}
     if os.environ.get("AWS_ENDPOINT_URL") and not os.environ.get("RUNAI_STREAMER_S3_ENDPOINT"):
         env["RUNAI_STREAMER_S3_ENDPOINT"] = os.environ["AWS_ENDPOINT_URL"]
@@ -241,7 +250,10 @@ def _s3_probe(uri: str, exc: Optional[BaseException] = None, timeout_s: float = 
 
 
 def storage_error(uri: str, exc: BaseException, action: str = "read") -> StorageError:
-    """Build the one error for a failed object-storage operation on ``uri`` (the original as context)."""
+    """Build the one error for a failed object-storage operation on ``uri`` (the original as context); an error
+    that is already a :class:`StorageError` (a configuration conflict found before any request) is returned as is."""
+    if isinstance(exc, StorageError):
+        return exc
     cause = _s3_probe(uri, exc) if scheme_of(uri) == "s3://" else f"{type(exc).__name__}: {exc}"
     said = "Listing said" if action == "list" else "Streamer said"
     return StorageError(

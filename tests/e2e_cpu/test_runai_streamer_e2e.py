@@ -38,6 +38,11 @@ def _runai(model, logs, name, extra=None, env=None):
 
 
 def test_local_dir_matches_default_loader(demo_model, logs, reference_ids):
+    """Also #6 case 4 (tied weights): SmolLM2 ties lm_head to the embedding and its file stores only the embedding,
+    so greedy ids equal to the default loader's mean lm_head was set from the embedding, not left uninitialized."""
+    assert json.loads((demo_model / "config.json").read_text())["tie_word_embeddings"] is True
+    stored = read_header(str(demo_model / "model.safetensors")).tensors
+    assert "model.embed_tokens.weight" in stored and not any("lm_head" in name for name in stored)
     report = logs / "local.report.json"
     with _runai(demo_model, logs, "runai-local", {"report_path": str(report)}) as srv:
         assert srv.wait_ready(), srv.log()[-3000:]

@@ -132,3 +132,20 @@ def test_empty_dtype_names_tensor_and_dtype(tmp_path):
     p = write_raw(tmp_path / "e.safetensors", {"w": {"dtype": "", "shape": [2], "data_offsets": [0, 2]}}, b"\0\0")
     with pytest.raises(CheckpointError, match=r"tensor 'w' has unknown dtype ''"):
         read_header(str(p))
+
+
+def test_two_names_on_the_same_bytes_are_refused_like_the_default_loader(tmp_path):
+    """#6 case 4: two tensor names pointing at the same bytes. vLLM's default loader reads safetensors through the
+    safetensors library, which refuses such a file; so do we (before loading anything), naming file and tensor,
+    instead of loading one name and leaving the other uninitialized."""
+    from safetensors import SafetensorError, safe_open
+
+    hdr = {"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+           "b": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}
+    p = write_raw(tmp_path / "aliased.safetensors", hdr, b"\0" * 8)
+    with pytest.raises(SafetensorError):
+        with safe_open(str(p), "pt") as f:
+            [f.get_tensor(k) for k in f.keys()]
+    with pytest.raises(CheckpointError) as e:
+        read_header(str(p))
+    assert str(p) in str(e.value) and "overlaps the previous tensor" in str(e.value) and "'b'" in str(e.value)

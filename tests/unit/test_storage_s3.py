@@ -287,3 +287,35 @@ def test_an_endpoint_that_never_answers_is_bounded_by_the_listing_timeouts(s3env
         assert url in msg
     finally:
         hole.close()
+
+
+def test_endpoint_only_in_aws_endpoint_url_loads_the_same_bytes(s3env, monkeypatch):
+    """#6 case 12: the endpoint given only as AWS_ENDPOINT_URL (path-style, prefix with and without '/') is used
+    for listing and for the streamer's reads: a full load returns the file's bytes."""
+    from vllm.config.load import LoadConfig
+
+    from tests.unit.test_loader_inprocess import model_config
+    from vllm_fastload.streaming.loader import RunaiStreamerLoader
+
+    moto, uri, d = s3env
+    monkeypatch.delenv("RUNAI_STREAMER_S3_ENDPOINT", raising=False)
+    assert os.environ["AWS_ENDPOINT_URL"] == moto.endpoint
+    for src in (uri, uri + "/"):
+        got = {}
+
+        class Collect(torch.nn.Module):
+            def load_weights(self, weights):
+                got.update({k: t.clone() for k, t in weights})
+
+        cfg = model_config(d)
+        cfg.model_weights = src
+        RunaiStreamerLoader(LoadConfig(load_format="runai_streamer")).load_weights(Collect(), cfg)
+        assert torch.equal(got["w"], torch.arange(10, dtype=torch.float32))
+        assert "RUNAI_STREAMER_S3_ENDPOINT" not in os.environ  # set for the load only
+
+
+def test_listing_and_reading_endpoints_that_differ_are_refused(s3env, monkeypatch):
+    _, uri, _ = s3env
+    monkeypatch.setenv("RUNAI_STREAMER_S3_ENDPOINT", "http://127.0.0.1:9")
+    with pytest.raises(StorageError, match="AWS_ENDPOINT_URL=.*RUNAI_STREAMER_S3_ENDPOINT=http://127.0.0.1:9.*different"):
+        list_safetensors(uri)

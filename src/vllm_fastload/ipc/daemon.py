@@ -256,13 +256,20 @@ class RankServer:
             protocol.send(conn, {"type": "error", "reason": "fingerprint mismatch: " + mine.explain(theirs),
                                  "mismatched": [[n, a, b] for n, a, b in diff]})
             return
+        # Take what to send under the lock, send outside it: a client that stops reading must not block the
+        # status, attach and hello of every other client.
         with st.lock:
             seg = st.segment
-            if st.released or seg is None:
-                protocol.send(conn, {"type": "error", "reason": "the daemon's cache was released by a copy-mode "
-                                     "client; restart `vllm-fastload preload` to fill it again"})
-                return
-            protocol.send(conn, st.manifest, fds=[seg.fd])
+            fd = -1 if st.released or seg is None else os.dup(seg.fd)
+            manifest = st.manifest
+        if fd < 0:
+            protocol.send(conn, {"type": "error", "reason": "the daemon's cache was released by a copy-mode "
+                                 "client; restart `vllm-fastload preload` to fill it again"})
+            return
+        try:
+            protocol.send(conn, manifest, fds=[fd])
+        finally:
+            os.close(fd)
 
     def _release(self, cid: int) -> bool:
         """A copy-mode client is done: free the segment unless a zero_copy client still maps it."""

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Run on the GPU device machine (after ../shared/gpu/README.md's staging). Usage:
 #   bash benchmarks/device.sh tests        # GPU tests (tests/gpu), log to $OUT/gpu-tests.log
-#   bash benchmarks/device.sh ipctests        # ipc_cache on CUDA (tests/gpu/test_ipc_cache_gpu.py)
+#   bash benchmarks/device.sh ipctests [K]    # ipc_cache on CUDA (tests/gpu/test_ipc_cache_gpu.py [-k K]), logs in $OUT/pytest
 #   bash benchmarks/device.sh ipcprobe [GiB]  # legacy CUDA IPC vs VMM fds -> $OUT/ipc-probe.md
 #   bash benchmarks/device.sh bench [TP]   # 16 GB 8B-shaped model: auto vs built-in runai vs ours -> $OUT/
 set -uo pipefail
@@ -19,7 +19,9 @@ case "${1:-tests}" in
     cat /root/models/llama3-8b-shape/*.safetensors > /dev/null
     python3 benchmarks/reader_probe.py /root/models/llama3-8b-shape ${2:-} 2>&1 | tee "$OUT/probe.md"; exit ${PIPESTATUS[0]} ;;
   ipctests)
-    python3 -m pytest -v -rs tests/gpu/test_ipc_cache_gpu.py 2>&1 | tee "$OUT/ipc-tests.log"; exit ${PIPESTATUS[0]} ;;
+    # engine/daemon logs of every test land in $OUT/pytest (they come back even when the call is cut short)
+    FASTLOAD_GPU_MODELS=/root/models python3 -m pytest -v -rs --tb=short --basetemp="$OUT/pytest" \
+      tests/gpu/test_ipc_cache_gpu.py ${2:+-k "$2"} 2>&1 | tee "$OUT/ipc-tests.log"; exit ${PIPESTATUS[0]} ;;
   ipcprobe)
     python3 benchmarks/ipc_probe.py --gib ${2:-4} 2>&1 | tee "$OUT/ipc-probe.md"; exit ${PIPESTATUS[0]} ;;
   bench)

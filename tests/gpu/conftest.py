@@ -1,5 +1,6 @@
 """Fixtures of the GPU tests: random Llama models made on the device (no hub, no carried weights)."""
 
+import os
 import sys
 from pathlib import Path
 
@@ -8,12 +9,19 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
 
+def _models_dir(tmp_path_factory, name: str) -> Path:
+    """``$FASTLOAD_GPU_MODELS/<name>`` when set (benchmarks/device.sh keeps models out of the pytest basetemp, which
+    it puts under $OUT so the engines' and daemons' logs come back), else a pytest temporary directory."""
+    root = os.environ.get("FASTLOAD_GPU_MODELS")
+    return Path(root) / name if root else tmp_path_factory.mktemp(name) / name
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """2 layers, ~20 MB (benchmarks/make_model.py --shape tiny)."""
     from make_model import make
 
-    return make(tmp_path_factory.mktemp("tiny") / "tiny-llama", "tiny")
+    return make(_models_dir(tmp_path_factory, "tiny-llama"), "tiny")
 
 
 @pytest.fixture(scope="module")
@@ -21,4 +29,4 @@ def small(tmp_path_factory):
     """~0.4 GB: large enough that counting the weights twice or not at all shows in the KV cache size."""
     from make_model import make
 
-    return make(tmp_path_factory.mktemp("small") / "small-llama", "small")
+    return make(_models_dir(tmp_path_factory, "small-llama"), "small")

@@ -187,3 +187,17 @@ def test_daemon_finishes_online_quantization_like_vllms_loader(monkeypatch):
     assert finish_online_quantization(m, "cfg") is False and calls == []
     m.lin.quant_method.uses_meta_device = True
     assert finish_online_quantization(m, "cfg") is True and calls == [(m, "cfg")]
+
+
+def test_host_and_device_checksum_paths_compute_the_same_number():
+    """The daemon and the engine may checksum through different paths (numpy on host buffers, one gather and
+    reduction on GPU buffers): both must give the same value, short windows included."""
+    from vllm_fastload.ipc import layout
+
+    g = torch.Generator().manual_seed(3)
+    buf = torch.randint(0, 256, (3 * layout.SAMPLE + 777,), dtype=torch.uint8, generator=g)
+    starts = [0, 100, layout.SAMPLE, 2 * layout.SAMPLE + 5, 3 * layout.SAMPLE + 700]
+    ends = [layout.SAMPLE, 100 + 9, 3 * layout.SAMPLE, 3 * layout.SAMPLE + 777, 3 * layout.SAMPLE + 777]
+    host = layout._window_sums_host(buf, starts, ends)
+    dev = layout._window_sums_device(buf, starts, ends)  # the GPU code, run on the CPU tensor
+    assert host == dev and len(set(host)) == len(host)

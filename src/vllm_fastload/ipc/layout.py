@@ -92,21 +92,47 @@ def fill(buf: torch.Tensor, tensors: dict[str, torch.Tensor], entries: dict[str,
 _MIX = 0x9E3779B97F4A7C15
 
 
-def _word_weights(device: torch.device) -> torch.Tensor:
-    words = SAMPLE // 8
-    w = [((2 * j + 1) * _MIX) % 2**64 for j in range(words)]
-    return torch.tensor([x - 2**64 if x >= 2**63 else x for x in w], dtype=torch.int64).to(device)
+def _word_weights() -> list[int]:
+    """The odd weight of each 8-byte word of a window, as unsigned 64-bit values."""
+    return [((2 * j + 1) * _MIX) % 2**64 for j in range(SAMPLE // 8)]
+
+
+def _window_sums_device(buf: torch.Tensor, starts: list[int], ends: list[int]) -> list[int]:
+    """Window sums computed where ``buf`` lives (one gather, one multiply, one reduction; an 8-byte result per
+    window crosses to the host). Signed int64 arithmetic wraps like uint64, so the result is the same number."""
+    dev = buf.device
+    st = torch.tensor(starts, dtype=torch.int64).to(dev)
+    en = torch.tensor(ends, dtype=torch.int64).to(dev)
+    idx = torch.minimum(st[:, None] + torch.arange(SAMPLE, device=dev)[None, :], en[:, None] - 1)
+    words = buf[idx.reshape(-1)].view(torch.int64).reshape(len(starts), SAMPLE // 8)
+    w = torch.tensor([x - 2**64 if x >= 2**63 else x for x in _word_weights()], dtype=torch.int64).to(dev)
+    return [v % 2**64 for v in (words * w[None, :]).sum(dim=1).tolist()]
+
+
+def _window_sums_host(buf: torch.Tensor, starts: list[int], ends: list[int]) -> list[int]:
+    """The same sums for a host buffer, with numpy slices (no index tensor of a few million entries)."""
+    import numpy as np
+
+    a = buf.numpy()
+    rows = np.empty((len(starts), SAMPLE), dtype=np.uint8)
+    for i, (s, e) in enumerate(zip(starts, ends)):
+        m = min(SAMPLE, e - s)
+        rows[i, :m] = a[s:s + m]
+        rows[i, m:] = a[s + m - 1]
+    w = np.array(_word_weights(), dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        return [int(v) for v in (rows.view("<u8") * w[None, :]).sum(axis=1, dtype=np.uint64)]
 
 
 def sample_checksums(buf: torch.Tensor, entries: dict[str, dict[str, Any]]) -> dict[str, str]:
     """A 64-bit checksum (hex) of each entry's three :data:`SAMPLE`-byte windows (start, middle, end of its span).
 
-    Each window is read as 8-byte words and summed with position-dependent odd weights, modulo 2**64 (integer
-    arithmetic, so the result does not depend on the reduction order); the three window sums are combined on the
-    host. All windows are gathered with one indexing operation on the buffer's device and reduced there, so a GPU
-    buffer costs a handful of kernels and an 8-byte-per-window D2H copy, not one copy per tensor. Windows of a span
-    shorter than :data:`SAMPLE` repeat its last byte. This detects changed or moved bytes in the sampled windows;
-    it is not a cryptographic hash.
+    Each window is read as little-endian 8-byte words and summed with position-dependent odd weights, modulo
+    2**64 (integer arithmetic, so the result does not depend on the reduction order); the three window sums are
+    combined on the host. A GPU buffer is reduced on the GPU (one gather, one reduction, 8 bytes per window
+    copied back), a host buffer with numpy slices; both compute the same number. Windows of a span shorter than
+    :data:`SAMPLE` repeat its last byte. This detects changed or moved bytes in the sampled windows; it is not a
+    cryptographic hash.
     """
     names = [k for k, e in entries.items() if int(e["nbytes"])]
     out = {k: f"{0:016x}" for k in entries}
@@ -119,15 +145,10 @@ def sample_checksums(buf: torch.Tensor, entries: dict[str, dict[str, Any]]) -> d
         for s in (o, o + n // 2 - SAMPLE // 2, last):
             starts.append(min(max(s, o), last))
             ends.append(o + n)
-    dev = buf.device
-    st = torch.tensor(starts, dtype=torch.int64).to(dev)
-    en = torch.tensor(ends, dtype=torch.int64).to(dev)
-    idx = torch.minimum(st[:, None] + torch.arange(SAMPLE, device=dev)[None, :], en[:, None] - 1)
-    words = buf[idx.reshape(-1)].view(torch.int64).reshape(len(starts), SAMPLE // 8)
-    sums = (words * _word_weights(dev)[None, :]).sum(dim=1).tolist()
+    sums = (_window_sums_host if buf.device.type == "cpu" else _window_sums_device)(buf, starts, ends)
     for i, k in enumerate(names):
         h = 0
         for v in sums[3 * i: 3 * i + 3]:
-            h = (h * 0x100000001B3 + (v % 2**64)) % 2**64
+            h = (h * 0x100000001B3 + v) % 2**64
         out[k] = f"{h:016x}"
     return out

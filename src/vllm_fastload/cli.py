@@ -16,7 +16,10 @@ def main(argv: list[str] | None = None) -> int:
     sub = p.add_subparsers(dest="cmd", required=True)
     b = sub.add_parser("build-demo-model", help="build the embedded SmolLM2-135M-Instruct bf16 safetensors (cached)")
     b.add_argument("out", nargs="?", help="output directory (default: ~/.cache/vllm-fastload/smollm2-135m-instruct)")
-    ins = sub.add_parser("inspect", help="shards, problems, tuning and fingerprint of a checkpoint (dir or s3://)")
+    ins = sub.add_parser("inspect", help="shards, problems, tuning and fingerprint of a checkpoint (dir or s3://)",
+                         epilog="Any further arguments are vLLM engine args (e.g. --dtype float32 "
+                                "--tensor-parallel-size 2): the fingerprint is computed as an engine with those "
+                                "args would compute it.")
     ins.add_argument("source")
     ins.add_argument("--json", action="store_true", help="machine-readable output")
     ins.add_argument("--no-fingerprint", action="store_true", help="skip the fingerprint (does not import vLLM)")

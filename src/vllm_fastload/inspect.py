@@ -69,6 +69,28 @@ def fingerprint_for(source: str, engine_args: list[str]) -> Optional[dict[str, A
     return {"short": fp.short(), "fields": {k: v for k, v in fp.to_dict().items() if k != "shards"}}
 
 
+def no_shards_problem(source: str) -> str:
+    """Why ``source`` has nothing to stream, and what to do: a missing path, an empty directory, or other
+    weight formats (listed)."""
+    if is_object_uri(source):
+        return (f"no *.safetensors under {source}: check the URI (runai_streamer falls back to vLLM's default loader, "
+                f"which reads object storage only through runai)")
+    if not os.path.exists(source):
+        return f"{source} does not exist: pass the model directory (the one holding config.json and *.safetensors)"
+    if not os.path.isdir(source):
+        return f"{source} is not a directory: pass the model directory (the one holding config.json and *.safetensors)"
+    present = sorted(os.listdir(source))
+    weights = [f for f in present if f.endswith((".bin", ".pt", ".pth", ".gguf", ".ckpt"))]
+    if not present:
+        return f"{source} is empty: no weights to load with any load format"
+    if weights:
+        return (f"no *.safetensors in {source} (found {', '.join(weights[:5])}): runai_streamer falls back to vLLM's "
+                f"default loader; convert to safetensors (e.g. transformers' save_pretrained(safe_serialization=True)) "
+                f"to stream")
+    return (f"no weight files in {source} (found {', '.join(present[:8])}{' ...' if len(present) > 8 else ''}): "
+            f"pass the model directory")
+
+
 def inspect(source: str, engine_args: Optional[list[str]] = None, with_fingerprint: bool = True) -> dict[str, Any]:
     """The whole report (JSON-ready). Raises :class:`~vllm_fastload.errors.StorageError` when ``source`` cannot
     be listed and :class:`~vllm_fastload.errors.CheckpointError` for an index naming a missing shard."""
@@ -78,7 +100,8 @@ def inspect(source: str, engine_args: Optional[list[str]] = None, with_fingerpri
            "problems": [s["problem"] for s in shards if s.get("problem")],
            "suggested": suggest(shards, is_object_uri(source))}
     if not plan.files:
-        out["problems"].append(f"no *.safetensors in {source}: runai_streamer will fall back to vLLM's default loader")
+        out["problems"].append(no_shards_problem(source))
+        out["suggested"] = None
     if with_fingerprint and not out["problems"]:
         out["fingerprint"] = fingerprint_for(source, engine_args or [])
     return out
@@ -103,8 +126,9 @@ def render(rep: dict[str, Any]) -> str:
         if not any(p == s.get("problem") for s in rep["shards"]):
             lines.append(f"  PROBLEM: {p}")
     sg = rep["suggested"]
-    lines.append(f"suggested runai_streamer extra-config: {sg['extra_config']}  "
-                 f"(memory_limit {sg['memory_limit_gib']} GiB)")
+    if sg:
+        lines.append(f"suggested runai_streamer extra-config: {sg['extra_config']}  "
+                     f"(memory_limit {sg['memory_limit_gib']} GiB)")
     fp = rep.get("fingerprint")
     if fp:
         f = fp["fields"]

@@ -30,3 +30,21 @@ def test_inspect_cli_names_a_broken_shard_and_exits_1(tmp_path, capsys):
     assert main(["inspect", str(tmp_path), "--no-fingerprint", "--json"]) == 1
     rep = json.loads(capsys.readouterr().out)
     assert "4 bytes of trailing data" in rep["problems"][0] and str(p) in rep["problems"][0]
+
+
+def test_inspect_says_why_there_is_nothing_to_stream(tmp_path, capsys):
+    """A missing path, an empty directory and a .bin-only directory each get their own problem and fix, and no
+    meaningless extra-config suggestion."""
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    bins = tmp_path / "bins"
+    bins.mkdir()
+    (bins / "pytorch_model.bin").write_bytes(b"x")
+    (bins / "config.json").write_text("{}")
+    cases = {str(tmp_path / "nope"): "does not exist: pass the model directory",
+             str(empty): "is empty: no weights to load",
+             str(bins): "found pytorch_model.bin): runai_streamer falls back to vLLM's default loader; convert to safetensors"}
+    for src, expect in cases.items():
+        assert main(["inspect", src, "--no-fingerprint"]) == 1
+        out = capsys.readouterr().out
+        assert expect in out and "suggested runai_streamer extra-config" not in out, out

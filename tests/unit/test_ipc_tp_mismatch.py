@@ -100,7 +100,8 @@ def test_engine_of_another_tp_rank_falls_back_naming_tp_size_and_tp_rank(setup, 
     assert ipc_loader(srv.path).load_model(vllm_config, model_config) is sentinel  # the disk load ran instead
     [msg] = [w for w in warnings_logged if "ipc_cache cannot serve this load" in w]
     assert (f"fingerprint mismatch with the daemon at {srv.path}: tp_size (daemon 1, engine 2), "
-            f"tp_rank (daemon 0, engine 1). Falling back to vLLM's default loader") in msg
+            f"tp_rank (daemon 0, engine 1); restart `vllm-fastload preload` with this engine's args, or start the "
+            f"engine with the daemon's. Falling back to vLLM's default loader") in msg
     assert status_of(str(srv.path))["fingerprint_mismatches"] == 1
 
 
@@ -113,5 +114,5 @@ def test_same_tp_size_other_rank_names_only_tp_rank_and_strict_refuses(setup, mo
     with pytest.raises(FallbackRefused) as e:
         ipc_loader(srv.path, fallback=False).load_model(vllm_config, model_config)
     msg = str(e.value)
-    assert f"fingerprint mismatch with the daemon at {srv.path}: tp_rank (daemon 0, engine 1)." in msg
+    assert f"fingerprint mismatch with the daemon at {srv.path}: tp_rank (daemon 0, engine 1); restart" in msg
     assert "tp_size" not in msg.split(str(srv.path))[1] and '"fallback": false forbids' in msg

@@ -253,6 +253,8 @@ class RankServer:
         if diff:
             with st.lock:
                 st.mismatches += 1
+            logger.warning("fastload: refused client pid %s (it falls back to disk): fingerprint mismatch: %s",
+                           msg.get("pid"), mine.explain(theirs))
             protocol.send(conn, {"type": "error", "reason": "fingerprint mismatch: " + mine.explain(theirs),
                                  "mismatched": [[n, a, b] for n, a, b in diff]})
             return

@@ -129,14 +129,17 @@ class IpcCacheLoader(BaseModelLoader):
             return model
         except FingerprintMismatch as e:
             fields = ", ".join(f"{n} (daemon {a!r}, engine {b!r})" for n, a, b in e.mismatched)
-            reason = f"fingerprint mismatch with the daemon at {path}: {fields}"
+            reason = (f"fingerprint mismatch with the daemon at {path}: {fields}; restart `vllm-fastload preload` "
+                      f"with this engine's args, or start the engine with the daemon's")
         except (CacheUnavailable, ChecksumMismatch, InstallError, FastloadError) as e:
             reason = str(e)
         except (ValueError, KeyError, TypeError, OSError) as e:  # malformed manifest or mapping failure
             reason = f"the daemon's manifest or memory is unusable ({type(e).__name__}: {e})"
         loader = fall_back(LOAD_FORMAT, reason, self.config.fallback, self.load_config)
         model = loader.load_model(vllm_config=vllm_config, model_config=model_config, prefix=prefix)
-        report = LoadReport(load_format=LOAD_FORMAT, source=path, format_used=loader.load_config.load_format,
+        # the weights of a fallback come from the model's files, not from the daemon
+        report = LoadReport(load_format=LOAD_FORMAT, source=str(model_config.model),
+                            format_used=loader.load_config.load_format,
                             fallback_reason=reason, wall_s=time.perf_counter() - t0)
         report.emit(self.config.report_path)
         return model

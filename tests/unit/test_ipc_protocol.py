@@ -230,3 +230,19 @@ def test_a_socket_path_longer_than_unix_allows_is_named_with_the_fix(tmp_path):
         s.close()
         edge.unlink()
         short.rmdir()
+
+
+def test_preload_with_a_too_long_socket_dir_fails_at_once_and_creates_nothing(tmp_path, capsys, monkeypatch):
+    from vllm.engine.arg_utils import EngineArgs
+
+    from vllm_fastload.cli import main as cli_main
+
+    def no_config(self):
+        raise AssertionError("the socket path must be checked before vLLM's config setup")
+
+    monkeypatch.setattr(EngineArgs, "create_engine_config", no_config)
+    d = tmp_path / ("x" * 100)
+    assert cli_main(["preload", "--model", str(tmp_path), "--weight-cache-socket-dir", str(d)]) == 2
+    err = capsys.readouterr().err
+    assert "Unix sockets allow 107" in err and "use a socket dir of at most" in err
+    assert not d.exists()

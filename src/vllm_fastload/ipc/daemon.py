@@ -28,7 +28,7 @@ from ..errors import FastloadError
 from ..log import logger
 from . import protocol
 from .client import status_of
-from .paths import device_identity, ensure_socket_dir, socket_path
+from .paths import default_socket_dir, device_identity, ensure_socket_dir, socket_path
 from .shm import Segment, pack
 
 DEFAULT_LOAD_FORMAT = "runai_streamer"
@@ -466,6 +466,12 @@ def main(argv: list[str]) -> int:
     add_daemon_flags(parser)
     parser = EngineArgs.add_cli_args(parser)
     args = parser.parse_args(argv)
+    # Socket names carry the device identity (a GPU UUID): check the path length before vLLM's config setup and
+    # before creating the directory, so a too-long --weight-cache-socket-dir fails at once and leaves nothing.
+    from vllm.platforms import current_platform as _platform
+
+    socket_path(Path(args.weight_cache_socket_dir) if args.weight_cache_socket_dir else default_socket_dir(),
+                device_identity(_platform.device_type, 0))
     if not any(a.split("=", 1)[0] in ("--load-format", "--load_format") for a in argv):
         args.load_format = DEFAULT_LOAD_FORMAT
     engine_args = EngineArgs.from_cli_args(args)

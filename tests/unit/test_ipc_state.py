@@ -201,3 +201,18 @@ def test_host_and_device_checksum_paths_compute_the_same_number():
     host = layout._window_sums_host(buf, starts, ends)
     dev = layout._window_sums_device(buf, starts, ends)  # the GPU code, run on the CPU tensor
     assert host == dev and len(set(host)) == len(host)
+
+
+@pytest.mark.parametrize("leaf", ["forward", "training_step_property", "lin", "__class__"])
+def test_cached_attributes_never_replace_methods_properties_or_submodules(leaf):
+    """Attributes come from JSON, but a manifest must not be able to shadow code or modules of the engine's model."""
+
+    class WithProp(Toy):
+        @property
+        def training_step_property(self):
+            return 1
+
+    with torch.device("meta"):
+        eng = WithProp()
+    with pytest.raises(InstallError, match=f"cached attribute .*{leaf}"):
+        install(eng, {}, {}, [], {"": {leaf: None}})

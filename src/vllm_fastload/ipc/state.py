@@ -19,6 +19,7 @@ post-processing replaced a tensor of a reprocess module.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -222,7 +223,13 @@ def install(model: nn.Module, tensors: dict[str, tuple[str, torch.Tensor]], alia
         if m is None:
             raise InstallError(f"cached attributes of module {mod_name!r}, which this model does not have")
         for leaf, enc in values.items():
-            if leaf in m._parameters or leaf in m._buffers or leaf in m._modules:
+            static = inspect.getattr_static(type(m), leaf, None)
+            if leaf.startswith("__") or callable(static) or hasattr(static, "__get__"):
+                raise InstallError(f"cached attribute {mod_name}.{leaf} would replace a method or property of "
+                                   f"{type(m).__name__}; the daemon's manifest is not from this model")
+            if leaf in m._modules:
+                raise InstallError(f"cached attribute {mod_name}.{leaf} would replace a submodule")
+            if leaf in m._parameters or leaf in m._buffers:
                 if enc is None and leaf in m._parameters and m._parameters[leaf] is None:
                     continue
                 if enc is None:  # post-processing replaced a skeleton parameter by None (e.g. input_scale)

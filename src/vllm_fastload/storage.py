@@ -160,11 +160,16 @@ def _s3_client(connect_timeout: float, read_timeout: float, attempts: int, unsig
     return boto3.session.Session().client("s3", endpoint_url=endpoint, config=Config(**kwargs))
 
 
+def _s3_parts(uri: str) -> tuple[str, str, str]:
+    """``s3://bucket/key`` -> ``(bucket, key, directory prefix of key)`` (the prefix ends with ``/`` or is empty)."""
+    bucket, _, key = uri[len("s3://"):].partition("/")
+    return bucket, key, key.strip("/") + "/" if key.strip("/") else ""
+
+
 def _s3_list(source: str) -> list[str]:
     """``s3://bucket/prefix/*.safetensors`` directly under ``source`` (as runai's listing: not recursive), with the
     bounded timeouts of :data:`LIST_TIMEOUTS`. Raises boto3's exceptions."""
-    bucket, _, key = source[len("s3://"):].partition("/")
-    prefix = key.strip("/") + "/" if key.strip("/") else ""
+    bucket, _, prefix = _s3_parts(source)
     client = _s3_client(LIST_TIMEOUTS["connect_timeout"], LIST_TIMEOUTS["read_timeout"], LIST_TIMEOUTS["attempts"],
                         unsigned=os.environ.get(UNSIGNED_ENV) == "1")
     out = []
@@ -200,7 +205,7 @@ def _s3_probe(uri: str, exc: Optional[BaseException] = None, timeout_s: float = 
         from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError
     except ImportError:
         return "boto3 is not installed, no further diagnosis"
-    bucket, _, key = uri[len("s3://"):].partition("/")
+    bucket, key, prefix = _s3_parts(uri)
     unsigned = os.environ.get(UNSIGNED_ENV) == "1"
     ok: Optional[str] = None
     failure = ""
@@ -215,7 +220,6 @@ def _s3_probe(uri: str, exc: Optional[BaseException] = None, timeout_s: float = 
             # the endpoint the streamer read from (the listing's when only AWS_ENDPOINT_URL is set)
             client = _s3_client(timeout_s, timeout_s, 1, unsigned=anonymous,
                                 endpoint=os.environ.get("RUNAI_STREAMER_S3_ENDPOINT"))
-            prefix = key.rstrip("/") + "/" if key else ""
             listed = client.list_objects_v2(Bucket=bucket, Prefix=prefix, MaxKeys=1000)
             keys = [o["Key"] for o in listed.get("Contents", [])]
             if keys or key:  # a 1-byte ranged GET, as the streamer reads (HEAD is authorised differently by some stores)

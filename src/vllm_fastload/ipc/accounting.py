@@ -37,6 +37,13 @@ def mapped_bytes(device_index: int | None = None) -> int:
         return _MAPPED.get(device_index, 0)
 
 
+def count_as_weights(device_index: int, nbytes: int) -> None:
+    """Count ``nbytes`` on CUDA device ``device_index`` as this engine's weights: recorded for
+    ``get_external_weight_memory`` (vLLM >= 0.33) and, on older vLLM, added by the profiler wrapper."""
+    add_mapped(device_index, nbytes)
+    count_in_vllm_profiler()
+
+
 def has_external_weight_hook() -> bool:
     """True when vLLM's ``BaseModelLoader`` asks loaders for external weight memory (vLLM >= 0.33)."""
     try:
@@ -54,12 +61,8 @@ def count_in_vllm_profiler() -> bool:
     from vllm.platforms import current_platform
 
     cls = type(current_platform)
-    current = cls.__dict__.get("get_current_memory_usage")
-    if current is None:
-        for base in cls.__mro__:
-            if "get_current_memory_usage" in base.__dict__:
-                current = base.__dict__["get_current_memory_usage"]
-                break
+    current = next((b.__dict__["get_current_memory_usage"] for b in cls.__mro__
+                    if "get_current_memory_usage" in b.__dict__), None)
     if current is None:
         return False
     original = current.__func__ if isinstance(current, classmethod) else current

@@ -35,34 +35,30 @@ class ChecksumMismatch(FastloadError):
     says); the message names the tensor."""
 
 
-def _skeleton_registrations(vllm_config: Any) -> tuple[set, set]:
-    """What building a model registers process-wide: attention layers in ``static_forward_context`` and cached
-    rotary embeddings (``rotary_embedding._ROPE_DICT``); recorded so a failed mapping can undo it."""
-    ctx = getattr(getattr(vllm_config, "compilation_config", None), "static_forward_context", None) or {}
+def _process_registries(vllm_config: Any) -> list[dict]:
+    """The process-wide dicts building a model registers into: attention layers in ``static_forward_context``
+    and cached rotary embeddings (``rotary_embedding._ROPE_DICT``); those missing in this vLLM are left out."""
+    found = [getattr(getattr(vllm_config, "compilation_config", None), "static_forward_context", None)]
     try:
         from vllm.model_executor.layers import rotary_embedding as rope
 
-        ropes = set(getattr(rope, "_ROPE_DICT", {}))
+        found.append(getattr(rope, "_ROPE_DICT", None))
     except ImportError:
-        ropes = set()
-    return set(ctx), ropes
+        pass
+    return [d for d in found if d is not None]
 
 
-def _forget_skeleton(vllm_config: Any, before: tuple[set, set]) -> None:
+def _skeleton_registrations(vllm_config: Any) -> list[tuple[dict, set]]:
+    """The keys of :func:`_process_registries` now, so a failed mapping can undo what its skeleton added."""
+    return [(d, set(d)) for d in _process_registries(vllm_config)]
+
+
+def _forget_skeleton(before: list[tuple[dict, set]]) -> None:
     """Remove what a skeleton built after :func:`_skeleton_registrations` registered, so the fallback loader can
     build the model again (otherwise vLLM raises "Duplicate layer name" or reuses meta-device RoPE caches)."""
-    ctx = getattr(getattr(vllm_config, "compilation_config", None), "static_forward_context", None)
-    if ctx is not None:
-        for k in set(ctx) - before[0]:
-            ctx.pop(k, None)
-    try:
-        from vllm.model_executor.layers import rotary_embedding as rope
-    except ImportError:
-        return
-    cache = getattr(rope, "_ROPE_DICT", None)
-    if cache is not None:
-        for k in set(cache) - before[1]:
-            cache.pop(k, None)
+    for d, keys in before:
+        for k in set(d) - keys:
+            d.pop(k, None)
 
 
 class IpcCacheLoader(BaseModelLoader):
@@ -211,12 +207,10 @@ class IpcCacheLoader(BaseModelLoader):
             lap("reprocess_s")
             lease.attach(mode)
         except BaseException:
-            _forget_skeleton(vllm_config, registered)
+            _forget_skeleton(registered)
             lease.close()
             raise
-        if mode == "copy":
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)  # the clones are complete before the daemon may free the source
+        if mode == "copy":  # the clones are complete (synchronized above) before the daemon may free the source
             freed = lease.release()
             lease.close()
             del tensors
@@ -226,18 +220,16 @@ class IpcCacheLoader(BaseModelLoader):
                 # vLLM's profiler took its free-memory baseline while the daemon held these bytes; freeing them
                 # during the load would read as negative non-torch memory and grow the KV cache beyond
                 # gpu_memory_utilization. Count them once more as weights to cancel that (vLLM < 0.33).
-                from .accounting import add_mapped, count_in_vllm_profiler, has_external_weight_hook
+                from .accounting import count_as_weights, has_external_weight_hook
 
                 if not has_external_weight_hook():
-                    add_mapped(device.index, lease.segment.size)
-                    count_in_vllm_profiler()
+                    count_as_weights(device.index, lease.segment.size)
         else:
             _LEASES.append(lease)
             if device.type == "cuda":
-                from .accounting import add_mapped, count_in_vllm_profiler
+                from .accounting import count_as_weights
 
-                add_mapped(device.index, lease.segment.size)
-                count_in_vllm_profiler()
+                count_as_weights(device.index, lease.segment.size)
         logger.info("Mapped %d tensors from the weight cache daemon (%s mode)", len(man["tensors"]), mode)
         lap("release_s")
         # The span comparable to a disk loader's weight loading: fetch + map + verify + install (+ copy).

@@ -51,12 +51,17 @@ class Segment:
             self.owner = None
 
 
+def _cuda_index(device: torch.device) -> int:
+    """The CUDA device index of ``device`` (the current device when it has none)."""
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 def new_segment(size: int, device: torch.device, name: str = "vllm-fastload") -> Segment:
     """A fresh segment of at least ``size`` bytes on ``device`` (CPU -> memfd, CUDA -> VMM allocation)."""
     if device.type == "cuda":
         from .cuda_vmm import VmmBuffer
 
-        vb = VmmBuffer.allocate(device.index if device.index is not None else torch.cuda.current_device(), size)
+        vb = VmmBuffer.allocate(_cuda_index(device), size)
         return Segment(vb.export_fd(), vb.size, "cuda_vmm", vb.tensor(), vb)
     if device.type != "cpu":
         raise ValueError(f"ipc_cache has no transport for {device.type} devices (CPU memfd and CUDA VMM only)")
@@ -90,7 +95,7 @@ def open_segment(fd: int, meta: dict[str, Any], device: torch.device) -> Segment
         from .cuda_vmm import VmmBuffer
         from .paths import device_identity
 
-        index = device.index if device.index is not None else torch.cuda.current_device()
+        index = _cuda_index(device)
         mine = device_identity("cuda", index)
         if meta.get("device") and meta["device"] != mine:
             os.close(fd)

@@ -170,7 +170,8 @@ def install(model: nn.Module, tensors: dict[str, tuple[str, torch.Tensor]], alia
     For reprocess modules each tensor must match the skeleton's shape and dtype (it is pre-post-processing
     state). Skeleton tensors of processed modules that the daemon did not export were removed by
     post-processing and are removed here too. Plain attributes of processed modules (``attrs``, JSON as made by
-    :func:`plain_attrs`) are set where the skeleton's differ. Raises :class:`InstallError`.
+    :func:`plain_attrs`) are set on the skeleton; they never replace a method, property or submodule, nor a
+    skeleton tensor unless the value is ``None`` (post-processing removed it). Raises :class:`InstallError`.
     """
     modules = dict(model.named_modules(remove_duplicate=False))
     again = set(reprocess)

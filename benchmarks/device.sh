@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Run on the GPU device machine (after ../shared/gpu/README.md's staging). Usage:
-#   bash benchmarks/device.sh tests        # GPU tests (tests/gpu), log to $OUT/gpu-tests.log
+#   bash benchmarks/device.sh tests        # GPU tests (tests/gpu) and unit tests, log to $OUT/gpu-tests.log
+#   bash benchmarks/device.sh gpu          # GPU tests of the streamer only (tests/gpu without the ipc ones)
 #   bash benchmarks/device.sh ipctests [K]    # ipc_cache on CUDA (tests/gpu/test_ipc_cache_gpu.py [-k K]), logs in $OUT/pytest
 #   bash benchmarks/device.sh ipcprobe [GiB]  # legacy CUDA IPC vs VMM fds -> $OUT/ipc-probe.md
 #   bash benchmarks/device.sh bench [TP]   # 16 GB 8B-shaped model: auto vs built-in runai vs ours -> $OUT/
@@ -14,6 +15,10 @@ nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv | tee "$OUT/nv
 case "${1:-tests}" in
   tests)
     python3 -m pytest -v -rs -x tests/gpu tests/unit 2>&1 | tee "$OUT/gpu-tests.log"; exit ${PIPESTATUS[0]} ;;
+  gpu)
+    # the streamer's GPU tests (zoo through both read paths, greedy ids = auto at TP 1 and 2), not the ipc ones
+    FASTLOAD_GPU_MODELS=/root/models python3 -m pytest -v -rs --tb=short tests/gpu \
+      --ignore=tests/gpu/test_ipc_cache_gpu.py 2>&1 | tee "$OUT/gpu-tests.log"; exit ${PIPESTATUS[0]} ;;
   probe)
     python3 benchmarks/make_model.py /root/models/llama3-8b-shape --shape 8b >/dev/null
     cat /root/models/llama3-8b-shape/*.safetensors > /dev/null

@@ -30,6 +30,8 @@ LOADERS = {
     "auto": ("auto", {}),
     "runai_builtin": ("runai_streamer", {"VLLM_PLUGINS": ""}),
     "runai_fastload": ("runai_streamer", {}),
+    # ours with `pinned_reader: false`: runai reads into pageable memory, tensors are copied through a pinned ring
+    "runai_fastload_ring": ("runai_streamer", {}),
     # ipc_cache needs a `vllm-fastload preload` daemon for the same model/TP; started by main() when asked for.
     # ipc_copy releases the daemon's memory, so it must come last.
     "ipc_zero_copy": ("ipc_cache", {}),
@@ -77,9 +79,11 @@ def run_one(name: str, model: str, tp: int, gmu: float, report: Path, extra: dic
     """One loader in a fresh process; returns parsed timings (seconds) and the greedy token ids."""
     fmt, env_over = LOADERS[name]
     env = {**os.environ, **env_over, "PYTHONUNBUFFERED": "1"}
-    ex = dict(extra) if name == "runai_fastload" else {}
-    if name == "runai_fastload":
+    ex = dict(extra) if name.startswith("runai_fastload") else {}
+    if name.startswith("runai_fastload"):
         ex["report_path"] = str(report)
+    if name == "runai_fastload_ring":
+        ex["pinned_reader"] = False
     if name.startswith("ipc_"):
         ex = {"socket_dir": SOCKET_DIR[0], "mode": name[4:], "report_path": str(report), "fallback": False}
     args = {"model": model, "load_format": fmt, "tp": tp, "gmu": gmu, "extra": ex}
@@ -161,6 +165,16 @@ def write_outputs(results: dict, out: Path) -> None:
             f"| {r['loader']} | {w if w is not None else '-'} | {f'{gbps:.1f}' if gbps else '-'} | "
             f"{r.get('model_loading_s') or '-'} | {r['llm_init_s']:.2f} | {f'{used / 2**30:.1f}' if used else '-'} | "
             f"{r.get('num_gpu_blocks') or '-'} | {r['ids'] == ref if ref else '-'} |")
+    stages = [r for r in rows if r["loader"].startswith("runai_fastload") and r.get("report")]
+    if stages:
+        keys = ("read_wait_s", "memcpy_s", "slot_wait_s", "h2d_s", "pinned_alloc_s", "pinned_alloc_wait_s",
+                "pinned_bytes", "pinned_extra_bytes", "consumer_wait_s", "concurrency", "fs_strategy")
+        lines += ["", "Stage timings of our loader (load report; seconds, bytes):", "",
+                  "| loader | wall s | " + " | ".join(keys) + " |", "|---" * (len(keys) + 2) + "|"]
+        for r in stages:
+            rep = r["report"]
+            vals = [rep.get(k, rep["extra"].get(k, "-")) for k in keys]
+            lines.append(f"| {r['loader']} | {rep['wall_s']:.3f} | " + " | ".join(str(v) for v in vals) + " |")
     if results.get("daemon"):
         d = results["daemon"]
         lines += ["", f"preload daemon: ready after {d['ready_s']:.1f} s (load + post-process + export); "

@@ -141,17 +141,19 @@ class StreamerConfig(_LoaderConfig):
         "otherwise runai's O_DIRECT default. runai: always runai's default.",
     )
     pinned_slot_bytes: Union[int, str] = Field(
-        64 * 2**20, description="GPU only: bytes per pinned host slot of the H2D ring (tensors larger are split)."
+        32 * 2**20, description="GPU only: bytes per pinned host slot (tensors larger are read and copied in pieces "
+        "of this size)."
     )
     pinned_reader: bool = Field(
-        False, description="GPU only, experimental: runai reads into pinned memory and the GPU copies from there (no "
-        "host memcpy); false: each tensor is copied into a separate pinned ring first (faster on the H200 so far)."
+        True, description="GPU only: runai reads tensor pieces straight into pinned slots and the GPU copies them "
+        "out (no host memcpy); false: runai reads into pageable memory and each tensor is copied through a "
+        "pinned ring."
     )
     pipeline_thread: bool = Field(
         False, description="GPU only, experimental: read, memcpy and copy issue in a producer thread, overlapped with "
         "weight_loader calls (slower on the H200 so far)."
     )
-    pinned_slots: int = Field(4, ge=2, le=64, description="GPU only: slots in the pinned H2D ring (>= 2).")
+    pinned_slots: int = Field(16, ge=2, le=64, description="GPU only: pinned slots (the read ring's depth, >= 2).")
     copy_threads: int = Field(8, gt=0, le=128, description="GPU only: threads copying host slots into pinned memory.")
 
     @field_validator("memory_limit", mode="before")

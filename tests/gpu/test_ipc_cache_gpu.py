@@ -47,6 +47,14 @@ time.sleep(600)
 """
 
 
+def test_checksums_of_a_cuda_buffer_equal_the_host_copy_s():
+    """The engine checksums mapped GPU memory (D2H window copies), the CPU tests a host buffer: same numbers."""
+    g = torch.Generator().manual_seed(5)
+    buf = torch.randint(0, 256, (5 * 4096 + 333,), dtype=torch.uint8, generator=g)
+    entries = {"a": {"offset": 0, "nbytes": 5 * 4096}, "b": {"offset": 5 * 4096 + 256, "nbytes": 77}}
+    assert sample_checksums(buf.cuda(), entries) == sample_checksums(buf, entries)
+
+
 @pytest.mark.parametrize("expandable", [False, True], ids=["default-allocator", "expandable_segments"])
 def test_vmm_transport_across_processes_and_exporter_sigkill(expandable):
     mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)

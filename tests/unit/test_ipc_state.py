@@ -189,18 +189,31 @@ def test_daemon_finishes_online_quantization_like_vllms_loader(monkeypatch):
     assert finish_online_quantization(m, "cfg") is True and calls == [(m, "cfg")]
 
 
-def test_host_and_device_checksum_paths_compute_the_same_number():
-    """The daemon and the engine may checksum through different paths (numpy on host buffers, one gather and
-    reduction on GPU buffers): both must give the same value, short windows included."""
+def test_checksum_windows_match_an_independent_computation():
+    """The windows (start, middle, end; short spans padded with their last byte) summed as weighted little-endian
+    words, recomputed here in plain Python from the bytes. The GPU test compares a CUDA buffer with this path."""
     from vllm_fastload.ipc import layout
 
     g = torch.Generator().manual_seed(3)
     buf = torch.randint(0, 256, (3 * layout.SAMPLE + 777,), dtype=torch.uint8, generator=g)
-    starts = [0, 100, layout.SAMPLE, 2 * layout.SAMPLE + 5, 3 * layout.SAMPLE + 700]
-    ends = [layout.SAMPLE, 100 + 9, 3 * layout.SAMPLE, 3 * layout.SAMPLE + 777, 3 * layout.SAMPLE + 777]
-    host = layout._window_sums_host(buf, starts, ends)
-    dev = layout._window_sums_device(buf, starts, ends)  # the GPU code, run on the CPU tensor
-    assert host == dev and len(set(host)) == len(host)
+    raw = buf.numpy().tobytes()
+    entries = {"long": {"offset": 0, "nbytes": 3 * layout.SAMPLE}, "short": {"offset": 3 * layout.SAMPLE + 5,
+               "nbytes": 9}, "none": {"offset": 0, "nbytes": 0}}
+
+    def ref(o, n):
+        h = 0
+        last = o + max(0, n - layout.SAMPLE)
+        for s in (o, o + n // 2 - layout.SAMPLE // 2, last):
+            s = min(max(s, o), last)
+            w = raw[s:min(s + layout.SAMPLE, o + n)]
+            w = w + w[-1:] * (layout.SAMPLE - len(w))
+            v = sum(int.from_bytes(w[8 * j:8 * j + 8], "little") * x for j, x in enumerate(layout._word_weights()))
+            h = (h * 0x100000001B3 + v % 2**64) % 2**64
+        return f"{h:016x}"
+
+    got = layout.sample_checksums(buf, entries)
+    assert got == {"long": ref(0, 3 * layout.SAMPLE), "short": ref(3 * layout.SAMPLE + 5, 9), "none": f"{0:016x}"}
+    assert len(set(got.values())) == 3
 
 
 @pytest.mark.parametrize("leaf", ["forward", "training_step_property", "lin", "__class__"])

@@ -97,31 +97,28 @@ def _word_weights() -> list[int]:
     return [((2 * j + 1) * _MIX) % 2**64 for j in range(SAMPLE // 8)]
 
 
-def _window_sums_device(buf: torch.Tensor, starts: list[int], ends: list[int]) -> list[int]:
-    """Window sums computed where ``buf`` lives (one gather, one multiply, one reduction; an 8-byte result per
-    window crosses to the host). Signed int64 arithmetic wraps like uint64, so the result is the same number."""
-    dev = buf.device
-    st = torch.tensor(starts, dtype=torch.int64).to(dev)
-    en = torch.tensor(ends, dtype=torch.int64).to(dev)
-    idx = torch.minimum(st[:, None] + torch.arange(SAMPLE, device=dev)[None, :], en[:, None] - 1)
-    words = buf[idx.reshape(-1)].view(torch.int64).reshape(len(starts), SAMPLE // 8)
-    w = torch.tensor([x - 2**64 if x >= 2**63 else x for x in _word_weights()], dtype=torch.int64).to(dev)
-    return [v % 2**64 for v in (words * w[None, :]).sum(dim=1).tolist()]
-
-
-def _window_sums_host(buf: torch.Tensor, starts: list[int], ends: list[int]) -> list[int]:
-    """The same sums for a host buffer, with numpy slices (no index tensor of a few million entries)."""
+def _window_rows(buf: torch.Tensor, starts: list[int], ends: list[int]):
+    """The windows as a ``(len(starts), SAMPLE)`` uint8 numpy array; a window cut short by its span's end repeats
+    the span's last byte. A GPU buffer's windows come over by async device-to-host copies into one pinned buffer
+    (no kernel launches: in a fresh engine process the first launch of each kernel costs more than the work)."""
     import numpy as np
 
-    a = buf.numpy()
-    rows = np.empty((len(starts), SAMPLE), dtype=np.uint8)
-    for i, (s, e) in enumerate(zip(starts, ends)):
-        m = min(SAMPLE, e - s)
-        rows[i, :m] = a[s:s + m]
-        rows[i, m:] = a[s + m - 1]
-    w = np.array(_word_weights(), dtype=np.uint64)
-    with np.errstate(over="ignore"):
-        return [int(v) for v in (rows.view("<u8") * w[None, :]).sum(axis=1, dtype=np.uint64)]
+    lens = [min(SAMPLE, e - s) for s, e in zip(starts, ends)]
+    if buf.device.type == "cpu":
+        a = buf.numpy()
+        rows = np.empty((len(starts), SAMPLE), dtype=np.uint8)
+        for i, (s, m) in enumerate(zip(starts, lens)):
+            rows[i, :m] = a[s:s + m]
+    else:
+        host = torch.empty(len(starts) * SAMPLE, dtype=torch.uint8, pin_memory=True)
+        for i, (s, m) in enumerate(zip(starts, lens)):
+            host[i * SAMPLE:i * SAMPLE + m].copy_(buf[s:s + m], non_blocking=True)
+        torch.cuda.current_stream(buf.device).synchronize()
+        rows = host.numpy().reshape(len(starts), SAMPLE)
+    for i, m in enumerate(lens):
+        if m < SAMPLE:
+            rows[i, m:] = rows[i, m - 1]
+    return rows
 
 
 def sample_checksums(buf: torch.Tensor, entries: dict[str, dict[str, Any]]) -> dict[str, str]:
@@ -129,8 +126,8 @@ def sample_checksums(buf: torch.Tensor, entries: dict[str, dict[str, Any]]) -> d
 
     Each window is read as little-endian 8-byte words and summed with position-dependent odd weights, modulo
     2**64 (integer arithmetic, so the result does not depend on the reduction order); the three window sums are
-    combined on the host. A GPU buffer is reduced on the GPU (one gather, one reduction, 8 bytes per window
-    copied back), a host buffer with numpy slices; both compute the same number. Windows of a span shorter than
+    combined on the host. The windows of a GPU buffer are copied to the host first (3 x SAMPLE bytes per tensor),
+    so one numpy computation serves both. Windows of a span shorter than
     :data:`SAMPLE` repeat its last byte. This detects changed or moved bytes in the sampled windows; it is not a
     cryptographic hash.
     """
@@ -145,7 +142,12 @@ def sample_checksums(buf: torch.Tensor, entries: dict[str, dict[str, Any]]) -> d
         for s in (o, o + n // 2 - SAMPLE // 2, last):
             starts.append(min(max(s, o), last))
             ends.append(o + n)
-    sums = (_window_sums_host if buf.device.type == "cpu" else _window_sums_device)(buf, starts, ends)
+    import numpy as np
+
+    rows = _window_rows(buf, starts, ends)
+    w = np.array(_word_weights(), dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        sums = [int(v) for v in (rows.view("<u8") * w[None, :]).sum(axis=1, dtype=np.uint64)]
     for i, k in enumerate(names):
         h = 0
         for v in sums[3 * i: 3 * i + 3]:

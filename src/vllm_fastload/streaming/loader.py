@@ -42,8 +42,6 @@ LOAD_FORMAT = "runai_streamer"
 #: runai filesystem strategy used when the checkpoint is in the page cache: plain buffered reads by a thread pool
 #: (reader probe on the H200 host: 38 GB/s with 32 threads; on the 2-core CI machine the fastest too).
 BUFFERED_STRATEGIES = "sync_buffered"
-#: Bound of runai's read ring when it is pinned and the user set no memory_limit (bytes).
-PINNED_READ_RING_BYTES = 4 * 2**30
 
 
 def _model_device(model: Any) -> Any:
@@ -78,7 +76,11 @@ class RunaiStreamerLoader(BaseModelLoader):
         around the weights (model construction, post-processing, garbage collection) is visible."""
         self._create_s = self._weights_s = None
         t = time.perf_counter()
-        model = super().load_model(*args, **kwargs)
+        self._arena_future = self._start_pinning()
+        try:
+            model = super().load_model(*args, **kwargs)
+        finally:
+            self._arena_future = None
         total = time.perf_counter() - t
         create, weights = self._create_s, self._weights_s
         if weights is not None:
@@ -87,6 +89,19 @@ class RunaiStreamerLoader(BaseModelLoader):
                 "fastload: load_model took %.3f s: create_model %s, load_weights %.3f s, post-processing + gc %.3f s",
                 total, f"{create:.3f} s" if create is not None else "n/a", weights, rest)
         return model
+
+    def _start_pinning(self) -> Any:
+        """GPU with ``pinned_reader``: start page-locking the read ring's arena in a thread now, so it overlaps
+        vLLM's model construction (``streaming.direct.ArenaFuture``). None on CPU or when off."""
+        if not self.config.pinned_reader:
+            return None
+        import torch
+
+        if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+            return None
+        from .direct import ArenaFuture
+
+        return ArenaFuture(self.config.pinned_slot_bytes, self.config.pinned_slots, torch.cuda.current_device())
 
     def download_model(self, model_config: Any) -> None:
         """Nothing to download: vLLM already pulled config files; weights are streamed at load time.
@@ -131,7 +146,7 @@ class RunaiStreamerLoader(BaseModelLoader):
         # runai reads its settings from the environment when a stream starts: set them for this load only.
         with scoped_environ(env):
             if device.type == "cuda":
-                loaded = self._load_via_pinned_ring(model, plan, device, report)
+                loaded = self._load_on_gpu(model, plan, headers, device, report)
             else:
                 loaded = model.load_weights(self._timed(self._progress(self._stream(plan)), report))
         report.wall_s = self._weights_s = time.perf_counter() - t0
@@ -167,26 +182,38 @@ class RunaiStreamerLoader(BaseModelLoader):
                                               os.environ.get("RUNAI_STREAMER_FS_STRATEGY", "runai default"))
         return env
 
-    def _load_via_pinned_ring(self, model: Any, plan: ShardPlan, device: Any, report: LoadReport) -> Any:
-        """GPU path: reader -> pinned ring -> async H2D on a side stream -> ``model.load_weights``."""
-        from .pipeline import H2DPipeline, pinned_reader_slots
+    def _load_on_gpu(self, model: Any, plan: ShardPlan, headers: list, device: Any, report: LoadReport) -> Any:
+        """GPU path. ``pinned_reader`` (default): runai reads tensor pieces straight into a recycled pinned arena
+        and the GPU copies them out (``streaming.direct``); else runai reads into pageable memory and each tensor
+        is copied through a pinned ring (``streaming.pipeline``). Both: async H2D on a side stream."""
+        from .direct import stream_to_device, unsupported
+        from .pipeline import H2DPipeline, StageTimes
 
         cfg = self.config
-        with pinned_reader_slots(enabled=cfg.pinned_reader) as direct:
-            bound = {}
-            if direct and "RUNAI_STREAMER_MEMORY_LIMIT" not in os.environ:
-                # The read ring is pinned now: bound it (runai's default spans the whole model).
-                bound = {"RUNAI_STREAMER_MEMORY_LIMIT": str(max(PINNED_READ_RING_BYTES, 2 * self._largest))}
-            with scoped_environ(bound), H2DPipeline(device, slot_bytes=cfg.pinned_slot_bytes, slots=cfg.pinned_slots,
-                             copy_threads=cfg.copy_threads, direct=direct,
-                             threaded=cfg.pipeline_thread) as pipe:
+        future, self._arena_future = getattr(self, "_arena_future", None), None
+        why_not = unsupported(headers) if cfg.pinned_reader else "pinned_reader is false"
+        if why_not is None:
+            arena = None
+            if future is not None and future.device == device.index:
+                arena, waited = future.result()
+                report.extra.update(pinned_alloc_s=round(future.alloc_s, 4), pinned_alloc_wait_s=round(waited, 4))
+            t, stats = StageTimes(), {}
+            it = stream_to_device(headers, device, cfg.pinned_slot_bytes, cfg.pinned_slots, t, arena, stats)
+            loaded = model.load_weights(self._progress(self._storage_errors(plan, it)))
+            report.extra.update(stats)
+        else:
+            if cfg.pinned_reader:
+                logger.info("fastload: copying through the pinned ring instead of reading into pinned memory: %s",
+                            why_not)
+            with H2DPipeline(device, slot_bytes=cfg.pinned_slot_bytes, slots=cfg.pinned_slots,
+                             copy_threads=cfg.copy_threads, threaded=cfg.pipeline_thread) as pipe:
                 loaded = model.load_weights(pipe.run(self._progress(self._stream(plan, owned=False))))
-        report.extra["read_ring_pinned"] = direct
-        t = pipe.times
+            t = pipe.times
+            report.extra.update(memcpy_s=round(t.memcpy_s, 4), consumer_wait_s=round(t.consumer_wait_s, 4),
+                                pinned_ring_bytes=cfg.pinned_slot_bytes * cfg.pinned_slots)
+        report.extra["read_ring_pinned"] = why_not is None
         report.tensors, report.bytes, report.read_wait_s = t.tensors, t.bytes, t.read_wait_s
-        report.extra.update(memcpy_s=round(t.memcpy_s, 4), slot_wait_s=round(t.slot_wait_s, 4),
-                            h2d_s=round(t.h2d_s, 4), consumer_wait_s=round(t.consumer_wait_s, 4),
-                            pinned_ring_bytes=cfg.pinned_slot_bytes * cfg.pinned_slots)
+        report.extra.update(slot_wait_s=round(t.slot_wait_s, 4), h2d_s=round(t.h2d_s, 4))
         return loaded
 
     # -- helpers ----------------------------------------------------------------------------------------
@@ -211,11 +238,19 @@ class RunaiStreamerLoader(BaseModelLoader):
         a consumer that copies each tensor before asking for the next (the pinned pipeline does)."""
         from runai_model_streamer import SafetensorsStreamer
 
-        remote = is_object_uri(plan.source)
-        try:
+        def tensors() -> Iterator[tuple[str, Any]]:
             with SafetensorsStreamer() as streamer:
                 streamer.stream_files(list(plan.files), device="cpu", owned=owned)
                 yield from streamer.get_tensors()
+
+        return self._storage_errors(plan, tensors())
+
+    @staticmethod
+    def _storage_errors(plan: ShardPlan, it: Iterator[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
+        """Pass ``it`` through; for object storage, a reader failure becomes one StorageError naming the source."""
+        remote = is_object_uri(plan.source)
+        try:
+            yield from it
         except (CheckpointError, ConfigError, GeneratorExit):
             raise
         except Exception as e:  # noqa: BLE001 - object-storage failures become one StorageError

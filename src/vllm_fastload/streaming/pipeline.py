@@ -26,7 +26,6 @@ another stream; memory allocated on one stream and used on another needs ``recor
 
 from __future__ import annotations
 
-import contextlib
 import queue
 import threading
 import time
@@ -75,16 +74,14 @@ class H2DPipeline:
     """
 
     def __init__(self, device: torch.device, slot_bytes: int = 64 * 2**20, slots: int = 4, copy_threads: int = 8,
-                 lookahead: int = 2, direct: bool = False, threaded: bool = False):
+                 lookahead: int = 2, threaded: bool = False):
         if slot_bytes <= 0 or slots < 2:
             raise ValueError(f"pinned ring needs slot_bytes > 0 and slots >= 2, got {slot_bytes} x {slots}")
         self.device = torch.device(device)
         if self.device.index is None:
             self.device = torch.device(self.device.type, torch.cuda.current_device())
         self.slot_bytes, self.slots = slot_bytes, slots
-        self.direct = direct
-        # direct: the reader's buffers are pinned already (see pinned_reader_slots); no ring, no memcpy.
-        self.ring = None if direct else torch.empty(slot_bytes * slots, dtype=torch.uint8, pin_memory=True)
+        self.ring = torch.empty(slot_bytes * slots, dtype=torch.uint8, pin_memory=True)
         self.slot_events: list[Any] = [None] * slots
         self.next_slot = 0
         self.copy_stream = torch.cuda.Stream(device=self.device)
@@ -131,22 +128,6 @@ class H2DPipeline:
             dst = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         dst.record_stream(consumer)
         end = None
-        if self.direct:
-            with torch.cuda.stream(self.copy_stream):
-                start = torch.cuda.Event(enable_timing=True)
-                end = torch.cuda.Event(enable_timing=True)
-                start.record()
-                dst.copy_(flat, non_blocking=True)
-                end.record()
-            self.times._events.append((start, end))
-            # The source is a view into the reader's reused buffer: it must not be handed back (next()) before
-            # this copy has read it.
-            t = time.perf_counter()
-            end.synchronize()
-            self.times.slot_wait_s += time.perf_counter() - t
-            self.times.bytes += nbytes
-            self.times.tensors += 1
-            return dst.view(src.dtype).view(src.shape), end
         for off in range(0, nbytes, self.slot_bytes):
             n = min(self.slot_bytes, nbytes - off)
             i, slot = self._acquire()
@@ -252,42 +233,3 @@ class H2DPipeline:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
-
-
-@contextlib.contextmanager
-def pinned_reader_slots(enabled: bool = True) -> Iterator[bool]:
-    """While active, runai-model-streamer allocates its read ring in pinned (page-locked) host memory, so H2D
-    copies read the reader's buffers directly: no memcpy into a second ring. Yields False (and changes nothing)
-    when the installed runai-model-streamer has no ``requests_iterator._alloc_slot`` to replace.
-
-    Pinned memory comes from PyTorch's caching host allocator (``pin_memory=True``), which keeps it for reuse.
-    """
-    try:
-        from runai_model_streamer.file_streamer import requests_iterator as ri
-    except ImportError:
-        ri = None
-    if not enabled or ri is None:
-        yield False
-        return
-    original = getattr(ri, "_alloc_slot", None)
-    slot_cls = getattr(ri, "Slot", None)
-    block = getattr(ri, "DIRECT_IO_BLOCK", 4096)
-    if original is None or slot_cls is None:
-        yield False
-        return
-    keep: list = []
-
-    def alloc_pinned(slot_size: int):
-        raw_t = torch.empty(slot_size + block, dtype=torch.uint8, pin_memory=True)
-        keep.append(raw_t)
-        raw = raw_t.numpy()
-        shift = (-raw.ctypes.data) % block
-        array = raw[shift: shift + slot_size]
-        return slot_cls(array, array.ctypes.data)
-
-    ri._alloc_slot = alloc_pinned
-    try:
-        yield True
-    finally:
-        ri._alloc_slot = original
-        keep.clear()

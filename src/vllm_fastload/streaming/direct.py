@@ -1,0 +1,323 @@
+"""GPU path without a host memcpy: runai reads tensor pieces straight into pinned memory, the GPU copies them out.
+
+Data flow (:func:`stream_to_device`)::
+
+    runai-model-streamer FileStreamer (its C++ reader threads) --read--> pinned slot (carved from one pinned
+    arena) --copy_(non_blocking) on a side stream--> tensor's device buffer [offset : offset + n]
+    -> after the tensor's last piece: an event the consuming stream waits on -> yield (name, device tensor)
+
+* **Pieces.** runai places each requested range in one ring buffer, so with whole tensors every buffer must hold
+  the largest tensor (1.05 GB for Llama-3-8B's embedding) and a ring deep enough to keep the readers busy needs
+  several GB of page-locked memory. Each tensor is therefore requested as ranges of at most ``piece_bytes``
+  (``pinned_slot_bytes``); the pieces are assembled in the tensor's own device buffer. runai answers ranges in
+  completion order, so pieces and tensors arrive in any order; a tensor is yielded when its last piece was issued.
+* **Slot reuse.** The ring is streamed with ``owned=True``: runai's ``SlotPool`` then drops a released slot and
+  asks its allocator for a fresh one ("memory already handed out is never written to again",
+  runai_model_streamer/file_streamer/slot_pool.py, 0.17). A slot is released once the consumer resumed the
+  stream past the last range of the slot's submission, i.e. after every copy out of the slot was *issued*; at that
+  moment :class:`PinnedSlots` records an event on the copy stream and hands the memory out again only after that
+  event completed. The allocator is installed by replacing ``requests_iterator._alloc_slot`` for the stream's
+  duration (the hook runai's own docstring names: "what a slot is made of belongs to the path using the pool").
+* **Memory.** Pinned: ``(depth + SPARE_SLOTS) x (piece_bytes + pads)``, allocated once (in a thread started
+  before vLLM builds the model, see the loader) and freed at the end. Device: each yielded tensor is its own
+  allocation (never a view into a reused buffer; valid for as long as the consumer holds it, e.g. an FP8 weight
+  waiting for its scale); tensors still being assembled are bounded by the ring's span plus the largest tensor.
+
+PyTorch facts used (docs "CUDA semantics", "Tensor.record_stream"): ``non_blocking=True`` host-to-device copies
+are asynchronous only from pinned memory; a stream must ``wait_event`` before using data produced on another
+stream; memory allocated on one stream and used on another needs ``record_stream``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+import weakref
+from collections import deque
+from collections.abc import Iterator
+from typing import Any, Optional
+
+import torch
+
+from ..checkpoint import SafetensorsHeader
+from .pipeline import StageTimes
+
+#: Slots of the arena beyond runai's ring depth: a released slot can wait for its copies while runai refills.
+SPARE_SLOTS = 2
+#: Pads per runai ring buffer (``RUNAI_STREAMER_MAX_PADS_PER_BUFFER``, default 1024 = 4 MiB per buffer): one is
+#: spent per file boundary inside a buffer (safetensors data sections have no holes), so a few suffice.
+MAX_PADS = 16
+#: Page size assumed for the pads when sizing the arena (runai probes the mount's block; larger -> own allocations).
+PAGE = 4096
+
+
+def torch_dtypes() -> dict[str, torch.dtype]:
+    """Safetensors dtype string -> torch dtype, as runai-model-streamer maps them (its ``safetensors_pytorch``)."""
+    from runai_model_streamer.safetensors_streamer.safetensors_pytorch import safetensors_to_torch_dtype
+
+    return dict(safetensors_to_torch_dtype)
+
+
+def unsupported(headers: list[SafetensorsHeader]) -> Optional[str]:
+    """Why the direct path cannot stream these shards (a dtype runai maps to no torch dtype, or packed F4 whose
+    storage shape differs from the header's), or None."""
+    known = torch_dtypes()
+    for h in headers:
+        for t in h.tensors.values():
+            if t.dtype not in known or t.dtype == "F4":
+                return f"tensor {t.name!r} in {h.path} has dtype {t.dtype}"
+    return None
+
+
+def plan_pieces(headers: list[SafetensorsHeader], piece_bytes: int):
+    """Split every non-empty tensor into ranges of at most ``piece_bytes`` bytes.
+
+    Returns ``(chunks, where, empty)``: ``chunks[i]`` = ``(path, offsets, sizes)`` of file ``i`` (absolute byte
+    offsets in the file, in file order); ``where[i][r]`` = ``(key, offset in the tensor)`` of range ``r`` of file
+    ``i``; ``empty`` = keys of zero-byte tensors. A key is ``(file index, tensor name)``.
+    """
+    if piece_bytes <= 0:
+        raise ValueError(f"piece_bytes must be > 0, got {piece_bytes}")
+    chunks, where, empty = [], [], []
+    for i, h in enumerate(headers):
+        base = 8 + h.header_len
+        offsets: list[int] = []
+        sizes: list[int] = []
+        places: list[tuple[tuple[int, str], int]] = []
+        for t in sorted(h.tensors.values(), key=lambda t: t.begin):
+            if t.nbytes == 0:
+                empty.append((i, t.name))
+                continue
+            for off in range(0, t.nbytes, piece_bytes):
+                offsets.append(base + t.begin + off)
+                sizes.append(min(piece_bytes, t.nbytes - off))
+                places.append(((i, t.name), off))
+        chunks.append((h.path, offsets, sizes))
+        where.append(places)
+    return chunks, where, empty
+
+
+def _slot_class():
+    """runai's ``Slot`` with a ``__weakref__`` slot, so :class:`PinnedSlots` learns when runai drops one."""
+    from runai_model_streamer.file_streamer.slot_pool import Slot
+
+    class TrackedSlot(Slot):
+        __slots__ = ("__weakref__",)
+
+    return TrackedSlot
+
+
+class PinnedSlots:
+    """Pinned memory for runai's read ring, recycled only after the H2D copies out of it finished.
+
+    ``arena``: a pinned uint8 tensor (or None) carved into equal slots of ``slot_bytes``; a request larger than a
+    slot, or one made while every slot is in use by runai, gets its own pinned allocation, which is recycled the
+    same way and counted in ``extra_bytes``. ``copy_stream``: the stream the copies out of the slots run on.
+    """
+
+    def __init__(self, arena: Optional[torch.Tensor], slot_bytes: int, copy_stream: Any, times: StageTimes):
+        self.copy_stream, self.times = copy_stream, times
+        self.buffers: list[torch.Tensor] = []
+        if arena is not None and slot_bytes > 0:
+            self.buffers = [arena[i * slot_bytes:(i + 1) * slot_bytes] for i in range(arena.numel() // slot_bytes)]
+        self.free: deque[int] = deque(range(len(self.buffers)))
+        self.pending: deque[tuple[int, Any]] = deque()  # (buffer index, event after its last copy)
+        self.extra_bytes = 0
+        self.closed = False
+        self._lock = threading.Lock()
+        self._slot_cls = _slot_class()
+
+    def _released(self, index: int) -> None:
+        """runai dropped the slot on ``buffers[index]``: every copy out of it has been issued on the copy stream."""
+        with self._lock:
+            if self.closed:
+                return
+            ev = torch.cuda.Event()
+            ev.record(self.copy_stream)
+            self.pending.append((index, ev))
+
+    def _take(self, size: int) -> int:
+        with self._lock:
+            for _ in range(len(self.pending)):  # copies that finished already: no wait
+                index, ev = self.pending[0]
+                if ev.query():
+                    self.pending.popleft()
+                    self.free.append(index)
+                else:
+                    self.pending.rotate(-1)
+            for _ in range(len(self.free)):
+                if self.buffers[self.free[0]].numel() >= size:
+                    return self.free.popleft()
+                self.free.rotate(-1)
+            fits = [k for k, (index, _) in enumerate(self.pending) if self.buffers[index].numel() >= size]
+        if fits:  # wait for the oldest released slot that is large enough
+            with self._lock:
+                index, ev = self.pending[fits[0]]
+                del self.pending[fits[0]]
+            t = time.perf_counter()
+            ev.synchronize()
+            self.times.slot_wait_s += time.perf_counter() - t
+            return index
+        buf = pinned_empty(size)
+        with self._lock:
+            self.buffers.append(buf)
+            self.extra_bytes += size
+            return len(self.buffers) - 1
+
+    def alloc(self, size: int):
+        """runai's slot allocator (``_alloc_slot(slot_size)``): a ``Slot`` over ``size`` pinned bytes."""
+        index = self._take(size)
+        mem = self.buffers[index][:size].numpy()
+        slot = self._slot_cls(mem, mem.ctypes.data)
+        weakref.finalize(slot, self._released, index)
+        return slot
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[None]:
+        """runai allocates its read ring with :meth:`alloc` while active."""
+        from runai_model_streamer.file_streamer import requests_iterator as ri
+
+        original = ri._alloc_slot
+        ri._alloc_slot = self.alloc
+        try:
+            yield
+        finally:
+            ri._alloc_slot = original
+
+    def close(self) -> None:
+        """Wait for the copy stream, then drop all pinned memory."""
+        self.copy_stream.synchronize()
+        with self._lock:
+            self.closed = True
+            self.buffers, self.pending, self.free = [], deque(), deque()
+
+
+def pinned_empty(nbytes: int) -> torch.Tensor:
+    """``nbytes`` of page-locked host memory (uint8), from PyTorch's pinned allocator."""
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+
+def allocate_arena(slot_bytes: int, depth: int) -> torch.Tensor:
+    """Page-locked arena for ``depth + SPARE_SLOTS`` slots of ``slot_bytes`` (+ runai's pads) bytes."""
+    return pinned_empty((depth + SPARE_SLOTS) * arena_slot_bytes(slot_bytes))
+
+
+def arena_slot_bytes(piece_bytes: int) -> int:
+    """Bytes runai asks per ring buffer for pieces of ``piece_bytes``: the buffer plus its pads (page multiple)."""
+    n = piece_bytes + PAGE * MAX_PADS
+    return -(-n // PAGE) * PAGE
+
+
+class ArenaFuture:
+    """The pinned arena, allocated in a background thread (page-locking takes time; started before vLLM builds the
+    model, so that time overlaps model construction). :meth:`result` waits for it (seconds waited are reported)."""
+
+    def __init__(self, slot_bytes: int, depth: int, device: int):
+        self.slot_bytes, self.depth, self.device = slot_bytes, depth, device
+        self._arena: Optional[torch.Tensor] = None
+        self._error: Optional[BaseException] = None
+        self.alloc_s = 0.0
+        self._thread = threading.Thread(target=self._run, name="fastload-pin", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        t = time.perf_counter()
+        try:
+            torch.cuda.set_device(self.device)  # else the thread would create a context on GPU 0
+            self._arena = allocate_arena(self.slot_bytes, self.depth)
+        except BaseException as e:  # noqa: BLE001 - re-raised by result()
+            self._error = e
+        self.alloc_s = time.perf_counter() - t
+
+    def result(self) -> tuple[torch.Tensor, float]:
+        """``(arena, seconds waited for it)``; raises what the allocation raised."""
+        t = time.perf_counter()
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        arena, self._arena = self._arena, None
+        return arena, time.perf_counter() - t
+
+
+def stream_to_device(headers: list[SafetensorsHeader], device: torch.device, piece_bytes: int, depth: int,
+                     times: StageTimes, arena: Optional[torch.Tensor] = None,
+                     stats: Optional[dict] = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(name, device tensor)`` for every tensor of ``headers`` (see module docstring).
+
+    ``piece_bytes`` (bytes per read range and ring buffer, > 0), ``depth`` (runai ring buffers, >= 1), ``arena``
+    (pinned memory from :func:`allocate_arena` with the same sizes; allocated here when None). The current
+    stream waits for each tensor's copies before it is yielded. ``times`` receives bytes, H2D GPU seconds, read
+    and slot waits; ``stats`` (optional) receives ``pinned_bytes`` and ``pinned_extra_bytes``. runai errors
+    propagate (the loader turns object-storage failures into a StorageError).
+    """
+    from runai_model_streamer.file_streamer import FileChunks, FileStreamer
+
+    from ..storage import scoped_environ
+
+    dtypes = torch_dtypes()
+    info = {(i, t.name): t for i, h in enumerate(headers) for t in h.tensors.values()}
+    chunks, where, empty = plan_pieces(headers, piece_bytes)
+    consumer = torch.cuda.current_stream(device)
+    for key in empty:
+        t = info[key]
+        times.tensors += 1
+        yield t.name, torch.empty(t.shape, dtype=dtypes[t.dtype], device=device)
+    requests = [FileChunks(i, path, offsets, sizes) for i, (path, offsets, sizes) in enumerate(chunks) if sizes]
+    if not requests:
+        return
+    copy_stream = torch.cuda.Stream(device=device)
+    if arena is None:
+        arena = allocate_arena(piece_bytes, depth)
+    slots = PinnedSlots(arena, arena_slot_bytes(piece_bytes), copy_stream, times)
+    if stats is not None:
+        stats["pinned_bytes"] = arena.numel()
+    left: dict[tuple[int, str], int] = {}
+    for places in where:
+        for key, _ in places:
+            left[key] = left.get(key, 0) + 1
+    building: dict[tuple[int, str], torch.Tensor] = {}
+    events = times._events
+    env = {"RUNAI_STREAMER_RING_BUFFERS": str(depth), "RUNAI_STREAMER_MAX_PADS_PER_BUFFER": str(MAX_PADS)}
+    try:
+        with scoped_environ(env), slots.installed(), FileStreamer() as fs, contextlib.ExitStack() as stack:
+            fs.stream_files(requests, device="cpu", memory_limit=depth * piece_bytes, owned=True)
+            chunks_it = stack.enter_context(contextlib.closing(fs.get_chunks()))
+            while True:
+                t0 = time.perf_counter()
+                item = next(chunks_it, None)
+                times.read_wait_s += time.perf_counter() - t0
+                if item is None:
+                    break
+                file_id, range_index, host = item
+                key, off = where[file_id][range_index]
+                dst = building.get(key)
+                if dst is None:
+                    with torch.cuda.stream(copy_stream):
+                        dst = torch.empty(info[key].nbytes, dtype=torch.uint8, device=device)
+                    if dst.device.type == "cuda":
+                        dst.record_stream(consumer)
+                    building[key] = dst
+                src = host.view(-1)
+                n = src.numel()
+                with torch.cuda.stream(copy_stream):
+                    start = torch.cuda.Event(enable_timing=True)
+                    end = torch.cuda.Event(enable_timing=True)
+                    start.record()
+                    dst[off:off + n].copy_(src, non_blocking=True)
+                    end.record()
+                events.append((start, end))
+                times.bytes += n
+                left[key] -= 1
+                if left[key] == 0:
+                    del building[key]
+                    consumer.wait_event(end)
+                    times.tensors += 1
+                    t = info[key]
+                    yield t.name, dst.view(dtypes[t.dtype]).view(t.shape)
+    finally:
+        slots.close()
+        if stats is not None:
+            stats["pinned_extra_bytes"] = slots.extra_bytes
+    times.h2d_s = sum(s.elapsed_time(e) for s, e in events) / 1e3
+    events.clear()

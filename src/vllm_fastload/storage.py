@@ -269,10 +269,12 @@ def storage_error(uri: str, exc: BaseException, action: str = "read") -> Storage
     )
 
 
-def page_cache_fraction(paths: list[str], max_pages_per_file: int = 1 << 16) -> Optional[float]:
+def page_cache_fraction(paths: list[str], windows: int = 64, window_pages: int = 64) -> Optional[float]:
     """Fraction (0..1) of the pages of local ``paths`` resident in the page cache, from ``mincore(2)``.
 
-    Samples up to ``max_pages_per_file`` evenly spaced pages per file. Returns None for object storage, empty
+    Asks about ``windows`` evenly spaced windows of ``window_pages`` pages per file (default 64 x 256 KiB), not the
+    whole file: ``mincore`` walks every page it is asked about, which cost ~0.14 s for a warm 16 GB checkpoint
+    (measured: 17.6 ms per resident 2 GiB) at the start of every load. Returns None for object storage, empty
     input, or where ``mmap``/``mincore`` are unavailable (non-Linux). Reads no file data.
     """
     import ctypes
@@ -291,27 +293,30 @@ def page_cache_fraction(paths: list[str], max_pages_per_file: int = 1 << 16) -> 
     c_mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
     page = mmap.PAGESIZE
     resident = total = 0
+    vec = ctypes.create_string_buffer(window_pages)
     for path in paths:
         size = os.path.getsize(path)
         if size == 0:
             continue
+        npages = (size + page - 1) // page
+        starts = sorted({npages * k // windows for k in range(windows)}) if npages > windows * window_pages else [0]
         fd = os.open(path, os.O_RDONLY)
         try:
             addr = c_mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
             if addr in (None, ctypes.c_void_p(-1).value):
                 return None
             try:
-                npages = (size + page - 1) // page
-                vec = ctypes.create_string_buffer(npages)
-                if c_mincore(addr, size, vec) != 0:
-                    return None
+                for first in starts:
+                    n = min(window_pages if len(starts) > 1 else npages, npages - first)
+                    buf = vec if n <= window_pages else ctypes.create_string_buffer(n)
+                    if c_mincore(addr + first * page, min(n * page, size - first * page), buf) != 0:
+                        return None
+                    resident += sum(b & 1 for b in buf.raw[:n])
+                    total += n
             finally:
                 c_munmap(addr, size)
         finally:
             os.close(fd)
-        sample = vec.raw[:: max(1, npages // max_pages_per_file)]
-        resident += sum(b & 1 for b in sample)
-        total += len(sample)
     return resident / total if total else None
 
 

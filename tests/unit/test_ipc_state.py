@@ -10,7 +10,8 @@ from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBa
 
 from vllm_fastload.ipc.layout import sample_checksums, view_at  # noqa: E402
 from vllm_fastload.ipc.shm import open_segment, pack  # noqa: E402
-from vllm_fastload.ipc.state import InstallError, collect, install, reprocess_modules, snapshot  # noqa: E402
+from vllm_fastload.ipc.state import (  # noqa: E402
+    InstallError, collect, install, object_states, reprocess_modules, snapshot)
 
 
 class Packing(QuantizeMethodBase):
@@ -171,6 +172,59 @@ def test_plain_attributes_set_by_post_processing_reach_the_engine():
     assert eng.sc.input_scale is None and eng.sc._already_called_process_weights_after_loading is True
     assert eng.sc.orig_dtype is torch.bfloat16 and eng.sc.widths == (3, 4)
     seg.close()
+
+
+class FakeKernel:
+    """Like vLLM 0.26's CutlassFP8ScaledMMLinearKernel: post-processing sets ``logical_output_size`` on it."""
+
+    __module__ = "vllm.fake_kernels"  # a vLLM class, as far as the export is concerned
+
+    def __init__(self):
+        self.logical_output_size = None
+        self.weight_shape = (2, 3)
+
+
+def _with_kernel(m):
+    m.sc.quant_method.kernel = FakeKernel()
+    return m
+
+
+def test_plain_values_inside_vllm_objects_reach_the_engine():
+    """Online FP8 on CUDA failed with `assert output_size is not None` before this: the kernel object's value set
+    by post-processing was not exported (only module attributes were)."""
+    import json
+
+    m = _with_kernel(Toy())
+    constructed = object_states(m)
+    snap = snapshot(m)
+    m.sc.quant_method.kernel.logical_output_size = 2
+    exp = collect(m, snap, constructed)
+    obj = json.loads(json.dumps(exp.object_attrs))
+    assert obj == {"sc": {"quant_method.kernel.logical_output_size": 2}}  # only what changed, only processed modules
+    with torch.device("meta"):
+        eng = _with_kernel(Toy())
+    seg, _mapped, tensors = transported(exp)
+    install(eng, tensors, exp.aliases, exp.reprocess, json.loads(json.dumps(exp.attrs)), obj)
+    assert eng.sc.quant_method.kernel.logical_output_size == 2
+    for bad, words in [({"quant_method.process_weights_after_loading": 1}, "method"),
+                       ({"quant_method.kernel": 1}, "object"), ({"quant_method.nothere.x": 1}, "'nothere'"),
+                       ({"training": False}, "would replace")]:
+        with torch.device("meta"):
+            eng = _with_kernel(Toy())
+        with pytest.raises(InstallError, match=words):
+            install(eng, tensors, exp.aliases, exp.reprocess, None, {"sc": bad})
+    seg.close()
+
+
+def test_a_tensor_bound_inside_a_vllm_object_makes_the_module_reprocessed():
+    """A tensor on a kernel/impl object cannot be exported as a module tensor: the engine re-runs that module's
+    post-processing on the loaded weights instead of serving without it."""
+    m = _with_kernel(Toy())
+    constructed = object_states(m)
+    snap = snapshot(m)
+    m.sc.quant_method.kernel.workspace = torch.ones(3)
+    exp = collect(m, snap, constructed)
+    assert "sc" in exp.reprocess and "sc" not in exp.object_attrs
 
 
 def test_daemon_finishes_online_quantization_like_vllms_loader(monkeypatch):

@@ -95,7 +95,7 @@ def build_and_export(vllm_config: Any, local_rank: int, rank: int, world_size: i
     from vllm.utils.torch_utils import set_default_torch_dtype
 
     from ..fingerprint import of_model
-    from .state import collect, snapshot
+    from .state import collect, object_states, snapshot
 
     t0 = time.perf_counter()
     pc = vllm_config.parallel_config
@@ -112,11 +112,12 @@ def build_and_export(vllm_config: Any, local_rank: int, rank: int, world_size: i
         with set_default_torch_dtype(mc.dtype):
             with device:
                 model = initialize_model(vllm_config=vllm_config, model_config=mc)
+            constructed = object_states(model)  # what the engine's skeleton will start from
             loader.load_weights(model, mc)
             finish_online_quantization(model, mc)
             snap = snapshot(model)
             process_weights_after_loading(model, mc, device)
-        exp = collect(model, snap)
+        exp = collect(model, snap, constructed)
         tensors = {k: t for k, (_, t) in exp.tensors.items()}
         unloaded = [k for k, t in tensors.items() if t.device.type == "meta"]
         if unloaded:
@@ -143,9 +144,14 @@ def build_and_export(vllm_config: Any, local_rank: int, rank: int, world_size: i
         meta["device"] = device_identity("cuda", device.index)
     manifest = {"type": "manifest", "version": protocol.PROTOCOL_VERSION, "fingerprint": fp.to_dict(),
                 "fingerprint_short": fp.short(), "segments": [meta],
-                "tensors": entries, "aliases": exp.aliases, "reprocess": exp.reprocess, "attrs": exp.attrs}
-    logger.info("fastload: rank %d: %d tensors exported as is, %d module(s) re-processed by the engine: %s",
-                rank, len(entries), len(exp.reprocess), ", ".join(exp.reprocess[:6]) + (" ..." if len(exp.reprocess) > 6 else ""))
+                "tensors": entries, "aliases": exp.aliases, "reprocess": exp.reprocess, "attrs": exp.attrs,
+                "object_attrs": exp.object_attrs}
+    by_dtype: dict[str, int] = {}
+    for e in entries.values():
+        by_dtype[e["dtype"]] = by_dtype.get(e["dtype"], 0) + int(e["nbytes"])
+    logger.info("fastload: rank %d: %d tensors exported as is (bytes by dtype: %s), %d module(s) re-processed by the "
+                "engine: %s", rank, len(entries), ", ".join(f"{d}={n}" for d, n in sorted(by_dtype.items())),
+                len(exp.reprocess), ", ".join(exp.reprocess[:6]) + (" ..." if len(exp.reprocess) > 6 else ""))
     return segment, manifest, time.perf_counter() - t0
 
 

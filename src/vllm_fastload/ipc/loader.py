@@ -199,7 +199,8 @@ class IpcCacheLoader(BaseModelLoader):
                 tensors[name] = (entry["kind"], t.clone() if mode == "copy" else t)
                 nbytes += int(entry["nbytes"])
             t = buf = None
-            install(model, tensors, man.get("aliases", {}), man.get("reprocess", []), man.get("attrs", {}))
+            install(model, tensors, man.get("aliases", {}), man.get("reprocess", []), man.get("attrs", {}),
+                    man.get("object_attrs", {}))
             lap("map_verify_install_s")
             reprocess_modules(model, man.get("reprocess", []), model_config)
             if device.type == "cuda":

@@ -118,26 +118,85 @@ def plain_attrs(m: nn.Module) -> dict[str, Any]:
     return out
 
 
+#: How deep :func:`object_state` follows objects from a module (quant method -> its kernel -> the kernel's config).
+STATE_DEPTH = 3
+
+
+def _state_object(v: Any) -> bool:
+    """An object whose plain attributes post-processing may set: an instance (with a ``__dict__``) of a vLLM
+    class (a class defined in, or derived from one in, a ``vllm`` module), not a tensor, module, class or function.
+    Example: online FP8's cutlass kernel keeps ``logical_output_size`` on ``layer.quant_method.fp8_linear``
+    (vLLM 0.26, ``kernels/linear/scaled_mm/cutlass.py``), set by ``process_weights_after_loading``."""
+    if isinstance(v, (torch.Tensor, nn.Module, type)) or inspect.isroutine(v) or not hasattr(v, "__dict__"):
+        return False
+    if type(v).__name__.endswith("Config"):  # process-wide settings (VllmConfig, quant configs), not layer state
+        return False
+    return any(c.__module__.startswith("vllm") for c in type(v).__mro__ if c is not object)
+
+
+def object_state(m: nn.Module) -> tuple[dict[str, Any], dict[str, int]]:
+    """What the vLLM objects hanging off module ``m`` hold, by dotted path
+    (``"quant_method.fp8_linear.logical_output_size"``), at most :data:`STATE_DEPTH` objects deep, each object
+    visited once per module: ``(plain values as JSON (encode_plain), tensors as id())``."""
+    plain: dict[str, Any] = {}
+    tensors: dict[str, int] = {}
+    seen: set[int] = set()
+
+    def walk(obj: Any, prefix: str, depth: int) -> None:
+        for k, v in vars(obj).items():
+            if k.startswith("__"):
+                continue
+            path = f"{prefix}.{k}" if prefix else k
+            if _state_object(v):
+                if depth < STATE_DEPTH and id(v) not in seen:
+                    seen.add(id(v))
+                    walk(v, path, depth + 1)
+            elif not prefix:
+                continue  # the module's own attributes: plain_attrs() and _own_tensors() cover them
+            elif isinstance(v, torch.Tensor):
+                tensors[path] = id(v)
+            elif not isinstance(v, nn.Module):
+                e = encode_plain(v)
+                if e is not _SKIP:
+                    plain[path] = e
+
+    walk(m, "", 0)
+    return plain, tensors
+
+
+def object_states(model: nn.Module) -> dict[str, tuple[dict[str, Any], dict[str, int]]]:
+    """:func:`object_state` of every module (module name -> (plain, tensors)). The daemon takes it right after
+    building the model, i.e. in the state a skeleton starts from."""
+    return {name: object_state(m) for name, m in model.named_modules()}
+
+
 @dataclass
 class Export:
-    """What the daemon exports: canonical tensors, aliases (name -> canonical name), reprocess module names, and
-    the plain attributes of processed modules (module -> {attribute: JSON value})."""
+    """What the daemon exports: canonical tensors, aliases (name -> canonical name), reprocess module names, the
+    plain attributes of processed modules (module -> {attribute: JSON value}) and the plain values that loading
+    and post-processing changed inside vLLM objects of processed modules (module -> {dotted path: JSON value})."""
 
     tensors: dict[str, tuple[str, torch.Tensor]] = field(default_factory=dict)
     aliases: dict[str, str] = field(default_factory=dict)
     reprocess: list[str] = field(default_factory=list)
     attrs: dict[str, dict[str, Any]] = field(default_factory=dict)
+    object_attrs: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
-def collect(model: nn.Module, snap: Snapshot) -> Export:
+def collect(model: nn.Module, snap: Snapshot, constructed: dict[str, tuple] | None = None) -> Export:
     """Apply the per-module rule (module docstring) to a post-processed ``model``. Tensors that are the same
-    memory (tied weights: same data pointer, dtype, shape, stride) are exported once and aliased."""
+    memory (tied weights: same data pointer, dtype, shape, stride) are exported once and aliased. ``constructed``
+    (:func:`object_states` taken right after the model was built): plain values inside vLLM objects that differ
+    now are exported; a tensor bound inside one (it cannot be exported there) makes the module a reprocess one."""
     out = Export()
     seen: dict[tuple, str] = {}
     for name, m in model.named_modules():
         before = snap.objects.get(name, {})
         now = _objects(m)
         changed = [k for k, i in now.items() if before.get(k) != i]
+        was_plain, was_tensors = constructed.get(name, ({}, {})) if constructed is not None else ({}, {})
+        obj_plain, obj_tensors = object_state(m) if constructed is not None else ({}, {})
+        changed += [p for p, i in obj_tensors.items() if was_tensors.get(p) != i]
         if changed:
             out.reprocess.append(name)
             own = snap.tensors.get(name, {})
@@ -146,6 +205,9 @@ def collect(model: nn.Module, snap: Snapshot) -> Export:
             attrs = plain_attrs(m)
             if attrs:
                 out.attrs[name] = attrs
+            values = {p: v for p, v in obj_plain.items() if p not in was_plain or was_plain[p] != v}
+            if values:
+                out.object_attrs[name] = values
         for leaf, (kind, t) in own.items():
             full = f"{name}.{leaf}" if name else leaf
             key = (t.data_ptr(), t.dtype, tuple(t.shape), tuple(t.stride())) if t.numel() else None
@@ -163,7 +225,8 @@ class InstallError(RuntimeError):
 
 
 def install(model: nn.Module, tensors: dict[str, tuple[str, torch.Tensor]], aliases: dict[str, str],
-            reprocess: list[str], attrs: dict[str, dict[str, Any]] | None = None) -> None:
+            reprocess: list[str], attrs: dict[str, dict[str, Any]] | None = None,
+            object_attrs: dict[str, dict[str, Any]] | None = None) -> None:
     """Put ``tensors`` (name -> (kind, tensor)) into a skeleton ``model`` built on the meta device.
 
     Parameters keep the Python attributes of the skeleton's parameter (``weight_loader``, ``output_dim``...).
@@ -171,7 +234,9 @@ def install(model: nn.Module, tensors: dict[str, tuple[str, torch.Tensor]], alia
     state). Skeleton tensors of processed modules that the daemon did not export were removed by
     post-processing and are removed here too. Plain attributes of processed modules (``attrs``, JSON as made by
     :func:`plain_attrs`) are set on the skeleton; they never replace a method, property or submodule, nor a
-    skeleton tensor unless the value is ``None`` (post-processing removed it). Raises :class:`InstallError`.
+    skeleton tensor unless the value is ``None`` (post-processing removed it). ``object_attrs`` (dotted paths from
+    :func:`collect`) are set on the skeleton's vLLM objects along the same path, with the same limits.
+    Raises :class:`InstallError`.
     """
     modules = dict(model.named_modules(remove_duplicate=False))
     again = set(reprocess)
@@ -239,6 +304,25 @@ def install(model: nn.Module, tensors: dict[str, tuple[str, torch.Tensor]], alia
                 else:
                     continue
             object.__setattr__(m, leaf, decode_plain(enc))
+    for mod_name, values in (object_attrs or {}).items():
+        m = modules.get(mod_name)
+        if m is None:
+            raise InstallError(f"cached object attributes of module {mod_name!r}, which this model does not have")
+        for path, enc in values.items():
+            *parents, leaf = path.split(".")
+            obj: Any = m
+            for part in parents:
+                obj = vars(obj).get(part)
+                if not _state_object(obj):
+                    raise InstallError(f"cached attribute {mod_name}.{path}: {part!r} is not a vLLM object of this "
+                                       f"model's {mod_name}; the daemon's manifest is not from this model")
+            static = inspect.getattr_static(type(obj), leaf, None)
+            now = vars(obj).get(leaf)
+            if (not parents or leaf.startswith("__") or callable(static) or hasattr(static, "__get__")
+                    or isinstance(now, (torch.Tensor, nn.Module)) or _state_object(now)):
+                raise InstallError(f"cached attribute {mod_name}.{path} would replace a method, property, tensor or "
+                                   f"object of {type(obj).__name__}; the daemon's manifest is not from this model")
+            object.__setattr__(obj, leaf, decode_plain(enc))
 
 
 def reprocess_modules(model: nn.Module, names: list[str], model_config: Any) -> None:

@@ -60,7 +60,7 @@ def fake_cuda(monkeypatch):
 def _stream(path, piece, depth, arena=True):
     headers = [read_header(str(path))]
     times, stats = StageTimes(), {}
-    a = torch.empty((depth + direct.SPARE_SLOTS) * direct.arena_slot_bytes(piece), dtype=torch.uint8) if arena else None
+    a = torch.empty(direct.arena_bytes(piece, depth), dtype=torch.uint8) if arena else None
     got = {n: t.clone() for n, t in direct.stream_to_device(headers, torch.device("cpu"), piece, depth, times, a, stats)}
     return got, times, stats
 
@@ -91,8 +91,9 @@ def test_released_slots_are_reused_not_reallocated(tmp_path, fake_cuda, monkeypa
     monkeypatch.setattr(direct.PinnedSlots, "_take", lambda self, n: taken.append(orig_take(self, n)) or taken[-1])
     monkeypatch.setattr(direct.PinnedSlots, "_released", lambda self, i: released.append(i) or orig_rel(self, i))
     _stream(tmp_path / "model.safetensors", 4096, 2)
-    assert len(taken) > 10 and len(released) >= len(taken) - 2
-    assert set(taken) <= set(range(2 + direct.SPARE_SLOTS)) and extra == []
+    slots = direct.arena_bytes(4096, 2) // direct.arena_slot_bytes(4096)
+    assert len(taken) > 3 * slots and len(released) >= len(taken) - 2  # far more takes than the arena has slots
+    assert set(taken) <= set(range(slots)) and extra == []
 
 
 def test_without_arena_allocates_one_and_counts_it(tmp_path, fake_cuda):
@@ -100,8 +101,45 @@ def test_without_arena_allocates_one_and_counts_it(tmp_path, fake_cuda):
     expected = write_zoo(tmp_path / "model.safetensors")
     got, _, stats = _stream(tmp_path / "model.safetensors", 8192, 2, arena=False)
     assert set(got) == set(expected)
-    assert extra == [(2 + direct.SPARE_SLOTS) * direct.arena_slot_bytes(8192)]
+    need = (2 + direct.SPARE_SLOTS) * direct.arena_slot_bytes(8192)
+    assert extra == [direct.arena_bytes(8192, 2)] and need <= extra[0] < 2 * need  # PyTorch's power-of-two rounding
+    assert extra[0] & (extra[0] - 1) == 0
     assert stats["pinned_bytes"] == extra[0] and stats["pinned_extra_bytes"] == 0
+
+
+def test_runai_keeps_its_own_allocator_outside_our_ring_build(tmp_path, fake_cuda):
+    """While a direct stream is paused in the consumer (or kept alive by a failed load), another runai stream of the
+    process must get runai's own slots (its owned=True tensors stay its caller's)."""
+    from runai_model_streamer import SafetensorsStreamer
+    from runai_model_streamer.file_streamer import requests_iterator as ri
+
+    original = ri._alloc_slot
+    write_zoo(tmp_path / "model.safetensors")
+    h = [read_header(str(tmp_path / "model.safetensors"))]
+    g = direct.stream_to_device(h, torch.device("cpu"), 4096, 2, StageTimes())
+    next(g)  # paused inside the stream, its ring built
+    assert ri._alloc_slot is original
+    with SafetensorsStreamer() as s:
+        s.stream_files([str(tmp_path / "model.safetensors")], device="cpu", owned=True)
+        other = {n: t for n, t in s.get_tensors()}
+    g2 = direct.stream_to_device(h, torch.device("cpu"), 4096, 2, StageTimes())
+    next(g2)
+    g.close()
+    g2.close()  # closed in FIFO order: nothing left patched
+    assert ri._alloc_slot is original and len(other) == len(h[0].tensors)
+
+
+def test_a_larger_runai_slot_recarves_the_arena_instead_of_allocating(tmp_path, fake_cuda, monkeypatch):
+    """runai's pads follow the mount's probed block size; when its first request is larger than the arena's slots,
+    the arena is cut again for that size (no pinned memory beyond it)."""
+    _, extra = fake_cuda
+    expected = write_zoo(tmp_path / "model.safetensors")
+    arena = torch.empty(direct.arena_bytes(8192, 2), dtype=torch.uint8)
+    monkeypatch.setattr(direct, "arena_slot_bytes", lambda piece: 4096)  # slots cut too small for runai's request
+    stats = {}
+    got = dict(direct.stream_to_device([read_header(str(tmp_path / "model.safetensors"))], torch.device("cpu"), 8192,
+                                       2, StageTimes(), arena, stats))
+    assert set(got) == set(expected) and extra == [] and stats["pinned_extra_bytes"] == 0
 
 
 def test_plan_pieces_cover_every_byte_once(tmp_path):

@@ -216,15 +216,55 @@ def test_plain_values_inside_vllm_objects_reach_the_engine():
     seg.close()
 
 
-def test_a_tensor_bound_inside_a_vllm_object_makes_the_module_reprocessed():
-    """A tensor on a kernel/impl object cannot be exported as a module tensor: the engine re-runs that module's
-    post-processing on the loaded weights instead of serving without it."""
+class OtherKernel:
+    __module__ = "vllm.fake_kernels"
+
+
+def _rebind_scratch(k):
+    k.scratch = None  # frees the construction-time tensor: the next one may get its id()
+    k.scratch = torch.empty(4)
+
+
+@pytest.mark.parametrize("change", [
+    lambda k: setattr(k, "workspace", torch.ones(3)),  # a tensor bound inside the object
+    _rebind_scratch,  # a tensor replaced by another one (possibly at the same address)
+    lambda k: setattr(k, "apply_fn", lambda x: x),  # a closure
+    lambda k: setattr(k, "parts", [torch.ones(1)]),  # a container of tensors
+], ids=["new-tensor", "replaced-tensor", "closure", "list-of-tensors"])
+def test_non_plain_state_bound_inside_a_vllm_object_makes_the_module_reprocessed(change):
+    """None of these can be exported: the engine re-runs that module's post-processing on the loaded weights
+    instead of serving without them."""
+    m = _with_kernel(Toy())
+    m.sc.quant_method.kernel.scratch = torch.empty(4)
+    constructed = object_states(m)
+    snap = snapshot(m)
+    change(m.sc.quant_method.kernel)
+    exp = collect(m, snap, constructed)
+    assert "sc" in exp.reprocess and "sc" not in exp.object_attrs
+
+
+def test_a_replaced_vllm_object_makes_the_module_reprocessed():
     m = _with_kernel(Toy())
     constructed = object_states(m)
     snap = snapshot(m)
-    m.sc.quant_method.kernel.workspace = torch.ones(3)
-    exp = collect(m, snap, constructed)
-    assert "sc" in exp.reprocess and "sc" not in exp.object_attrs
+    m.sc.quant_method.kernel = OtherKernel()
+    assert "sc" in collect(m, snap, constructed).reprocess
+
+
+def test_install_never_replaces_code_or_unknown_dtypes_inside_objects():
+    from vllm_fastload.ipc.state import decode_plain
+
+    m = _with_kernel(Toy())
+    exp = collect(m, snapshot(m), object_states(m))
+    seg, _mapped, tensors = transported(exp)
+    with torch.device("meta"):
+        eng = _with_kernel(Toy())
+    eng.sc.quant_method.kernel.apply = lambda x: x  # code stored on the instance
+    with pytest.raises(InstallError, match="would replace"):
+        install(eng, tensors, exp.aliases, exp.reprocess, None, {"sc": {"quant_method.kernel.apply": 0}})
+    with pytest.raises(ValueError, match="not a torch dtype: 'load'"):
+        decode_plain({"dtype": "load"})
+    seg.close()
 
 
 def test_daemon_finishes_online_quantization_like_vllms_loader(monkeypatch):

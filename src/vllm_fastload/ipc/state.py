@@ -98,7 +98,10 @@ def decode_plain(v: Any) -> Any:
     """Inverse of :func:`encode_plain`."""
     if isinstance(v, dict):
         if "dtype" in v:
-            return getattr(torch, v["dtype"])
+            d = getattr(torch, str(v["dtype"]), None)
+            if not isinstance(d, torch.dtype):
+                raise ValueError(f"not a torch dtype: {v['dtype']!r}")
+            return d
         return tuple(decode_plain(x) for x in v["tuple"])
     if isinstance(v, list):
         return [decode_plain(x) for x in v]
@@ -134,37 +137,41 @@ def _state_object(v: Any) -> bool:
     return any(c.__module__.startswith("vllm") for c in type(v).__mro__ if c is not object)
 
 
-def object_state(m: nn.Module) -> tuple[dict[str, Any], dict[str, int]]:
+def object_state(m: nn.Module) -> tuple[dict[str, Any], dict[str, Any]]:
     """What the vLLM objects hanging off module ``m`` hold, by dotted path
     (``"quant_method.fp8_linear.logical_output_size"``), at most :data:`STATE_DEPTH` objects deep, each object
-    visited once per module: ``(plain values as JSON (encode_plain), tensors as id())``."""
+    visited once per module: ``(plain values as JSON (encode_plain), everything else by reference)``. The
+    references (tensors, the objects themselves, closures, containers) let :func:`collect` see what was bound
+    anew by identity; they are held, so an ``id`` cannot be reused in between."""
     plain: dict[str, Any] = {}
-    tensors: dict[str, int] = {}
+    refs: dict[str, Any] = {}
     seen: set[int] = set()
 
     def walk(obj: Any, prefix: str, depth: int) -> None:
         for k, v in vars(obj).items():
-            if k.startswith("__"):
+            if k.startswith("__") or isinstance(v, nn.Module):
                 continue
             path = f"{prefix}.{k}" if prefix else k
             if _state_object(v):
+                if prefix:
+                    refs[path] = v
                 if depth < STATE_DEPTH and id(v) not in seen:
                     seen.add(id(v))
                     walk(v, path, depth + 1)
             elif not prefix:
-                continue  # the module's own attributes: plain_attrs() and _own_tensors() cover them
-            elif isinstance(v, torch.Tensor):
-                tensors[path] = id(v)
-            elif not isinstance(v, nn.Module):
+                continue  # the module's own attributes: plain_attrs(), _own_tensors() and _objects() cover them
+            else:
                 e = encode_plain(v)
-                if e is not _SKIP:
+                if e is _SKIP:
+                    refs[path] = v
+                else:
                     plain[path] = e
 
     walk(m, "", 0)
-    return plain, tensors
+    return plain, refs
 
 
-def object_states(model: nn.Module) -> dict[str, tuple[dict[str, Any], dict[str, int]]]:
+def object_states(model: nn.Module) -> dict[str, tuple[dict[str, Any], dict[str, Any]]]:
     """:func:`object_state` of every module (module name -> (plain, tensors)). The daemon takes it right after
     building the model, i.e. in the state a skeleton starts from."""
     return {name: object_state(m) for name, m in model.named_modules()}
@@ -187,16 +194,17 @@ def collect(model: nn.Module, snap: Snapshot, constructed: dict[str, tuple] | No
     """Apply the per-module rule (module docstring) to a post-processed ``model``. Tensors that are the same
     memory (tied weights: same data pointer, dtype, shape, stride) are exported once and aliased. ``constructed``
     (:func:`object_states` taken right after the model was built): plain values inside vLLM objects that differ
-    now are exported; a tensor bound inside one (it cannot be exported there) makes the module a reprocess one."""
+    now are exported; anything else bound anew inside one (a tensor, a closure, a replaced object: none can be
+    exported there) makes the module a reprocess one."""
     out = Export()
     seen: dict[tuple, str] = {}
     for name, m in model.named_modules():
         before = snap.objects.get(name, {})
         now = _objects(m)
         changed = [k for k, i in now.items() if before.get(k) != i]
-        was_plain, was_tensors = constructed.get(name, ({}, {})) if constructed is not None else ({}, {})
-        obj_plain, obj_tensors = object_state(m) if constructed is not None else ({}, {})
-        changed += [p for p, i in obj_tensors.items() if was_tensors.get(p) != i]
+        was_plain, was_refs = constructed.get(name, ({}, {})) if constructed is not None else ({}, {})
+        obj_plain, obj_refs = object_state(m) if constructed is not None else ({}, {})
+        changed += [p for p, v in obj_refs.items() if p not in was_refs or was_refs[p] is not v]
         if changed:
             out.reprocess.append(name)
             own = snap.tensors.get(name, {})
@@ -319,7 +327,7 @@ def install(model: nn.Module, tensors: dict[str, tuple[str, torch.Tensor]], alia
             static = inspect.getattr_static(type(obj), leaf, None)
             now = vars(obj).get(leaf)
             if (not parents or leaf.startswith("__") or callable(static) or hasattr(static, "__get__")
-                    or isinstance(now, (torch.Tensor, nn.Module)) or _state_object(now)):
+                    or (leaf in vars(obj) and encode_plain(now) is _SKIP)):  # only plain values are replaced
                 raise InstallError(f"cached attribute {mod_name}.{path} would replace a method, property, tensor or "
                                    f"object of {type(obj).__name__}; the daemon's manifest is not from this model")
             object.__setattr__(obj, leaf, decode_plain(enc))

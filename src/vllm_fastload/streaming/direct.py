@@ -18,9 +18,10 @@ Data flow (:func:`stream_to_device`)::
   moment :class:`PinnedSlots` records an event on the copy stream and hands the memory out again only after that
   event completed. The allocator is installed by replacing ``requests_iterator._alloc_slot`` for the stream's
   duration (the hook runai's own docstring names: "what a slot is made of belongs to the path using the pool").
-* **Memory.** Pinned: ``(depth + SPARE_SLOTS) x (piece_bytes + pads)``, allocated once (in a thread started
-  before vLLM builds the model, see the loader) and freed at the end. Device: each yielded tensor is its own
-  allocation (never a view into a reused buffer; valid for as long as the consumer holds it, e.g. an FP8 weight
+* **Memory.** Pinned: ``(depth + SPARE_SLOTS) x (piece_bytes + pads)`` rounded up to a power of two (PyTorch's
+  pinned allocator rounds so; the rest becomes spare slots), allocated once (in a thread started before vLLM
+  builds the model, see the loader) and given back to the system after the load (:func:`release_pinned_cache`).
+  Device: each yielded tensor is its own allocation (never a view into a reused buffer; valid for as long as the consumer holds it, e.g. an FP8 weight
   waiting for its scale); tensors still being assembled are bounded by the ring's span plus the largest tensor.
 
 PyTorch facts used (docs "CUDA semantics", "Tensor.record_stream"): ``non_blocking=True`` host-to-device copies
@@ -118,15 +119,23 @@ class PinnedSlots:
 
     def __init__(self, arena: Optional[torch.Tensor], slot_bytes: int, copy_stream: Any, times: StageTimes):
         self.copy_stream, self.times = copy_stream, times
+        self.arena = arena
         self.buffers: list[torch.Tensor] = []
-        if arena is not None and slot_bytes > 0:
-            self.buffers = [arena[i * slot_bytes:(i + 1) * slot_bytes] for i in range(arena.numel() // slot_bytes)]
-        self.free: deque[int] = deque(range(len(self.buffers)))
+        self.free: deque[int] = deque()
+        self._carve(slot_bytes)
         self.pending: deque[tuple[int, Any]] = deque()  # (buffer index, event after its last copy)
         self.extra_bytes = 0
+        self.handed = 0
         self.closed = False
         self._lock = threading.Lock()
         self._slot_cls = _slot_class()
+
+    def _carve(self, slot_bytes: int) -> None:
+        """Cut the arena into as many slots of ``slot_bytes`` as fit (only before any slot was handed out)."""
+        self.slot_bytes = slot_bytes
+        n = self.arena.numel() // slot_bytes if self.arena is not None and slot_bytes > 0 else 0
+        self.buffers = [self.arena[i * slot_bytes:(i + 1) * slot_bytes] for i in range(n)]
+        self.free = deque(range(n))
 
     def _released(self, index: int) -> None:
         """runai dropped the slot on ``buffers[index]``: every copy out of it has been issued on the copy stream."""
@@ -139,6 +148,10 @@ class PinnedSlots:
 
     def _take(self, size: int) -> int:
         with self._lock:
+            if self.handed == 0 and size > self.slot_bytes and self.arena is not None:
+                # runai's first request tells the real slot size (its pads follow the mount's probed block size)
+                self._carve(-(-size // PAGE) * PAGE)
+            self.handed += 1
             for _ in range(len(self.pending)):  # copies that finished already: no wait
                 index, ev = self.pending[0]
                 if ev.query():
@@ -175,7 +188,9 @@ class PinnedSlots:
 
     @contextlib.contextmanager
     def installed(self) -> Iterator[None]:
-        """runai allocates its read ring with :meth:`alloc` while active."""
+        """runai allocates its read ring with :meth:`alloc` while active. runai binds the allocator once, when
+        ``stream_files`` builds the ring (``partial(_alloc_slot, ...)`` in ``FilesRequestsIteratorWithBuffer``), so
+        only that call needs to run inside; any other runai stream of the process keeps runai's own allocator."""
         from runai_model_streamer.file_streamer import requests_iterator as ri
 
         original = ri._alloc_slot
@@ -186,11 +201,11 @@ class PinnedSlots:
             ri._alloc_slot = original
 
     def close(self) -> None:
-        """Wait for the copy stream, then drop all pinned memory."""
+        """Wait for the copy stream, then drop all pinned memory (see :func:`release_pinned_cache`)."""
         self.copy_stream.synchronize()
         with self._lock:
             self.closed = True
-            self.buffers, self.pending, self.free = [], deque(), deque()
+            self.buffers, self.pending, self.free, self.arena = [], deque(), deque(), None
 
 
 def pinned_empty(nbytes: int) -> torch.Tensor:
@@ -198,9 +213,25 @@ def pinned_empty(nbytes: int) -> torch.Tensor:
     return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
 
 
+def release_pinned_cache() -> None:
+    """Give cached, unused page-locked memory back to the system. PyTorch's pinned allocator keeps freed blocks
+    for reuse (``CachingHostAllocator``); ``torch._C._host_emptyCache`` (what ``torch.cuda.graphs`` calls) frees
+    the unused ones. A no-op on builds without it (CPU torch)."""
+    empty = getattr(torch._C, "_host_emptyCache", None)
+    if empty is not None:
+        empty()
+
+
+def arena_bytes(slot_bytes: int, depth: int) -> int:
+    """Bytes of the pinned arena for ``depth + SPARE_SLOTS`` slots: rounded up to a power of two, because PyTorch's
+    pinned allocator rounds every request so (``CachingHostAllocator``); the rounding becomes more spare slots."""
+    need = (depth + SPARE_SLOTS) * arena_slot_bytes(slot_bytes)
+    return 1 << (need - 1).bit_length()
+
+
 def allocate_arena(slot_bytes: int, depth: int) -> torch.Tensor:
-    """Page-locked arena for ``depth + SPARE_SLOTS`` slots of ``slot_bytes`` (+ runai's pads) bytes."""
-    return pinned_empty((depth + SPARE_SLOTS) * arena_slot_bytes(slot_bytes))
+    """Page-locked arena of :func:`arena_bytes` bytes (uint8)."""
+    return pinned_empty(arena_bytes(slot_bytes, depth))
 
 
 def arena_slot_bytes(piece_bytes: int) -> int:
@@ -229,6 +260,11 @@ class ArenaFuture:
         except BaseException as e:  # noqa: BLE001 - re-raised by result()
             self._error = e
         self.alloc_s = time.perf_counter() - t
+
+    def discard(self) -> None:
+        """Wait for the allocation and drop it (a load that did not use the arena)."""
+        self._thread.join()
+        self._arena = None
 
     def result(self) -> tuple[torch.Tensor, float]:
         """``(arena, seconds waited for it)``; raises what the allocation raised."""
@@ -272,6 +308,7 @@ def stream_to_device(headers: list[SafetensorsHeader], device: torch.device, pie
     slots = PinnedSlots(arena, arena_slot_bytes(piece_bytes), copy_stream, times)
     if stats is not None:
         stats["pinned_bytes"] = arena.numel()
+    arena = None  # PinnedSlots holds it until close()
     left: dict[tuple[int, str], int] = {}
     for places in where:
         for key, _ in places:
@@ -280,8 +317,9 @@ def stream_to_device(headers: list[SafetensorsHeader], device: torch.device, pie
     events = times._events
     env = {"RUNAI_STREAMER_RING_BUFFERS": str(depth), "RUNAI_STREAMER_MAX_PADS_PER_BUFFER": str(MAX_PADS)}
     try:
-        with scoped_environ(env), slots.installed(), FileStreamer() as fs, contextlib.ExitStack() as stack:
-            fs.stream_files(requests, device="cpu", memory_limit=depth * piece_bytes, owned=True)
+        with FileStreamer() as fs, contextlib.ExitStack() as stack:
+            with scoped_environ(env), slots.installed():  # runai reads both only while it builds the ring
+                fs.stream_files(requests, device="cpu", memory_limit=depth * piece_bytes, owned=True)
             chunks_it = stack.enter_context(contextlib.closing(fs.get_chunks()))
             while True:
                 t0 = time.perf_counter()

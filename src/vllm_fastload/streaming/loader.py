@@ -80,7 +80,12 @@ class RunaiStreamerLoader(BaseModelLoader):
         try:
             model = super().load_model(*args, **kwargs)
         finally:
-            self._arena_future = None
+            future, self._arena_future = self._arena_future, None
+            if future is not None:  # not used by this load (a fallback, a CPU model, an error before the weights)
+                from .direct import release_pinned_cache
+
+                future.discard()
+                release_pinned_cache()
         total = time.perf_counter() - t
         create, weights = self._create_s, self._weights_s
         if weights is not None:
@@ -128,7 +133,9 @@ class RunaiStreamerLoader(BaseModelLoader):
         largest = max((h.largest for h in headers if h.largest), key=lambda t: t.nbytes, default=None)
         self._largest = largest.nbytes if largest is not None else 0
         mem = self.config.memory_limit
-        if largest is not None and mem is not None and 0 < mem < largest.nbytes:
+        device = _model_device(model)
+        direct = self._reads_into_pinned(device, headers) is None
+        if largest is not None and mem is not None and 0 < mem < largest.nbytes and not direct:
             raise ConfigError(
                 f"--model-loader-extra-config: memory_limit {mem} bytes is below the largest tensor "
                 f"{largest.name!r} ({largest.nbytes} bytes, {largest.nbytes / 2**20:.1f} MiB) in {source}; set "
@@ -141,7 +148,6 @@ class RunaiStreamerLoader(BaseModelLoader):
         if plan.ignored:
             logger.info("fastload: %s not in %s, not loaded: %s", LOAD_FORMAT, plan.index, ", ".join(plan.ignored))
         self._total = sum(len(h.tensors) for h in headers)
-        device = _model_device(model)
         report.extra["prepare_s"] = round(time.perf_counter() - t0, 4)  # shards, headers, fingerprint, strategy
         # runai reads its settings from the environment when a stream starts: set them for this load only.
         with scoped_environ(env):
@@ -186,22 +192,32 @@ class RunaiStreamerLoader(BaseModelLoader):
         """GPU path. ``pinned_reader`` (default): runai reads tensor pieces straight into a recycled pinned arena
         and the GPU copies them out (``streaming.direct``); else runai reads into pageable memory and each tensor
         is copied through a pinned ring (``streaming.pipeline``). Both: async H2D on a side stream."""
-        from .direct import stream_to_device, unsupported
+        from .direct import release_pinned_cache, stream_to_device
         from .pipeline import H2DPipeline, StageTimes
 
         cfg = self.config
         future, self._arena_future = getattr(self, "_arena_future", None), None
-        why_not = unsupported(headers) if cfg.pinned_reader else "pinned_reader is false"
+        why_not = self._reads_into_pinned(device, headers)
         if why_not is None:
             arena = None
             if future is not None and future.device == device.index:
                 arena, waited = future.result()
                 report.extra.update(pinned_alloc_s=round(future.alloc_s, 4), pinned_alloc_wait_s=round(waited, 4))
+            elif future is not None:
+                future.discard()
             t, stats = StageTimes(), {}
             it = stream_to_device(headers, device, cfg.pinned_slot_bytes, cfg.pinned_slots, t, arena, stats)
-            loaded = model.load_weights(self._progress(self._storage_errors(plan, it)))
+            arena = None  # the stream owns it now
+            try:
+                loaded = model.load_weights(self._progress(self._storage_errors(plan, it)))
+            finally:
+                it.close()
+                release_pinned_cache()
             report.extra.update(stats)
         else:
+            if future is not None:
+                future.discard()
+                release_pinned_cache()
             if cfg.pinned_reader:
                 logger.info("fastload: copying through the pinned ring instead of reading into pinned memory: %s",
                             why_not)
@@ -215,6 +231,17 @@ class RunaiStreamerLoader(BaseModelLoader):
         report.tensors, report.bytes, report.read_wait_s = t.tensors, t.bytes, t.read_wait_s
         report.extra.update(slot_wait_s=round(t.slot_wait_s, 4), h2d_s=round(t.h2d_s, 4))
         return loaded
+
+    def _reads_into_pinned(self, device: Any, headers: list) -> str | None:
+        """None when this load takes the direct path (``streaming.direct``: GPU, ``pinned_reader``, dtypes runai
+        maps), else why not."""
+        if device.type != "cuda":
+            return "not a GPU load"
+        if not self.config.pinned_reader:
+            return "pinned_reader is false"
+        from .direct import unsupported
+
+        return unsupported(headers)
 
     # -- helpers ----------------------------------------------------------------------------------------
     def _why_not(self, model_config: Any) -> tuple[str | None, bool]:

@@ -174,6 +174,7 @@ def write_outputs(results: dict, out: Path) -> None:
         for r in stages:
             rep = r["report"]
             vals = [rep.get(k, rep["extra"].get(k, "-")) for k in keys]
+            vals = [round(v, 3) if isinstance(v, float) else v for v in vals]
             lines.append(f"| {r['loader']} | {rep['wall_s']:.3f} | " + " | ".join(str(v) for v in vals) + " |")
     if results.get("daemon"):
         d = results["daemon"]

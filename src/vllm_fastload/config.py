@@ -127,7 +127,8 @@ class StreamerConfig(_LoaderConfig):
         None,
         description="Host staging memory of the streamer in bytes; -1 unlimited, 0 = the largest tensor "
         "(RUNAI_STREAMER_MEMORY_LIMIT). On a GPU with pinned_reader (the default) the staging memory is the pinned "
-        "slots instead (pinned_slots x pinned_slot_bytes) and this key is not used.",
+        "slots instead ((pinned_slots + 2) x pinned_slot_bytes, rounded up to a power of two) and this key is not "
+        "used.",
     )
     chunk_bytesize: Optional[Union[int, str]] = Field(
         None, description="Bytes per read request of one reader thread (RUNAI_STREAMER_CHUNK_BYTESIZE)."

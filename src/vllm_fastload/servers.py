@@ -152,10 +152,11 @@ class PreloadDaemon(ManagedProcess):
     """``vllm-fastload preload <model> ...`` with its socket dir (and optional health port) on 127.0.0.1."""
 
     def __init__(self, model: str, socket_dir: Path, extra_args: list[str] = (), log_path: Optional[Path] = None,
-                 health_port: Optional[int] = None, env: Optional[dict[str, str]] = None):
+                 health_port: Optional[int] = None, env: Optional[dict[str, str]] = None, enforce_eager: bool = True):
         self.socket_dir = Path(socket_dir)
         self.health_port = health_port
-        argv = [sys.executable, "-m", "vllm_fastload.cli", "preload", "--model", model, "--enforce-eager",
+        argv = [sys.executable, "-m", "vllm_fastload.cli", "preload", "--model", model,
+                *(["--enforce-eager"] if enforce_eager else []),
                 "--max-model-len", "2048", "--weight-cache-socket-dir", str(socket_dir), *extra_args]
         if health_port:
             argv += ["--weight-cache-health-port", str(health_port), "--weight-cache-health-host", "127.0.0.1"]

@@ -130,7 +130,9 @@ def test_engine_survives_daemon_sigkill_and_next_start_falls_back(demo_model, so
 @pytest.fixture(scope="module")
 def daemon2(demo_model, sock_dir, e2e_logs, daemon):
     daemon.stop()  # the first daemon (killed above, or still alive when run alone)
-    d = PreloadDaemon(str(demo_model), sock_dir, log_path=e2e_logs / "preload-b.log")
+    # Without --enforce-eager, unlike the engines: settings that only shape model construction (vLLM's
+    # do_not_compile) must not travel from the daemon (an eager engine crashed at its first request when they did).
+    d = PreloadDaemon(str(demo_model), sock_dir, log_path=e2e_logs / "preload-b.log", enforce_eager=False)
     try:
         assert d.wait_ready(), d.log()[-3000:]
         yield d

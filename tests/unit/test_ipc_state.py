@@ -216,6 +216,26 @@ def test_plain_values_inside_vllm_objects_reach_the_engine():
     seg.close()
 
 
+def test_attributes_set_at_construction_follow_the_engine_not_the_daemon():
+    """vLLM sets ``do_not_compile`` when it builds the model (True under --enforce-eager): a daemon started without
+    it must not hand its False to an eager engine (its first forward failed with `_compiled_callable`). Values
+    that loading/post-processing changed still travel."""
+    m = Toy()
+    m.sc.do_not_compile = False  # the daemon's construction
+    constructed = object_states(m)
+    snap = snapshot(m)
+    m.sc.input_scale = None  # post-processing
+    exp = collect(m, snap, constructed)
+    assert exp.attrs == {"sc": {"input_scale": None}}
+    with torch.device("meta"):
+        eng = Toy()
+    eng.sc.do_not_compile = True  # the engine's construction
+    seg, _mapped, tensors = transported(exp)
+    install(eng, tensors, exp.aliases, exp.reprocess, exp.attrs, exp.object_attrs)
+    assert eng.sc.do_not_compile is True and eng.sc.input_scale is None
+    seg.close()
+
+
 class OtherKernel:
     __module__ = "vllm.fake_kernels"
 

@@ -171,10 +171,12 @@ def object_state(m: nn.Module) -> tuple[dict[str, Any], dict[str, Any]]:
     return plain, refs
 
 
-def object_states(model: nn.Module) -> dict[str, tuple[dict[str, Any], dict[str, Any]]]:
-    """:func:`object_state` of every module (module name -> (plain, tensors)). The daemon takes it right after
-    building the model, i.e. in the state a skeleton starts from."""
-    return {name: object_state(m) for name, m in model.named_modules()}
+def object_states(model: nn.Module) -> dict[str, tuple[dict[str, Any], dict[str, Any], dict[str, Any]]]:
+    """Per module: ``(plain_attrs, *object_state)``. The daemon takes it right after building the model, i.e. in
+    the state the engine's skeleton starts from, so that only what loading and post-processing changed is
+    exported: values set at construction follow the engine's own configuration (vLLM's ``do_not_compile`` is
+    False in a daemon started without ``--enforce-eager``; copied onto an eager engine, its first forward failed)."""
+    return {name: (plain_attrs(m), *object_state(m)) for name, m in model.named_modules()}
 
 
 @dataclass
@@ -193,16 +195,17 @@ class Export:
 def collect(model: nn.Module, snap: Snapshot, constructed: dict[str, tuple] | None = None) -> Export:
     """Apply the per-module rule (module docstring) to a post-processed ``model``. Tensors that are the same
     memory (tied weights: same data pointer, dtype, shape, stride) are exported once and aliased. ``constructed``
-    (:func:`object_states` taken right after the model was built): plain values inside vLLM objects that differ
-    now are exported; anything else bound anew inside one (a tensor, a closure, a replaced object: none can be
-    exported there) makes the module a reprocess one."""
+    (:func:`object_states` taken right after the model was built): only plain attributes of modules and plain
+    values inside their vLLM objects that differ now are exported; anything else bound anew inside such an object
+    (a tensor, a closure, a replaced object: none can be exported there) makes the module a reprocess one.
+    Without ``constructed`` every plain module attribute is exported."""
     out = Export()
     seen: dict[tuple, str] = {}
     for name, m in model.named_modules():
         before = snap.objects.get(name, {})
         now = _objects(m)
         changed = [k for k, i in now.items() if before.get(k) != i]
-        was_plain, was_refs = constructed.get(name, ({}, {})) if constructed is not None else ({}, {})
+        was_attrs, was_plain, was_refs = constructed.get(name, ({}, {}, {})) if constructed is not None else ({}, {}, {})
         obj_plain, obj_refs = object_state(m) if constructed is not None else ({}, {})
         changed += [p for p, v in obj_refs.items() if p not in was_refs or was_refs[p] is not v]
         if changed:
@@ -211,6 +214,8 @@ def collect(model: nn.Module, snap: Snapshot, constructed: dict[str, tuple] | No
         else:
             own = _own_tensors(m)
             attrs = plain_attrs(m)
+            if constructed is not None:
+                attrs = {k: v for k, v in attrs.items() if k not in was_attrs or was_attrs[k] != v}
             if attrs:
                 out.attrs[name] = attrs
             values = {p: v for p, v in obj_plain.items() if p not in was_plain or was_plain[p] != v}

@@ -192,6 +192,11 @@ class Export:
     object_attrs: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
+def _changed(now: dict[str, Any], was: dict[str, Any]) -> dict[str, Any]:
+    """The entries of ``now`` that ``was`` lacks or holds with another value."""
+    return {k: v for k, v in now.items() if k not in was or was[k] != v}
+
+
 def collect(model: nn.Module, snap: Snapshot, constructed: dict[str, tuple] | None = None) -> Export:
     """Apply the per-module rule (module docstring) to a post-processed ``model``. Tensors that are the same
     memory (tied weights: same data pointer, dtype, shape, stride) are exported once and aliased. ``constructed``
@@ -213,12 +218,10 @@ def collect(model: nn.Module, snap: Snapshot, constructed: dict[str, tuple] | No
             own = snap.tensors.get(name, {})
         else:
             own = _own_tensors(m)
-            attrs = plain_attrs(m)
-            if constructed is not None:
-                attrs = {k: v for k, v in attrs.items() if k not in was_attrs or was_attrs[k] != v}
+            attrs = plain_attrs(m) if constructed is None else _changed(plain_attrs(m), was_attrs)
             if attrs:
                 out.attrs[name] = attrs
-            values = {p: v for p, v in obj_plain.items() if p not in was_plain or was_plain[p] != v}
+            values = _changed(obj_plain, was_plain)
             if values:
                 out.object_attrs[name] = values
         for leaf, (kind, t) in own.items():
@@ -231,6 +234,13 @@ def collect(model: nn.Module, snap: Snapshot, constructed: dict[str, tuple] | No
                 seen[key] = full
             out.tensors[full] = (kind, t)
     return out
+
+
+def _names_code(cls: type, leaf: str) -> bool:
+    """True when ``leaf`` is a dunder, or a method, property or other descriptor of ``cls``: never replaced by a
+    cached attribute."""
+    static = inspect.getattr_static(cls, leaf, None)
+    return leaf.startswith("__") or callable(static) or hasattr(static, "__get__")
 
 
 class InstallError(RuntimeError):
@@ -302,8 +312,7 @@ def install(model: nn.Module, tensors: dict[str, tuple[str, torch.Tensor]], alia
         if m is None:
             raise InstallError(f"cached attributes of module {mod_name!r}, which this model does not have")
         for leaf, enc in values.items():
-            static = inspect.getattr_static(type(m), leaf, None)
-            if leaf.startswith("__") or callable(static) or hasattr(static, "__get__"):
+            if _names_code(type(m), leaf):
                 raise InstallError(f"cached attribute {mod_name}.{leaf} would replace a method or property of "
                                    f"{type(m).__name__}; the daemon's manifest is not from this model")
             if leaf in m._modules:
@@ -329,10 +338,8 @@ def install(model: nn.Module, tensors: dict[str, tuple[str, torch.Tensor]], alia
                 if not _state_object(obj):
                     raise InstallError(f"cached attribute {mod_name}.{path}: {part!r} is not a vLLM object of this "
                                        f"model's {mod_name}; the daemon's manifest is not from this model")
-            static = inspect.getattr_static(type(obj), leaf, None)
-            now = vars(obj).get(leaf)
-            if (not parents or leaf.startswith("__") or callable(static) or hasattr(static, "__get__")
-                    or (leaf in vars(obj) and encode_plain(now) is _SKIP)):  # only plain values are replaced
+            if (not parents or _names_code(type(obj), leaf)
+                    or (leaf in vars(obj) and encode_plain(vars(obj)[leaf]) is _SKIP)):  # only plain values replaced
                 raise InstallError(f"cached attribute {mod_name}.{path} would replace a method, property, tensor or "
                                    f"object of {type(obj).__name__}; the daemon's manifest is not from this model")
             object.__setattr__(obj, leaf, decode_plain(enc))

@@ -16,13 +16,15 @@ Data flow (:func:`stream_to_device`)::
   runai_model_streamer/file_streamer/slot_pool.py, 0.17). A slot is released once the consumer resumed the
   stream past the last range of the slot's submission, i.e. after every copy out of the slot was *issued*; at that
   moment :class:`PinnedSlots` records an event on the copy stream and hands the memory out again only after that
-  event completed. The allocator is installed by replacing ``requests_iterator._alloc_slot`` for the stream's
-  duration (the hook runai's own docstring names: "what a slot is made of belongs to the path using the pool").
+  event completed. The allocator is installed by replacing ``requests_iterator._alloc_slot`` while runai builds
+  the ring, the only moment it reads it (the hook runai's own docstring names: "what a slot is made of belongs to
+  the path using the pool").
 * **Memory.** Pinned: ``(depth + SPARE_SLOTS) x (piece_bytes + pads)`` rounded up to a power of two (PyTorch's
   pinned allocator rounds so; the rest becomes spare slots), allocated once (in a thread started before vLLM
   builds the model, see the loader) and given back to the system after the load (:func:`release_pinned_cache`).
-  Device: each yielded tensor is its own allocation (never a view into a reused buffer; valid for as long as the consumer holds it, e.g. an FP8 weight
-  waiting for its scale); tensors still being assembled are bounded by the ring's span plus the largest tensor.
+  Device: each yielded tensor is its own allocation (never a view into a reused buffer; valid for as long as the
+  consumer holds it, e.g. an FP8 weight waiting for its scale); tensors still being assembled are bounded by the
+  ring's span plus the largest tensor.
 
 PyTorch facts used (docs "CUDA semantics", "Tensor.record_stream"): ``non_blocking=True`` host-to-device copies
 are asynchronous only from pinned memory; a stream must ``wait_event`` before using data produced on another
@@ -35,14 +37,14 @@ import contextlib
 import threading
 import time
 import weakref
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Iterator
 from typing import Any, Optional
 
 import torch
 
 from ..checkpoint import SafetensorsHeader
-from .pipeline import StageTimes
+from .pipeline import StageTimes, next_timed
 
 #: Slots of the arena beyond runai's ring depth: a released slot can wait for its copies while runai refills.
 SPARE_SLOTS = 2
@@ -120,9 +122,7 @@ class PinnedSlots:
     def __init__(self, arena: Optional[torch.Tensor], slot_bytes: int, copy_stream: Any, times: StageTimes):
         self.copy_stream, self.times = copy_stream, times
         self.arena = arena
-        self.buffers: list[torch.Tensor] = []
-        self.free: deque[int] = deque()
-        self._carve(slot_bytes)
+        self._carve(slot_bytes)  # sets slot_bytes, buffers, free
         self.pending: deque[tuple[int, Any]] = deque()  # (buffer index, event after its last copy)
         self.extra_bytes = 0
         self.handed = 0
@@ -134,8 +134,8 @@ class PinnedSlots:
         """Cut the arena into as many slots of ``slot_bytes`` as fit (only before any slot was handed out)."""
         self.slot_bytes = slot_bytes
         n = self.arena.numel() // slot_bytes if self.arena is not None and slot_bytes > 0 else 0
-        self.buffers = [self.arena[i * slot_bytes:(i + 1) * slot_bytes] for i in range(n)]
-        self.free = deque(range(n))
+        self.buffers: list[torch.Tensor] = [self.arena[i * slot_bytes:(i + 1) * slot_bytes] for i in range(n)]
+        self.free: deque[int] = deque(range(n))
 
     def _released(self, index: int) -> None:
         """runai dropped the slot on ``buffers[index]``: every copy out of it has been issued on the copy stream."""
@@ -309,22 +309,17 @@ def stream_to_device(headers: list[SafetensorsHeader], device: torch.device, pie
     if stats is not None:
         stats["pinned_bytes"] = arena.numel()
     arena = None  # PinnedSlots holds it until close()
-    left: dict[tuple[int, str], int] = {}
-    for places in where:
-        for key, _ in places:
-            left[key] = left.get(key, 0) + 1
-    building: dict[tuple[int, str], torch.Tensor] = {}
-    events = times._events
+    left = Counter(key for places in where for key, _ in places)  # pieces still to come, per tensor
     env = {"RUNAI_STREAMER_RING_BUFFERS": str(depth), "RUNAI_STREAMER_MAX_PADS_PER_BUFFER": str(MAX_PADS)}
     try:
-        with FileStreamer() as fs, contextlib.ExitStack() as stack:
+        # get_chunks is a generator: it starts reading at the first next(), after stream_files built the ring
+        with FileStreamer() as fs, contextlib.closing(fs.get_chunks()) as chunks_it:
             with scoped_environ(env), slots.installed():  # runai reads both only while it builds the ring
                 fs.stream_files(requests, device="cpu", memory_limit=depth * piece_bytes, owned=True)
-            chunks_it = stack.enter_context(contextlib.closing(fs.get_chunks()))
+            building: dict[tuple[int, str], torch.Tensor] = {}
             while True:
-                t0 = time.perf_counter()
-                item = next(chunks_it, None)
-                times.read_wait_s += time.perf_counter() - t0
+                item, waited = next_timed(chunks_it)
+                times.read_wait_s += waited
                 if item is None:
                     break
                 file_id, range_index, host = item
@@ -344,7 +339,7 @@ def stream_to_device(headers: list[SafetensorsHeader], device: torch.device, pie
                     start.record()
                     dst[off:off + n].copy_(src, non_blocking=True)
                     end.record()
-                events.append((start, end))
+                times._events.append((start, end))
                 times.bytes += n
                 left[key] -= 1
                 if left[key] == 0:
@@ -357,5 +352,5 @@ def stream_to_device(headers: list[SafetensorsHeader], device: torch.device, pie
         slots.close()
         if stats is not None:
             stats["pinned_extra_bytes"] = slots.extra_bytes
-    times.h2d_s = sum(s.elapsed_time(e) for s, e in events) / 1e3
-    events.clear()
+    times.h2d_s = sum(s.elapsed_time(e) for s, e in times._events) / 1e3
+    times._events.clear()

@@ -80,12 +80,7 @@ class RunaiStreamerLoader(BaseModelLoader):
         try:
             model = super().load_model(*args, **kwargs)
         finally:
-            future, self._arena_future = self._arena_future, None
-            if future is not None:  # not used by this load (a fallback, a CPU model, an error before the weights)
-                from .direct import release_pinned_cache
-
-                future.discard()
-                release_pinned_cache()
+            self._drop_arena()  # not used by this load (a fallback, a CPU model, an error before the weights)
         total = time.perf_counter() - t
         create, weights = self._create_s, self._weights_s
         if weights is not None:
@@ -107,6 +102,15 @@ class RunaiStreamerLoader(BaseModelLoader):
         from .direct import ArenaFuture
 
         return ArenaFuture(self.config.pinned_slot_bytes, self.config.pinned_slots, torch.cuda.current_device())
+
+    def _drop_arena(self) -> None:
+        """Discard the arena :meth:`_start_pinning` started, if any, and give its pinned memory back."""
+        future, self._arena_future = getattr(self, "_arena_future", None), None
+        if future is not None:
+            from .direct import release_pinned_cache
+
+            future.discard()
+            release_pinned_cache()
 
     def download_model(self, model_config: Any) -> None:
         """Nothing to download: vLLM already pulled config files; weights are streamed at load time.
@@ -134,8 +138,8 @@ class RunaiStreamerLoader(BaseModelLoader):
         self._largest = largest.nbytes if largest is not None else 0
         mem = self.config.memory_limit
         device = _model_device(model)
-        direct = self._reads_into_pinned(device, headers) is None
-        if largest is not None and mem is not None and 0 < mem < largest.nbytes and not direct:
+        why_not_direct = self._reads_into_pinned(device, headers)
+        if largest is not None and mem is not None and 0 < mem < largest.nbytes and why_not_direct is not None:
             raise ConfigError(
                 f"--model-loader-extra-config: memory_limit {mem} bytes is below the largest tensor "
                 f"{largest.name!r} ({largest.nbytes} bytes, {largest.nbytes / 2**20:.1f} MiB) in {source}; set "
@@ -152,7 +156,7 @@ class RunaiStreamerLoader(BaseModelLoader):
         # runai reads its settings from the environment when a stream starts: set them for this load only.
         with scoped_environ(env):
             if device.type == "cuda":
-                loaded = self._load_on_gpu(model, plan, headers, device, report)
+                loaded = self._load_on_gpu(model, plan, headers, device, report, why_not_direct)
             else:
                 loaded = model.load_weights(self._timed(self._progress(self._stream(plan)), report))
         report.wall_s = self._weights_s = time.perf_counter() - t0
@@ -188,23 +192,25 @@ class RunaiStreamerLoader(BaseModelLoader):
                                               os.environ.get("RUNAI_STREAMER_FS_STRATEGY", "runai default"))
         return env
 
-    def _load_on_gpu(self, model: Any, plan: ShardPlan, headers: list, device: Any, report: LoadReport) -> Any:
-        """GPU path. ``pinned_reader`` (default): runai reads tensor pieces straight into a recycled pinned arena
-        and the GPU copies them out (``streaming.direct``); else runai reads into pageable memory and each tensor
-        is copied through a pinned ring (``streaming.pipeline``). Both: async H2D on a side stream."""
+    def _load_on_gpu(self, model: Any, plan: ShardPlan, headers: list, device: Any, report: LoadReport,
+                     why_not: str | None) -> Any:
+        """GPU path. ``why_not`` is None (:meth:`_reads_into_pinned`): runai reads tensor pieces straight into a
+        recycled pinned arena and the GPU copies them out (``streaming.direct``); else runai reads into pageable
+        memory and each tensor is copied through a pinned ring (``streaming.pipeline``), logged with the reason
+        when ``pinned_reader`` asked for the former. Both: async H2D on a side stream."""
         from .direct import release_pinned_cache, stream_to_device
         from .pipeline import H2DPipeline, StageTimes
 
         cfg = self.config
-        future, self._arena_future = getattr(self, "_arena_future", None), None
-        why_not = self._reads_into_pinned(device, headers)
+        future = getattr(self, "_arena_future", None)
         if why_not is None:
             arena = None
             if future is not None and future.device == device.index:
+                self._arena_future = None
                 arena, waited = future.result()
                 report.extra.update(pinned_alloc_s=round(future.alloc_s, 4), pinned_alloc_wait_s=round(waited, 4))
-            elif future is not None:
-                future.discard()
+            else:
+                self._drop_arena()
             t, stats = StageTimes(), {}
             it = stream_to_device(headers, device, cfg.pinned_slot_bytes, cfg.pinned_slots, t, arena, stats)
             arena = None  # the stream owns it now
@@ -215,9 +221,7 @@ class RunaiStreamerLoader(BaseModelLoader):
                 release_pinned_cache()
             report.extra.update(stats)
         else:
-            if future is not None:
-                future.discard()
-                release_pinned_cache()
+            self._drop_arena()
             if cfg.pinned_reader:
                 logger.info("fastload: copying through the pinned ring instead of reading into pinned memory: %s",
                             why_not)

@@ -1,5 +1,7 @@
 """The per-module export rule with toy layers, through the real shared-memory transport (no vLLM server)."""
 
+import gc
+
 import pytest
 import torch
 from torch import nn
@@ -8,7 +10,7 @@ pytest.importorskip("vllm")
 
 from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase  # noqa: E402
 
-from vllm_fastload.ipc.layout import sample_checksums, view_at  # noqa: E402
+from vllm_fastload.ipc.layout import sample_checksums, view_at, views  # noqa: E402
 from vllm_fastload.ipc.shm import open_segment, pack  # noqa: E402
 from vllm_fastload.ipc.state import (  # noqa: E402
     InstallError, collect, install, object_states, reprocess_modules, snapshot)
@@ -132,10 +134,13 @@ def test_strided_and_odd_tensors_keep_layout_and_bytes():
     assert entries["t"]["stride"] == [1, 48] and entries["t"]["nbytes"] == 64 * 48 * 4
     assert entries["overlap"]["stride"] == [5, 1]  # an overlapping view is stored contiguous
     assert all(e["offset"] % 256 == 0 for e in entries.values())
+    all_views = views(seg.buf, entries)
     for k, t in ts.items():
-        got = view_at(seg.buf, entries[k], k)
-        assert got.stride() == t.stride() or k == "overlap"
-        assert got.shape == t.shape and got.dtype == t.dtype and torch.equal(got, t)
+        for got in (view_at(seg.buf, entries[k], k), all_views[k]):
+            assert got.stride() == t.stride() or k == "overlap"
+            assert got.shape == t.shape and got.dtype == t.dtype and torch.equal(got, t)
+            if t.numel():  # a view into the buffer, not a copy
+                assert got.data_ptr() == seg.buf.data_ptr() + entries[k]["offset"]
     seg.close()
 
 
@@ -148,7 +153,29 @@ def test_bad_manifest_entries_are_named():
         view_at(seg.buf, {**e, "stride": [1, 1]}, "w")
     with pytest.raises(ValueError, match="'w'.*unknown dtype 'float99'"):
         view_at(seg.buf, {**e, "dtype": "float99"}, "w")
+    with pytest.raises(ValueError, match="'w'.*outside"):
+        views(seg.buf, {"w": {**e, "offset": seg.size}})
+    with pytest.raises(ValueError, match="'w'.*offset 2 is not aligned to 4-byte float32"):
+        views(seg.buf, {"w": {**e, "offset": 2}})
     seg.close()
+
+
+def test_mapping_pauses_the_garbage_collector_and_restores_it():
+    from vllm_fastload.ipc.loader import _gc_paused
+
+    assert gc.isenabled()
+    with pytest.raises(RuntimeError):
+        with _gc_paused():
+            assert not gc.isenabled()
+            raise RuntimeError("mapping failed")
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with _gc_paused():
+            pass
+        assert not gc.isenabled()  # a caller that had it off keeps it off
+    finally:
+        gc.enable()
 
 
 def test_plain_attributes_set_by_post_processing_reach_the_engine():

@@ -106,6 +106,25 @@ def _make_current(device: int) -> None:
         _check(lib.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
 
 
+def copy_to_host_async(device: int, copies: list[tuple[int, int, int]], stream: int) -> None:
+    """Enqueue one ``cuMemcpyDtoHAsync`` per ``(host pointer, device pointer, bytes)`` on ``stream`` (a ``CUstream``
+    handle such as ``torch.cuda.Stream.cuda_stream``; 0 is the legacy default stream) of CUDA device ``device``.
+
+    The host memory must be page-locked (else the driver copies synchronously) and stay alive, unread, until the
+    stream is synchronized; the caller synchronizes. One driver call per copy instead of a ``Tensor.copy_`` each
+    (slicing, dispatch and the pinned allocator's event record per call): the engine's checksum windows are
+    hundreds of 4 KiB copies. Raises :class:`CudaVmmError` naming the copy that failed.
+    """
+    _make_current(device)
+    fn = _lib().cuMemcpyDtoHAsync_v2
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_ulonglong, ctypes.c_size_t, ctypes.c_void_p]
+    fn.restype = ctypes.c_int
+    for host, dev, nbytes in copies:
+        rc = fn(host, dev, nbytes, stream)
+        if rc:
+            _check(rc, f"cuMemcpyDtoHAsync({nbytes} bytes from 0x{dev:x})")
+
+
 def granularity(device: int) -> int:
     """The minimum VMM allocation granularity of ``device`` in bytes (2 MiB on current NVIDIA GPUs)."""
     g = ctypes.c_size_t()

@@ -57,12 +57,9 @@ def plan(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, dict[str, Any]], i
     return entries, max(off, ALIGN)
 
 
-def view_at(buf: torch.Tensor, entry: dict[str, Any], name: str = "?") -> torch.Tensor:
-    """The tensor ``entry`` describes, as a view into the flat uint8 ``buf`` (no copy).
-
-    Raises ``ValueError`` naming the tensor when the entry is bad: unknown dtype, a range outside the buffer, a
-    size that does not match shape x stride x dtype, or a misaligned offset.
-    """
+def _geometry(buf: torch.Tensor, entry: dict[str, Any], name: str) -> tuple[torch.dtype, int, int, list, list]:
+    """``(dtype, offset, nbytes, shape, stride)`` of a manifest entry, checked against ``buf`` (see :func:`view_at`
+    for the errors)."""
     dtype = DTYPES.get(entry.get("dtype"))
     if dtype is None:
         raise ValueError(f"manifest entry {name!r} has unknown dtype {entry.get('dtype')!r}")
@@ -71,14 +68,48 @@ def view_at(buf: torch.Tensor, entry: dict[str, Any], name: str = "?") -> torch.
     stride = [int(s) for s in entry.get("stride") or torch.empty(shape, device="meta").stride()]
     if o < 0 or o + n > buf.numel():
         raise ValueError(f"manifest entry {name!r} spans [{o}, {o + n}), outside the {buf.numel()}-byte buffer")
-    size = torch.empty(0, dtype=dtype).element_size()
+    size = dtype.itemsize
     if len(stride) != len(shape) or span_elements(shape, stride) * size != n:
         raise ValueError(f"manifest entry {name!r}: {n} bytes do not hold {entry['dtype']} {shape} stride {stride}")
     if o % size:
         raise ValueError(f"manifest entry {name!r}: offset {o} is not aligned to {size}-byte {entry['dtype']}")
+    return dtype, o, n, shape, stride
+
+
+def view_at(buf: torch.Tensor, entry: dict[str, Any], name: str = "?") -> torch.Tensor:
+    """The tensor ``entry`` describes, as a view into the flat uint8 ``buf`` (no copy).
+
+    Raises ``ValueError`` naming the tensor when the entry is bad: unknown dtype, a range outside the buffer, a
+    size that does not match shape x stride x dtype, or a misaligned offset.
+    """
+    dtype, o, n, shape, stride = _geometry(buf, entry, name)
     if n == 0:
         return torch.empty(shape, dtype=dtype, device=buf.device)
     return buf[o:o + n].view(dtype).as_strided(shape, stride)
+
+
+def views(buf: torch.Tensor, entries: dict[str, dict[str, Any]]) -> dict[str, torch.Tensor]:
+    """Every entry as a view into ``buf`` (name -> tensor), checked like :func:`view_at` (same errors).
+
+    One ``as_strided`` per tensor on a per-dtype view of the whole buffer instead of slice + view + as_strided:
+    building the views of an 8B model is on the engine's start-up path.
+    """
+    typed: dict[torch.dtype, torch.Tensor] = {}
+    out = {}
+    for name, entry in entries.items():
+        dtype, o, n, shape, stride = _geometry(buf, entry, name)
+        if n == 0:
+            out[name] = torch.empty(shape, dtype=dtype, device=buf.device)
+            continue
+        size = dtype.itemsize
+        if buf.numel() % size or buf.storage_offset() % size:
+            out[name] = buf[o:o + n].view(dtype).as_strided(shape, stride)
+            continue
+        t = typed.get(dtype)
+        if t is None:
+            t = typed[dtype] = buf.view(dtype)
+        out[name] = t.as_strided(shape, stride, t.storage_offset() + o // size)
+    return out
 
 
 def fill(buf: torch.Tensor, tensors: dict[str, torch.Tensor], entries: dict[str, dict[str, Any]]) -> None:
@@ -100,7 +131,8 @@ def _word_weights() -> list[int]:
 def _window_rows(buf: torch.Tensor, starts: list[int], ends: list[int]):
     """The windows as a ``(len(starts), SAMPLE)`` uint8 numpy array; a window cut short by its span's end repeats
     the span's last byte. A GPU buffer's windows come over by async device-to-host copies into one pinned buffer
-    (no kernel launches: in a fresh engine process the first launch of each kernel costs more than the work)."""
+    (no kernel launches: in a fresh engine process the first launch of each kernel costs more than the work),
+    issued straight to the CUDA driver (:func:`.cuda_vmm.copy_to_host_async`)."""
     import numpy as np
 
     lens = [min(SAMPLE, e - s) for s, e in zip(starts, ends)]
@@ -111,9 +143,17 @@ def _window_rows(buf: torch.Tensor, starts: list[int], ends: list[int]):
             rows[i, :m] = a[s:s + m]
     else:
         host = torch.empty(len(starts) * SAMPLE, dtype=torch.uint8, pin_memory=True)
-        for i, (s, m) in enumerate(zip(starts, lens)):
-            host[i * SAMPLE:i * SAMPLE + m].copy_(buf[s:s + m], non_blocking=True)
-        torch.cuda.current_stream(buf.device).synchronize()
+        stream = torch.cuda.current_stream(buf.device)
+        if torch.version.hip is None:  # CUDA: one driver call per window
+            from .cuda_vmm import copy_to_host_async
+
+            h, d = host.data_ptr(), buf.data_ptr()
+            copy_to_host_async(buf.device.index, [(h + i * SAMPLE, d + s, m)
+                                                  for i, (s, m) in enumerate(zip(starts, lens))], stream.cuda_stream)
+        else:
+            for i, (s, m) in enumerate(zip(starts, lens)):
+                host[i * SAMPLE:i * SAMPLE + m].copy_(buf[s:s + m], non_blocking=True)
+        stream.synchronize()
         rows = host.numpy().reshape(len(starts), SAMPLE)
     for i, m in enumerate(lens):
         if m < SAMPLE:

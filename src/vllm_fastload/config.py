@@ -139,7 +139,8 @@ class StreamerConfig(_LoaderConfig):
     fs_strategy: Literal["auto", "runai", "io_uring_direct", "io_uring_buffered", "libaio_direct", "sync_buffered"] = Field(
         "auto",
         description="How runai reads local files (RUNAI_STREAMER_FS_STRATEGY). auto: when >= 90% of the shards are in the "
-        "page cache (a restart), sync_buffered reads with one reader per CPU (up to 32) unless concurrency is set; "
+        "page cache (a restart), sync_buffered reads with one reader per CPU (up to 32), split among this host's ranks, "
+        "unless concurrency is set; "
         "otherwise runai's O_DIRECT default. runai: always runai's default.",
     )
     pinned_slot_bytes: Union[int, str] = Field(

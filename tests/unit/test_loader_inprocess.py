@@ -106,3 +106,24 @@ def test_malformed_shard_fails_before_loading_anything(tmp_path):
     with pytest.raises(CheckpointError, match="model-00002-of-00002.safetensors: 4 bytes of trailing data"):
         loader.load_weights(sink, model_config(tmp_path))
     assert sink.seen == {}
+
+
+def test_page_cache_readers_are_shared_among_the_ranks_of_a_host(tmp_path, monkeypatch):
+    """fs_strategy auto on a warm page cache: one reader per CPU, split among this host's ranks (each reads the
+    whole checkpoint at TP > 1)."""
+    from vllm.distributed import parallel_state
+
+    from vllm_fastload.streaming import loader as streaming_loader
+
+    write_safetensors(tmp_path / "model.safetensors", tensors())
+    monkeypatch.delenv("RUNAI_STREAMER_CONCURRENCY", raising=False)
+    monkeypatch.delenv("RUNAI_STREAMER_FS_STRATEGY", raising=False)
+    monkeypatch.setattr(streaming_loader.os, "cpu_count", lambda: 32)
+    assert streaming_loader._ranks_on_this_host() == 1  # no distributed state: a load outside an engine
+    run(tmp_path, report=tmp_path / "one.json")
+    assert json.loads((tmp_path / "one.json").read_text())["extra"]["concurrency"] == 32
+    # 4 ranks on 2 nodes: 2 on this host, 16 readers each
+    monkeypatch.setattr(parallel_state, "get_world_group", lambda: types.SimpleNamespace(world_size=4))
+    monkeypatch.setattr(parallel_state, "get_node_count", lambda: 2)
+    run(tmp_path, report=tmp_path / "two.json")
+    assert json.loads((tmp_path / "two.json").read_text())["extra"]["concurrency"] == 16

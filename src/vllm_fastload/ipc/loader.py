@@ -191,7 +191,7 @@ class IpcCacheLoader(BaseModelLoader):
         mode = self.config.mode
         lease = fetch(path, fp.to_dict(), mode, self.config.connect_timeout_s, self.config.state_timeout_s, device)
         lap("connect_manifest_s")
-        registered = _skeleton_registrations(vllm_config)
+        registered: list = []
         try:
             man = lease.manifest
             entries = man["tensors"]
@@ -206,6 +206,9 @@ class IpcCacheLoader(BaseModelLoader):
                                        f"({len(bad)} tensor(s) differ); the daemon at {path} serves corrupt memory: "
                                        f"restart it")
             tv = time.perf_counter()
+            # part of the skeleton: its first call may import vLLM's rotary-embedding module (suspected cause of
+            # 0.02 s of weights-phase time no phase explained in TP=2 workers on the H200)
+            registered = _skeleton_registrations(vllm_config)
             with set_default_torch_dtype(model_config.dtype):
                 with torch.device("meta"):
                     model = initialize_model(vllm_config=vllm_config, model_config=model_config, prefix=prefix)

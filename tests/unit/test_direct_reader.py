@@ -7,6 +7,8 @@ The real CUDA path runs in tests/gpu/test_pipeline_gpu.py on the device.
 """
 
 import contextlib
+import gc
+import logging
 
 import pytest
 import torch
@@ -57,6 +59,24 @@ def fake_cuda(monkeypatch):
     return consumer, extra
 
 
+@pytest.fixture
+def host_registry(monkeypatch):
+    """A fake CUDA runtime for :func:`hostmem.page_locked`: records cudaHostRegister / cudaHostUnregister."""
+    calls = []
+
+    class Runtime:
+        def cudaHostRegister(self, ptr, n, flags):
+            calls.append(("register", ptr, n))
+            return 0
+
+        def cudaHostUnregister(self, ptr):
+            calls.append(("unregister", ptr))
+            return 0
+
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: Runtime())
+    return calls
+
+
 def _stream(path, piece, depth, arena=True):
     headers = [read_header(str(path))]
     times, stats = StageTimes(), {}
@@ -96,15 +116,57 @@ def test_released_slots_are_reused_not_reallocated(tmp_path, fake_cuda, monkeypa
     assert set(taken) <= set(range(slots)) and extra == []
 
 
-def test_without_arena_allocates_one_and_counts_it(tmp_path, fake_cuda):
+def test_without_arena_registers_one_and_unregisters_it_after_the_load(tmp_path, fake_cuda, host_registry):
     _, extra = fake_cuda
     expected = write_zoo(tmp_path / "model.safetensors")
     got, _, stats = _stream(tmp_path / "model.safetensors", 8192, 2, arena=False)
-    assert set(got) == set(expected)
+    assert {n: t.view(torch.uint8).view(-1).tolist() for n, t in got.items()} == {
+        n: list(raw) for n, (_, _, raw) in expected.items()}
     need = (2 + direct.SPARE_SLOTS) * direct.arena_slot_bytes(8192)
-    assert extra == [direct.arena_bytes(8192, 2)] and need <= extra[0] < 2 * need  # PyTorch's power-of-two rounding
-    assert extra[0] & (extra[0] - 1) == 0
-    assert stats["pinned_bytes"] == extra[0] and stats["pinned_extra_bytes"] == 0
+    n = direct.arena_bytes(8192, 2)
+    assert need <= n < 2 * need and n & (n - 1) == 0  # rounded up to a power of two
+    assert extra == []  # not from PyTorch's pinned allocator
+    gc.collect()  # runai's slots are gone once the stream ended
+    assert [c[0] for c in host_registry] == ["register", "unregister"]
+    assert host_registry[0][2] == n and host_registry[1][1] == host_registry[0][1]
+    assert stats["pinned_bytes"] == n and stats["pinned_extra_bytes"] == 0
+
+
+def test_page_locked_memory_stays_registered_while_any_view_lives(host_registry):
+    from vllm_fastload.streaming.hostmem import page_locked
+
+    t = page_locked(3 * 2**20)
+    assert host_registry == [("register", t.data_ptr(), 3 * 2**20)] and t.sum().item() == 0
+    piece, arr = t[4096:8192], t[:16].numpy()
+    del t
+    gc.collect()
+    assert len(host_registry) == 1
+    del piece
+    gc.collect()
+    assert len(host_registry) == 1  # the numpy array (what runai reads into) still uses it
+    arr[0] = 1
+    ptr = host_registry[0][1]
+    del arr
+    gc.collect()
+    assert host_registry[1:] == [("unregister", ptr)]
+    with pytest.raises(ValueError, match="nbytes must be > 0"):
+        page_locked(0)
+
+
+def test_page_locked_falls_back_to_pytorch_when_registration_is_refused(monkeypatch, caplog):
+    from vllm_fastload.streaming import hostmem
+
+    class Refusing:
+        def cudaHostRegister(self, ptr, n, flags):
+            return 712  # cudaErrorHostMemoryAlreadyRegistered
+
+    got = []
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: Refusing())
+    monkeypatch.setattr(hostmem.torch, "empty", lambda n, **kw: got.append((n, kw)) or torch.zeros(n, dtype=torch.uint8))
+    with caplog.at_level(logging.INFO, logger="vllm.fastload"):
+        t = hostmem.page_locked(2**20)
+    assert got == [(2**20, {"dtype": torch.uint8, "pin_memory": True})] and t.numel() == 2**20
+    assert "cudaHostRegister returned CUDA error 712" in caplog.text
 
 
 def test_runai_keeps_its_own_allocator_outside_our_ring_build(tmp_path, fake_cuda):

@@ -19,9 +19,11 @@ Data flow (:func:`stream_to_device`)::
   event completed. The allocator is installed by replacing ``requests_iterator._alloc_slot`` while runai builds
   the ring, the only moment it reads it (the hook runai's own docstring names: "what a slot is made of belongs to
   the path using the pool").
-* **Memory.** Pinned: ``(depth + SPARE_SLOTS) x (piece_bytes + pads)`` rounded up to a power of two (PyTorch's
-  pinned allocator rounds so; the rest becomes spare slots), allocated once (in a thread started before vLLM
-  builds the model, see the loader) and given back to the system after the load (:func:`release_pinned_cache`).
+* **Memory.** Pinned: ``(depth + SPARE_SLOTS) x (piece_bytes + pads)`` rounded up to a power of two (the rest
+  becomes spare slots), allocated once as registered huge-page memory (:mod:`.hostmem`, in a thread started before
+  vLLM builds the model, see the loader) and unregistered when the load drops its last slot; slots runai asks
+  for beyond the arena come from PyTorch's pinned allocator and are given back after the load
+  (:func:`release_pinned_cache`).
   Device: each yielded tensor is its own allocation (never a view into a reused buffer; valid for as long as the
   consumer holds it, e.g. an FP8 weight waiting for its scale); tensors still being assembled are bounded by the
   ring's span plus the largest tensor.
@@ -223,15 +225,19 @@ def release_pinned_cache() -> None:
 
 
 def arena_bytes(slot_bytes: int, depth: int) -> int:
-    """Bytes of the pinned arena for ``depth + SPARE_SLOTS`` slots: rounded up to a power of two, because PyTorch's
-    pinned allocator rounds every request so (``CachingHostAllocator``); the rounding becomes more spare slots."""
+    """Bytes of the pinned arena for ``depth + SPARE_SLOTS`` slots, rounded up to a power of two: PyTorch's pinned
+    allocator, which the arena came from when this was measured, rounds every request so (``CachingHostAllocator``);
+    the rounding becomes more spare slots (31 of 32 MiB by default, the configuration measured on the H200)."""
     need = (depth + SPARE_SLOTS) * arena_slot_bytes(slot_bytes)
     return 1 << (need - 1).bit_length()
 
 
 def allocate_arena(slot_bytes: int, depth: int) -> torch.Tensor:
-    """Page-locked arena of :func:`arena_bytes` bytes (uint8)."""
-    return pinned_empty(arena_bytes(slot_bytes, depth))
+    """Page-locked arena of :func:`arena_bytes` bytes (uint8), from :func:`.hostmem.page_locked` (registered
+    huge-page memory: preparing it on a thread does not stall the CUDA driver for model construction)."""
+    from .hostmem import page_locked
+
+    return page_locked(arena_bytes(slot_bytes, depth))
 
 
 def arena_slot_bytes(piece_bytes: int) -> int:
@@ -242,7 +248,8 @@ def arena_slot_bytes(piece_bytes: int) -> int:
 
 class ArenaFuture:
     """The pinned arena, allocated in a background thread (page-locking takes time; started before vLLM builds the
-    model, so that time overlaps model construction). :meth:`result` waits for it (seconds waited are reported)."""
+    model, so that time overlaps model construction: the pages are faulted in without a CUDA call and registered
+    at the end, see :mod:`.hostmem`). :meth:`result` waits for it (seconds waited are reported)."""
 
     def __init__(self, slot_bytes: int, depth: int, device: int):
         self.slot_bytes, self.depth, self.device = slot_bytes, depth, device

@@ -1,0 +1,59 @@
+"""The direct read path on a real GPU without vLLM: runai reads into registered huge-page memory (streaming.hostmem)
+allocated on a thread, the GPU copies the pieces out; needs only torch with CUDA and runai-model-streamer."""
+
+import gc
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip("no CUDA device: GPU tests run on the device machine (benchmarks/device.sh tests)", allow_module_level=True)
+
+pytest.importorskip("runai_model_streamer")
+
+from tests.conftest import write_zoo  # noqa: E402
+from vllm_fastload.checkpoint import read_header  # noqa: E402
+from vllm_fastload.streaming import direct  # noqa: E402
+from vllm_fastload.streaming.hostmem import page_locked  # noqa: E402
+from vllm_fastload.streaming.pipeline import StageTimes  # noqa: E402
+
+
+@pytest.mark.parametrize("piece", [4096, 5000, 2**20])
+def test_zoo_bit_exact_through_a_registered_arena_made_on_a_thread(tmp_path, piece):
+    expected = write_zoo(tmp_path / "model.safetensors")
+    future = direct.ArenaFuture(piece, 2, torch.cuda.current_device())
+    arena, _ = future.result()
+    assert arena.is_pinned() and arena.numel() == direct.arena_bytes(piece, 2)  # page-locked per the CUDA runtime
+    times, stats, got = StageTimes(), {}, {}
+    for name, t in direct.stream_to_device([read_header(str(tmp_path / "model.safetensors"))],
+                                           torch.device("cuda", torch.cuda.current_device()), piece, 2, times,
+                                           arena, stats):
+        got[name] = t
+        torch.cuda._sleep(1000)  # a slow consumer: a slot must not be refilled before its copies finished
+    arena = None
+    torch.cuda.synchronize()
+    assert set(got) == set(expected)
+    for name, (dtype, shape, raw) in expected.items():
+        t = got[name]
+        assert t.dtype == dtype and tuple(t.shape) == shape, name
+        assert t.cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes() == raw, name
+    assert stats["pinned_extra_bytes"] == 0
+
+
+def test_page_locked_copies_asynchronously_and_unregisters(monkeypatch):
+    from vllm_fastload.streaming import hostmem
+
+    unregistered = []
+    real = hostmem._unregister
+    monkeypatch.setattr(hostmem, "_unregister", lambda ptr, keep: unregistered.append(ptr) or real(ptr, keep))
+    t = page_locked(64 * 2**20)
+    assert t.is_pinned()
+    t.copy_(torch.arange(t.numel(), dtype=torch.int64).to(torch.uint8))
+    d = torch.empty(t.numel(), dtype=torch.uint8, device="cuda")
+    d.copy_(t, non_blocking=True)
+    torch.cuda.synchronize()
+    assert torch.equal(d.cpu(), t)
+    ptr = t.data_ptr()
+    del t
+    gc.collect()
+    assert unregistered == [ptr]

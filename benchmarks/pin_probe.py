@@ -26,23 +26,28 @@ def sizes_8b() -> list[int]:
     return [2 * n for n in [vocab * h] + per_layer * 32 + [h, vocab * h]]
 
 
-def construct() -> float:
+def _timed(make, drop) -> float:
+    """Seconds of ``make()``; its result is then passed to ``drop`` (not timed)."""
     t = time.perf_counter()
-    ts = [torch.empty(n, dtype=torch.uint8, device="cuda") for n in sizes_8b()]
-    torch.cuda.synchronize()
+    x = make()
     dt = time.perf_counter() - t
-    del ts
-    torch.cuda.empty_cache()
+    drop(x)
     return dt
+
+
+def construct() -> float:
+    """Seconds to allocate the 8B-shaped parameters on the GPU (what vLLM's model construction allocates)."""
+    def make():
+        ts = [torch.empty(n, dtype=torch.uint8, device="cuda") for n in sizes_8b()]
+        torch.cuda.synchronize()
+        return ts
+
+    return _timed(make, lambda ts: (ts.clear(), torch.cuda.empty_cache()))
 
 
 def pin_torch(n: int = GIB) -> float:
-    t = time.perf_counter()
-    x = torch.empty(n, dtype=torch.uint8, pin_memory=True)
-    dt = time.perf_counter() - t
-    del x
-    torch._C._host_emptyCache()
-    return dt
+    """Seconds of PyTorch's pinned allocator (``cudaHostAlloc``) for ``n`` bytes."""
+    return _timed(lambda: torch.empty(n, dtype=torch.uint8, pin_memory=True), lambda x: torch._C._host_emptyCache())
 
 
 def pin_ours(n: int = GIB) -> float:
@@ -51,13 +56,22 @@ def pin_ours(n: int = GIB) -> float:
 
     from vllm_fastload.streaming.hostmem import page_locked
 
-    t = time.perf_counter()
-    x = page_locked(n)
-    dt = time.perf_counter() - t
-    assert x.is_pinned()
-    del x
-    gc.collect()
-    return dt
+    def make():
+        x = page_locked(n)
+        assert x.is_pinned()
+        return [x]
+
+    return _timed(make, lambda box: (box.clear(), gc.collect()))
+
+
+def beside(pin) -> tuple[float, float]:
+    """(construction seconds, ``pin()`` seconds) with ``pin`` running on a thread during the construction."""
+    box = {}
+    th = threading.Thread(target=lambda: box.update(pin=pin()))
+    th.start()
+    c = construct()
+    th.join()
+    return c, box["pin"]
 
 
 def pin_register(n: int = GIB, huge: bool = False) -> tuple[float, float]:
@@ -89,22 +103,12 @@ def main() -> None:
     for i in range(3):
         rows.append(("construct alone", construct()))
         rows.append(("pin 1 GiB alone (torch pinned allocator)", pin_torch()))
-        box = {}
-        th = threading.Thread(target=lambda: box.update(pin=pin_torch()))
-        th.start()
-        c = construct()
-        th.join()
-        rows.append(("construct while pinning on a thread", c))
-        rows.append(("  the pinning meanwhile", box["pin"]))
+        c, p = beside(pin_torch)
+        rows += [("construct while pinning on a thread", c), ("  the pinning meanwhile", p)]
         rows.append(("page_locked() 1 GiB alone (streaming.hostmem: huge pages, faulted in, registered)",
                      pin_ours()))
-        box = {}
-        th = threading.Thread(target=lambda: box.update(pin=pin_ours()))
-        th.start()
-        c = construct()
-        th.join()
-        rows.append(("construct while page_locked() runs on a thread", c))
-        rows.append(("  page_locked() meanwhile", box["pin"]))
+        c, p = beside(pin_ours)
+        rows += [("construct while page_locked() runs on a thread", c), ("  page_locked() meanwhile", p)]
         f, r = pin_register(huge=False)
         rows.append(("mmap 1 GiB: fault in / cudaHostRegister", f"{f:.3f} / {r:.3f}"))
         f, r = pin_register(huge=True)

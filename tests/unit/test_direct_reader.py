@@ -62,7 +62,10 @@ def fake_cuda(monkeypatch):
 @pytest.fixture
 def host_registry(monkeypatch):
     """A fake CUDA runtime for :func:`hostmem.page_locked`: records cudaHostRegister / cudaHostUnregister."""
-    calls = []
+    class Calls(list):
+        devices: list
+
+    calls = Calls()
 
     class Runtime:
         def cudaHostRegister(self, ptr, n, flags):
@@ -73,7 +76,17 @@ def host_registry(monkeypatch):
             calls.append(("unregister", ptr))
             return 0
 
+    current = []
+
+    @contextlib.contextmanager
+    def device(index):  # the device the finalizer makes current while unregistering
+        current.append(index)
+        yield
+
     monkeypatch.setattr(torch.cuda, "cudart", lambda: Runtime())
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    monkeypatch.setattr(torch.cuda, "device", device)
+    calls.devices = current
     return calls
 
 
@@ -149,6 +162,7 @@ def test_page_locked_memory_stays_registered_while_any_view_lives(host_registry)
     del arr
     gc.collect()
     assert host_registry[1:] == [("unregister", ptr)]
+    assert host_registry.devices == [3]  # unregistered with the registering device current
     with pytest.raises(ValueError, match="nbytes must be > 0"):
         page_locked(0)
 

@@ -1,7 +1,10 @@
 """Page-locked host memory that can be prepared on a thread without stalling the GPU's other users.
 
 PyTorch's pinned allocator (``torch.empty(..., pin_memory=True)``) page-locks with ``cudaHostAlloc``, which holds
-the CUDA driver busy for the whole page-locking: on the H200 machine, building an 8B model's parameters with
+the CUDA driver busy for the whole page-locking (PyTorch added ``cudaHostRegister`` as an allocator option "to
+avoid large lock wait time with cudaHostAlloc", pytorch/pytorch#108488; that option,
+``PYTORCH_CUDA_ALLOC_CONF=pinned_use_cuda_host_register:True``, is process-wide and read once, so a loader plugin
+cannot use it for one buffer): on the H200 machine, building an 8B model's parameters with
 ``torch.empty(..., device="cuda")`` took 0.008-0.011 s alone and 0.46-0.58 s while a thread page-locked 1 GiB that
 way (``benchmarks/pin_probe.py``, docs/benchmarks.md), so the read arena's allocation, started on a thread to
 overlap vLLM's model construction, only delayed it. :func:`page_locked` instead maps anonymous memory, asks for
@@ -22,10 +25,13 @@ import torch
 from ..log import logger
 
 
-def _unregister(ptr: int, keep: Any) -> None:
+def _unregister(ptr: int, device: int, keep: Any) -> None:
     """Finalizer: unregister ``ptr`` once the last tensor over the mapping is gone; ``keep`` (the mapping) is
-    released after it, so the range is never unmapped while registered."""
-    rc = torch.cuda.cudart().cudaHostUnregister(ptr)
+    released after it, so the range is never unmapped while registered. A finalizer runs on whichever thread
+    drops the last reference: the registering ``device`` is made current first, else the CUDA runtime would
+    create a context on GPU 0 for a thread that never chose a device."""
+    with torch.cuda.device(device):
+        rc = torch.cuda.cudart().cudaHostUnregister(ptr)
     if int(rc) != 0:  # pragma: no cover - only a driver fault gets here
         logger.warning("fastload: cudaHostUnregister(0x%x) failed with CUDA error %s", ptr, int(rc))
 
@@ -59,5 +65,5 @@ def page_locked(nbytes: int) -> torch.Tensor:
         mm.close()
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     # the tensor's storage holds `view` until its last user is gone; then unregister, then drop the mapping
-    weakref.finalize(view, _unregister, t.data_ptr(), mm)
+    weakref.finalize(view, _unregister, t.data_ptr(), torch.cuda.current_device(), mm)
     return t

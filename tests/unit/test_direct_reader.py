@@ -77,15 +77,9 @@ def host_registry(monkeypatch):
             return 0
 
     current = []
-
-    @contextlib.contextmanager
-    def device(index):  # the device the finalizer makes current while unregistering
-        current.append(index)
-        yield
-
     monkeypatch.setattr(torch.cuda, "cudart", lambda: Runtime())
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
-    monkeypatch.setattr(torch.cuda, "device", device)
+    monkeypatch.setattr(torch.cuda, "set_device", current.append)  # the device made current for each CUDA call
     calls.devices = current
     return calls
 
@@ -162,7 +156,7 @@ def test_page_locked_memory_stays_registered_while_any_view_lives(host_registry)
     del arr
     gc.collect()
     assert host_registry[1:] == [("unregister", ptr)]
-    assert host_registry.devices == [3]  # unregistered with the registering device current
+    assert host_registry.devices == [3, 3]  # registered and unregistered with the registering device current
     with pytest.raises(ValueError, match="nbytes must be > 0"):
         page_locked(0)
 
@@ -176,9 +170,10 @@ def test_page_locked_falls_back_to_pytorch_when_registration_is_refused(monkeypa
 
     got = []
     monkeypatch.setattr(torch.cuda, "cudart", lambda: Refusing())
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
     monkeypatch.setattr(hostmem.torch, "empty", lambda n, **kw: got.append((n, kw)) or torch.zeros(n, dtype=torch.uint8))
     with caplog.at_level(logging.INFO, logger="vllm.fastload"):
-        t = hostmem.page_locked(2**20)
+        t = hostmem.page_locked(2**20, device=0)
     assert got == [(2**20, {"dtype": torch.uint8, "pin_memory": True})] and t.numel() == 2**20
     assert "cudaHostRegister returned CUDA error 712" in caplog.text
 
@@ -236,3 +231,38 @@ def test_unsupported_dtype_is_named(tmp_path):
     t = next(iter(h.tensors.values()))
     bad = type(h)(**{**h.__dict__, "tensors": {t.name: type(t)(**{**t.__dict__, "dtype": "F4"})}})
     assert f"tensor {t.name!r}" in direct.unsupported([bad]) and "F4" in direct.unsupported([bad])
+
+
+def test_page_locked_survives_a_kernel_without_huge_pages(host_registry, monkeypatch):
+    """madvise is only a hint: EINVAL (a kernel without transparent huge pages) must not fail the load."""
+    import mmap as mmap_module
+
+    from vllm_fastload.streaming import hostmem
+
+    class NoHints(mmap_module.mmap):
+        def madvise(self, *args):
+            raise OSError(22, "Invalid argument")
+
+    monkeypatch.setattr(hostmem.mmap, "mmap", NoHints)
+    t = hostmem.page_locked(2**20)
+    assert host_registry[0] == ("register", t.data_ptr(), 2**20)
+
+
+def test_a_refused_registration_does_not_reach_the_callers_thread(monkeypatch):
+    """The CUDA calls run on their own short-lived thread (per-thread CUDA error state stays there)."""
+    import threading
+
+    from vllm_fastload.streaming import hostmem
+
+    threads = []
+
+    class Refusing:
+        def cudaHostRegister(self, ptr, n, flags):
+            threads.append(threading.current_thread())
+            return 712
+
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: Refusing())
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    monkeypatch.setattr(hostmem.torch, "empty", lambda n, **kw: torch.zeros(n, dtype=torch.uint8))
+    hostmem.page_locked(2**20, device=0)
+    assert threads and threads[0] is not threading.current_thread() and threads[0].name == "fastload-hostreg"

@@ -157,6 +157,11 @@ def test_bad_manifest_entries_are_named():
         views(seg.buf, {"w": {**e, "offset": seg.size}})
     with pytest.raises(ValueError, match="'w'.*offset 2 is not aligned to 4-byte float32"):
         views(seg.buf, {"w": {**e, "offset": 2}})
+    # would pass the size check (span 3 elements x 4 bytes) and crash as_strided instead of falling back
+    with pytest.raises(ValueError, match="'w' has a negative stride"):
+        views(seg.buf, {"w": {**e, "shape": [2, 2], "stride": [3, -1], "nbytes": 12}})
+    with pytest.raises(ValueError, match="'w' has a negative dimension"):
+        view_at(seg.buf, {**e, "shape": [-1, 4]}, "w")
     seg.close()
 
 

@@ -65,8 +65,12 @@ def _geometry(buf: torch.Tensor, entry: dict[str, Any], name: str) -> tuple[torc
         raise ValueError(f"manifest entry {name!r} has unknown dtype {entry.get('dtype')!r}")
     o, n = int(entry["offset"]), int(entry["nbytes"])
     shape = [int(d) for d in entry["shape"]]
+    if any(d < 0 for d in shape):
+        raise ValueError(f"manifest entry {name!r} has a negative dimension in shape {shape}")
     stride = [int(s) for s in entry.get("stride") or torch.empty(shape, device="meta").stride()]
-    if o < 0 or o + n > buf.numel():
+    if any(s < 0 for s in stride):
+        raise ValueError(f"manifest entry {name!r} has a negative stride {stride}")
+    if o < 0 or n < 0 or o + n > buf.numel():
         raise ValueError(f"manifest entry {name!r} spans [{o}, {o + n}), outside the {buf.numel()}-byte buffer")
     size = dtype.itemsize
     if len(stride) != len(shape) or span_elements(shape, stride) * size != n:
@@ -144,16 +148,18 @@ def _window_rows(buf: torch.Tensor, starts: list[int], ends: list[int]):
     else:
         host = torch.empty(len(starts) * SAMPLE, dtype=torch.uint8, pin_memory=True)
         stream = torch.cuda.current_stream(buf.device)
-        if torch.version.hip is None:  # CUDA: one driver call per window
-            from .cuda_vmm import copy_to_host_async
+        try:
+            if torch.version.hip is None:  # CUDA: one driver call per window
+                from .cuda_vmm import copy_to_host_async
 
-            h, d = host.data_ptr(), buf.data_ptr()
-            copy_to_host_async(buf.device.index, [(h + i * SAMPLE, d + s, m)
-                                                  for i, (s, m) in enumerate(zip(starts, lens))], stream.cuda_stream)
-        else:
-            for i, (s, m) in enumerate(zip(starts, lens)):
-                host[i * SAMPLE:i * SAMPLE + m].copy_(buf[s:s + m], non_blocking=True)
-        stream.synchronize()
+                h, d = host.data_ptr(), buf.data_ptr()
+                copy_to_host_async(buf.device.index, [(h + i * SAMPLE, d + s, m) for i, (s, m)
+                                                      in enumerate(zip(starts, lens))], stream.cuda_stream)
+            else:
+                for i, (s, m) in enumerate(zip(starts, lens)):
+                    host[i * SAMPLE:i * SAMPLE + m].copy_(buf[s:s + m], non_blocking=True)
+        finally:  # also when a copy failed: the ones queued before must land before `host` is reused
+            stream.synchronize()
         rows = host.numpy().reshape(len(starts), SAMPLE)
     for i, m in enumerate(lens):
         if m < SAMPLE:

@@ -232,12 +232,13 @@ def arena_bytes(slot_bytes: int, depth: int) -> int:
     return 1 << (need - 1).bit_length()
 
 
-def allocate_arena(slot_bytes: int, depth: int) -> torch.Tensor:
-    """Page-locked arena of :func:`arena_bytes` bytes (uint8), from :func:`.hostmem.page_locked` (registered
-    huge-page memory: preparing it on a thread does not stall the CUDA driver for model construction)."""
+def allocate_arena(slot_bytes: int, depth: int, device: Optional[int] = None) -> torch.Tensor:
+    """Page-locked arena of :func:`arena_bytes` bytes (uint8) for CUDA ``device`` (default: the current one), from
+    :func:`.hostmem.page_locked` (registered huge-page memory: preparing it on a thread does not stall the CUDA
+    driver for model construction)."""
     from .hostmem import page_locked
 
-    return page_locked(arena_bytes(slot_bytes, depth))
+    return page_locked(arena_bytes(slot_bytes, depth), device)
 
 
 def arena_slot_bytes(piece_bytes: int) -> int:
@@ -263,7 +264,7 @@ class ArenaFuture:
         t = time.perf_counter()
         try:
             torch.cuda.set_device(self.device)  # else the thread would create a context on GPU 0
-            self._arena = allocate_arena(self.slot_bytes, self.depth)
+            self._arena = allocate_arena(self.slot_bytes, self.depth, self.device)
         except BaseException as e:  # noqa: BLE001 - re-raised by result()
             self._error = e
         self.alloc_s = time.perf_counter() - t
@@ -311,7 +312,7 @@ def stream_to_device(headers: list[SafetensorsHeader], device: torch.device, pie
         return
     copy_stream = torch.cuda.Stream(device=device)
     if arena is None:
-        arena = allocate_arena(piece_bytes, depth)
+        arena = allocate_arena(piece_bytes, depth, device.index)
     slots = PinnedSlots(arena, arena_slot_bytes(piece_bytes), copy_stream, times)
     if stats is not None:
         stats["pinned_bytes"] = arena.numel()

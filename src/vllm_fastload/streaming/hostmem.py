@@ -17,43 +17,81 @@ and only then registers the range with ``cudaHostRegister`` (0.02 s per GiB ther
 from __future__ import annotations
 
 import mmap
+import threading
 import weakref
-from typing import Any
+from typing import Any, Callable, Optional
 
 import torch
 
 from ..log import logger
 
 
+def _on_own_thread(call: Callable[[], Any], device: int) -> int:
+    """``int(call())`` with CUDA ``device`` current, on a short-lived thread. A failed CUDA runtime call leaves a
+    per-thread "last error" that PyTorch's kernel-launch checks read (``cudaGetLastError``): a refused registration
+    must not surface as the caller's next kernel error, and a thread that never chose a device would get a context
+    on GPU 0. Raises what ``call`` (or selecting the device) raised."""
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            torch.cuda.set_device(device)
+            box["rc"] = int(call())
+        except BaseException as e:  # noqa: BLE001 - re-raised below
+            box["error"] = e
+
+    th = threading.Thread(target=run, name="fastload-hostreg", daemon=True)
+    th.start()
+    th.join()
+    if "error" in box:
+        raise box["error"]
+    return box["rc"]
+
+
 def _unregister(ptr: int, device: int, keep: Any) -> None:
     """Finalizer: unregister ``ptr`` once the last tensor over the mapping is gone; ``keep`` (the mapping) is
-    released after it, so the range is never unmapped while registered. A finalizer runs on whichever thread
-    drops the last reference: the registering ``device`` is made current first, else the CUDA runtime would
-    create a context on GPU 0 for a thread that never chose a device."""
-    with torch.cuda.device(device):
-        rc = torch.cuda.cudart().cudaHostUnregister(ptr)
-    if int(rc) != 0:  # pragma: no cover - only a driver fault gets here
-        logger.warning("fastload: cudaHostUnregister(0x%x) failed with CUDA error %s", ptr, int(rc))
+    released after it, so the range is never unmapped while registered."""
+    try:
+        rc = _on_own_thread(lambda: torch.cuda.cudart().cudaHostUnregister(ptr), device)
+    except RuntimeError as e:  # pragma: no cover - e.g. no new threads during interpreter shutdown
+        logger.warning("fastload: could not unregister pinned memory at 0x%x: %s", ptr, e)
+        return
+    if rc != 0:  # pragma: no cover - only a driver fault gets here
+        logger.warning("fastload: cudaHostUnregister(0x%x) failed with CUDA error %s", ptr, rc)
 
 
-def page_locked(nbytes: int) -> torch.Tensor:
-    """``nbytes`` (> 0) of page-locked host memory as a flat ``torch.uint8`` CPU tensor, zero-filled.
+def _advise(mm: mmap.mmap, name: str) -> None:
+    """``madvise`` hint ``name`` if this Python and kernel have it (a kernel without THP answers EINVAL)."""
+    advice = getattr(mmap, name, None)
+    if advice is not None:
+        try:
+            mm.madvise(advice)
+        except OSError:
+            pass
+
+
+def page_locked(nbytes: int, device: Optional[int] = None) -> torch.Tensor:
+    """``nbytes`` (> 0) of page-locked host memory as a flat ``torch.uint8`` CPU tensor, zero-filled, registered
+    with CUDA ``device`` (an index; default: the current device).
 
     The memory stays registered as long as any tensor or numpy array over it lives (views included) and is
-    unregistered, then unmapped, when the last one is gone. Where registration is not possible (no CUDA runtime,
-    ``cudaHostRegister`` refused) it comes from PyTorch's pinned allocator instead, with an INFO line naming the
-    CUDA error. Raises ``ValueError`` for ``nbytes <= 0``.
+    unregistered, then unmapped, when the last one is gone (not at interpreter exit). The mapping is not inherited
+    by ``fork`` (``MADV_DONTFORK``). Where registration is not possible (no CUDA runtime, ``cudaHostRegister``
+    refused) it comes from PyTorch's pinned allocator instead, with an INFO line naming the CUDA error. Raises
+    ``ValueError`` for ``nbytes <= 0``.
     """
     if nbytes <= 0:
         raise ValueError(f"nbytes must be > 0, got {nbytes}")
     mm = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        mm.madvise(mmap.MADV_HUGEPAGE)
+    _advise(mm, "MADV_HUGEPAGE")
+    _advise(mm, "MADV_DONTFORK")
     view = memoryview(mm)
     t = torch.frombuffer(view, dtype=torch.uint8)
     t.zero_()  # fault every page in here, outside the driver
+    ptr = t.data_ptr()
     try:
-        rc = int(torch.cuda.cudart().cudaHostRegister(t.data_ptr(), nbytes, 0))
+        dev = torch.cuda.current_device() if device is None else device
+        rc = _on_own_thread(lambda: torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0), dev)
     except (AttributeError, RuntimeError, AssertionError) as e:  # CPU-only torch, no CUDA runtime
         rc, why = -1, f"{type(e).__name__}: {e}"
     else:
@@ -65,5 +103,5 @@ def page_locked(nbytes: int) -> torch.Tensor:
         mm.close()
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     # the tensor's storage holds `view` until its last user is gone; then unregister, then drop the mapping
-    weakref.finalize(view, _unregister, t.data_ptr(), torch.cuda.current_device(), mm)
+    weakref.finalize(view, _unregister, ptr, dev, mm).atexit = False
     return t

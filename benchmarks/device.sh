@@ -5,7 +5,11 @@
 #   bash benchmarks/device.sh ipctests [K]    # ipc_cache on CUDA (tests/gpu/test_ipc_cache_gpu.py [-k K]), logs in $OUT/pytest
 #   bash benchmarks/device.sh ipcprobe [GiB]  # legacy CUDA IPC vs VMM fds -> $OUT/ipc-probe.md
 #   bash benchmarks/device.sh bench [TP]   # 16 GB 8B-shaped model: auto vs built-in runai vs ours -> $OUT/
+#   bash benchmarks/device.sh pinprobe     # no staging needed: page-locking vs model construction (pin_probe.py)
 set -uo pipefail
+if [ "${1:-}" = pinprobe ]; then
+  PYTHONPATH=$PWD/src python3 benchmarks/pin_probe.py; exit $?
+fi
 ls /root/site/vllm >/dev/null || exit 3
 export PYTHONPATH=/root/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"

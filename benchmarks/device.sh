@@ -4,7 +4,7 @@
 #   bash benchmarks/device.sh gpu          # GPU tests of the streamer only (tests/gpu without the ipc ones)
 #   bash benchmarks/device.sh ipctests [K]    # ipc_cache on CUDA (tests/gpu/test_ipc_cache_gpu.py [-k K]), logs in $OUT/pytest
 #   bash benchmarks/device.sh ipcprobe [GiB]  # legacy CUDA IPC vs VMM fds -> $OUT/ipc-probe.md
-#   bash benchmarks/device.sh bench [TP]   # 16 GB 8B-shaped model: auto vs built-in runai vs ours -> $OUT/
+#   bash benchmarks/device.sh bench [TP]   # 16 GB 8B-shaped model: auto, built-in runai, ours, the peers -> $OUT/
 #   bash benchmarks/device.sh pinprobe     # no staging needed: page-locking vs model construction (pin_probe.py)
 set -uo pipefail
 if [ "${1:-}" = pinprobe ]; then
@@ -15,6 +15,10 @@ export PYTHONPATH=/root/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 # (re)install this checkout's plugin so its entry point is the one vLLM finds
 python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --no-cache-dir --upgrade --target /root/site . >/dev/null 2>&1 || echo "plugin install failed"
+# the peers' wheels (instanttensor, fastsafetensors for cp312) when carried in .whl (load_bench runs them if importable)
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /root/site .whl/*.whl >/dev/null 2>&1 || echo "peer wheels install failed"
+fi
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv | tee "$OUT/nvidia-smi.txt"
 case "${1:-tests}" in
   tests)
@@ -35,5 +39,5 @@ case "${1:-tests}" in
     python3 benchmarks/ipc_probe.py --gib ${2:-4} 2>&1 | tee "$OUT/ipc-probe.md"; exit ${PIPESTATUS[0]} ;;
   bench)
     python3 benchmarks/load_bench.py --model /root/models/llama3-8b-shape --make 8b --tp "${2:-1}" \
-      --extra "${EXTRA:-{\}}" --loaders "${LOADERS:-auto,runai_builtin,runai_fastload,ipc_zero_copy,ipc_copy}" --out "$OUT/bench-tp${2:-1}" 2>&1 | tee "$OUT/bench-tp${2:-1}.log"; exit ${PIPESTATUS[0]} ;;
+      --extra "${EXTRA:-{\}}" --loaders "${LOADERS:-auto,runai_builtin,runai_fastload,instanttensor,instanttensor_buffered,fastsafetensors,ipc_zero_copy,ipc_copy}" --out "$OUT/bench-tp${2:-1}" 2>&1 | tee "$OUT/bench-tp${2:-1}.log"; exit ${PIPESTATUS[0]} ;;
 esac

@@ -36,7 +36,22 @@ LOADERS = {
     # ipc_copy releases the daemon's memory, so it must come last.
     "ipc_zero_copy": ("ipc_cache", {}),
     "ipc_copy": ("ipc_cache", {}),
+    # peers: vLLM's own load formats of other fast loaders (vLLM 0.26 has both), when their packages are importable
+    "instanttensor": ("instanttensor", {}),
+    "instanttensor_buffered": ("instanttensor", {"INSTANTTENSOR_BACKEND": "BUFFERED"}),
+    "fastsafetensors": ("fastsafetensors", {}),
 }
+#: loader -> the Python package its load format needs (peers run only where it is importable)
+NEEDS = {"instanttensor": "instanttensor", "instanttensor_buffered": "instanttensor",
+         "fastsafetensors": "fastsafetensors"}
+PEERS = "instanttensor,instanttensor_buffered,fastsafetensors"
+
+
+def available(name: str) -> bool:
+    """Whether loader ``name`` can run here (its package importable; ours and vLLM's always)."""
+    import importlib.util
+
+    return NEEDS.get(name) is None or importlib.util.find_spec(NEEDS[name]) is not None
 #: set by main() when an ipc_cache loader is benchmarked
 SOCKET_DIR: list = []
 
@@ -71,6 +86,7 @@ PATTERNS = {
     "default_weights_s": re.compile(r"Loading weights took ([0-9.]+) seconds"),
     "init_model_s": re.compile(r"Initializing model took ([0-9.]+) seconds"),
     "fastload_weights_s": re.compile(r"fastload: runai_streamer loaded \d+ tensors .*? in ([0-9.]+) s"),
+    "fanout": re.compile(r"(fastload: runai_streamer (?:fan-out over|reads the whole checkpoint).*)"),
     "runai_builtin_stream_s": re.compile(r"Overall time to stream .*?: ([0-9.]+)s"),
 }
 
@@ -96,7 +112,7 @@ def run_one(name: str, model: str, tp: int, gmu: float, report: Path, extra: dic
     res = {"loader": name, "process_s": wall}
     for key, rx in PATTERNS.items():
         m = rx.findall(log)
-        res[key] = float(m[-1]) if m else None
+        res[key] = (m[-1] if key == "fanout" else float(m[-1])) if m else None
     res.update(json.loads(log.split("BENCH_RESULT ", 1)[1].splitlines()[0]))
     if report.exists() and name != "auto":
         r = json.loads(report.read_text())
@@ -176,6 +192,11 @@ def write_outputs(results: dict, out: Path) -> None:
             vals = [rep.get(k, rep["extra"].get(k, "-")) for k in keys]
             vals = [round(v, 3) if isinstance(v, float) else v for v in vals]
             lines.append(f"| {r['loader']} | {rep['wall_s']:.3f} | " + " | ".join(str(v) for v in vals) + " |")
+    fan = [r for r in rows if r.get("fanout")]
+    if fan:
+        lines += ["", "Fan-out (TP > 1; rank 0's line):", ""] + [f"- {r['loader']}: `{r['fanout']}`" for r in fan]
+    if results.get("skipped"):
+        lines += ["", f"Not importable on this machine, not run: {', '.join(results['skipped'])}"]
     if results.get("daemon"):
         d = results["daemon"]
         lines += ["", f"preload daemon: ready after {d['ready_s']:.1f} s (load + post-process + export); "
@@ -211,7 +232,8 @@ def main() -> int:
     ap.add_argument("--make", choices=["8b", "tiny"], help="create the model directory first (random weights)")
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--gmu", type=float, default=0.5)
-    ap.add_argument("--loaders", default="auto,runai_builtin,runai_fastload")
+    ap.add_argument("--loaders", default=f"auto,runai_builtin,runai_fastload,{PEERS}",
+                    help="comma-separated; peers whose package is not importable are skipped with a note")
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--extra", default="{}", help="extra-config JSON for runai_fastload")
     ap.add_argument("--out", type=Path, default=Path("bench-out"))
@@ -235,7 +257,10 @@ def main() -> int:
     results = {"machine": f"{gpu} x{max(torch.cuda.device_count(), 1)}, {os.cpu_count()} CPUs", "date": time.strftime("%Y-%m-%d"),
                "vllm": vllm.__version__, "torch": torch.__version__, "model": a.model.name, "model_gb": size / 1e9,
                "tp": a.tp, "h2d": h2d, "command": " ".join(sys.argv), "loaders": []}
-    names = a.loaders.split(",")
+    names = [n for n in a.loaders.split(",") if available(n)]
+    results["skipped"] = [n for n in a.loaders.split(",") if not available(n)]
+    if results["skipped"]:
+        print(f"[bench] not importable here, skipped: {', '.join(results['skipped'])}", flush=True)
     daemon = None
     try:
         for name in names:

@@ -43,6 +43,13 @@ def parse_bytes(value: Union[int, str], *, key: str, minimum: int) -> int:
     return value
 
 
+def as_seconds(value: Any) -> float:
+    """A number of seconds (int or float, not bool) as float; ``ValueError`` otherwise (range: the field's)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError("expected a number of seconds")
+    return float(value)
+
+
 class _LoaderConfig(BaseModel):
     """Fields shared by every load format of this plugin."""
 
@@ -111,7 +118,8 @@ class StreamerConfig(_LoaderConfig):
         "concurrency": "an integer > 0 (JSON number, not a string), e.g. 16",
         "memory_limit": "bytes as an integer >= -1 (-1 = unlimited, 0 = the largest tensor) or a string like '16GiB'",
         "chunk_bytesize": "bytes as an integer > 0 or a string like '8MiB'",
-        "distributed": "true or false (JSON bool)",
+        "distributed": "\"auto\" (the default), true or false (JSON bool)",
+        "distributed_timeout_s": "seconds (number > 0) a rank of a fan-out waits for the others",
         "fs_strategy": "one of auto, runai, io_uring_direct, io_uring_buffered, libaio_direct, sync_buffered",
         "pinned_slot_bytes": "bytes as an integer >= 4096 or a string like '64MiB'",
         "pinned_slots": "an integer from 2 to 64",
@@ -133,8 +141,15 @@ class StreamerConfig(_LoaderConfig):
     chunk_bytesize: Optional[Union[int, str]] = Field(
         None, description="Bytes per read request of one reader thread (RUNAI_STREAMER_CHUNK_BYTESIZE)."
     )
-    distributed: bool = Field(
-        False, description="Use runai's distributed streaming (each TP rank reads a part and they exchange it)."
+    distributed: Union[bool, Literal["auto"]] = Field(
+        "auto", description="TP > 1: the ranks of a TP group on one host split the checkpoint's bytes, each reads its "
+        "share and broadcasts it to the others (NCCL on GPUs), so a host reads every byte once. auto: on a GPU when "
+        "the host's ranks have peer access (P2P) and the pinned direct read path is used; true: also on CPU and "
+        "without P2P; false: every rank reads the whole checkpoint.",
+    )
+    distributed_timeout_s: float = Field(
+        300.0, gt=0, description="Fan-out: seconds a rank waits for the others' next tensor before it fails the "
+        "load (a rank that stopped answering).",
     )
     fs_strategy: Literal["auto", "runai", "io_uring_direct", "io_uring_buffered", "libaio_direct", "sync_buffered"] = Field(
         "auto",
@@ -158,6 +173,11 @@ class StreamerConfig(_LoaderConfig):
     )
     pinned_slots: int = Field(16, ge=2, le=64, description="GPU only: pinned slots (the read ring's depth, >= 2).")
     copy_threads: int = Field(8, gt=0, le=128, description="GPU only: threads copying host slots into pinned memory.")
+
+    @field_validator("distributed_timeout_s", mode="before")
+    @classmethod
+    def _timeout(cls, v: Any) -> Any:
+        return as_seconds(v)
 
     @field_validator("memory_limit", mode="before")
     @classmethod
@@ -251,6 +271,4 @@ class IpcCacheConfig(_LoaderConfig):
     @field_validator("connect_timeout_s", "state_timeout_s", mode="before")
     @classmethod
     def _seconds(cls, v: Any) -> Any:
-        if isinstance(v, bool) or not isinstance(v, (int, float)):
-            raise ValueError("expected a number of seconds")
-        return float(v)
+        return as_seconds(v)

@@ -84,12 +84,22 @@ def finish_online_quantization(model: Any, model_config: Any) -> bool:
     return online
 
 
+def rank_loader(load_config: Any) -> Any:
+    """The model loader of ``load_config`` as a vLLM worker gets it: vLLM's general plugins (this package among
+    them) are loaded first, because a rank process started with ``spawn`` has none yet, and ``runai_streamer``
+    would resolve to vLLM's built-in loader of that name (``vllm.plugins.load_general_plugins``, idempotent)."""
+    from vllm.model_executor.model_loader import get_model_loader
+    from vllm.plugins import load_general_plugins
+
+    load_general_plugins()
+    return get_model_loader(load_config)
+
+
 def build_and_export(vllm_config: Any, local_rank: int, rank: int, world_size: int, init_method: str) -> tuple[Segment, dict, float]:
     """Load this rank's model like the engine does, post-process, pack. Returns (segment, manifest, seconds)."""
     import torch
     from vllm.config import set_current_vllm_config
     from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
-    from vllm.model_executor.model_loader import get_model_loader
     from vllm.model_executor.model_loader.utils import initialize_model, process_weights_after_loading
     from vllm.platforms import current_platform
     from vllm.utils.torch_utils import set_default_torch_dtype
@@ -108,7 +118,7 @@ def build_and_export(vllm_config: Any, local_rank: int, rank: int, world_size: i
         ensure_model_parallel_initialized(pc.tensor_parallel_size, pc.pipeline_parallel_size)
         _, fp = of_model(mc, vllm_config)
         device = torch.device(vllm_config.device_config.device if lc.device is None else lc.device)
-        loader = get_model_loader(lc)
+        loader = rank_loader(lc)
         with set_default_torch_dtype(mc.dtype):
             with device:
                 model = initialize_model(vllm_config=vllm_config, model_config=mc)

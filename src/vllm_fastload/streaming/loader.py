@@ -164,12 +164,19 @@ class RunaiStreamerLoader(BaseModelLoader):
             logger.info("fastload: %s not in %s, not loaded: %s", LOAD_FORMAT, plan.index, ", ".join(plan.ignored))
         self._total = sum(len(h.tensors) for h in headers)
         report.extra["prepare_s"] = round(time.perf_counter() - t0, 4)  # shards, headers, fingerprint, strategy
+        fan = self._fanout(device, why_not_direct)
         # runai reads its settings from the environment when a stream starts: set them for this load only.
         with scoped_environ(env):
-            if device.type == "cuda":
-                loaded = self._load_on_gpu(model, plan, headers, device, report, why_not_direct)
-            else:
-                loaded = model.load_weights(self._timed(self._progress(self._stream(plan)), report))
+            try:
+                if fan is not None:
+                    loaded = self._load_fanned_out(model, plan, headers, device, report, fan)
+                elif device.type == "cuda":
+                    loaded = self._load_on_gpu(model, plan, headers, device, report, why_not_direct)
+                else:
+                    loaded = model.load_weights(self._timed(self._progress(self._stream(plan)), report))
+            finally:
+                if fan is not None:
+                    fan.close()
         report.wall_s = self._weights_s = time.perf_counter() - t0
         # CPU: reader and consumer alternate in one thread. GPU: they overlap; the consumer's own time is what is
         # left after waiting for the producer thread.
@@ -215,15 +222,8 @@ class RunaiStreamerLoader(BaseModelLoader):
         from .pipeline import H2DPipeline, StageTimes
 
         cfg = self.config
-        future = getattr(self, "_arena_future", None)
         if why_not is None:
-            arena = None
-            if future is not None and future.device == device.index:
-                self._arena_future = None
-                arena, waited = future.result()
-                report.extra.update(pinned_alloc_s=round(future.alloc_s, 4), pinned_alloc_wait_s=round(waited, 4))
-            else:
-                self._drop_arena()
+            arena = self._take_arena(device, report)
             t, stats = StageTimes(), {}
             it = stream_to_device(headers, device, cfg.pinned_slot_bytes, cfg.pinned_slots, t, arena, stats)
             arena = None  # the stream owns it now
@@ -247,6 +247,63 @@ class RunaiStreamerLoader(BaseModelLoader):
         report.extra["read_ring_pinned"] = why_not is None
         report.tensors, report.bytes, report.read_wait_s = t.tensors, t.bytes, t.read_wait_s
         report.extra.update(slot_wait_s=round(t.slot_wait_s, 4), h2d_s=round(t.h2d_s, 4))
+        return loaded
+
+    def _take_arena(self, device: Any, report: LoadReport) -> Any:
+        """The pinned arena :meth:`_start_pinning` prepared for ``device`` (its seconds go to the report), or None
+        (then the direct path allocates one itself)."""
+        future = getattr(self, "_arena_future", None)
+        if future is None or future.device != device.index:
+            self._drop_arena()
+            return None
+        self._arena_future = None
+        arena, waited = future.result()
+        report.extra.update(pinned_alloc_s=round(future.alloc_s, 4), pinned_alloc_wait_s=round(waited, 4))
+        return arena
+
+    def _fanout(self, device: Any, why_not_direct: str | None) -> Any:
+        """The fan-out of this load (``streaming.fanout.plan``, decided with the other ranks of the TP group), or
+        None: then this rank reads the whole checkpoint, logged at INFO with the reason when the TP group has
+        other ranks. Every rank of the TP group calls this (the config, device type and headers agree)."""
+        from . import fanout
+
+        reader_off = why_not_direct if device.type == "cuda" else None
+        fan, why = fanout.plan(self.config.distributed, device, self.config.distributed_timeout_s, reader_off)
+        if why:
+            logger.info("fastload: %s reads the whole checkpoint on this rank (no fan-out): %s", LOAD_FORMAT, why)
+        return fan
+
+    def _load_fanned_out(self, model: Any, plan: ShardPlan, headers: list, device: Any, report: LoadReport,
+                         fan: Any) -> Any:
+        """This rank reads its share (``streaming.direct.stream_tensors``: pinned direct reads on a GPU, runai's
+        owned slots on CPU) and gets the rest from the other ranks of its host (``streaming.fanout``)."""
+        from .direct import release_pinned_cache, stream_tensors
+        from .fanout import entries_of
+        from .pipeline import StageTimes
+
+        cfg = self.config
+        entries = entries_of(headers)
+        owner = fan.owners(entries)
+        only = {e.key for e, o in zip(entries, owner) if o == fan.me}
+        arena = self._take_arena(device, report) if device.type == "cuda" else None
+        t, stats = StageTimes(), {}
+        local = stream_tensors(headers, device, cfg.pinned_slot_bytes, cfg.pinned_slots, t, arena, stats, only=only)
+        arena = None  # the stream owns it now
+        it = fan.run(entries, owner, self._storage_errors(plan, local), device)
+        try:
+            loaded = model.load_weights(self._progress(it))
+        finally:
+            it.close()
+            release_pinned_cache()
+        s = fan.stats
+        report.tensors, report.bytes = len(entries), sum(e.nbytes for e in entries)
+        report.read_wait_s = t.read_wait_s
+        report.extra.update(stats, fanout=s.to_dict(), read_ring_pinned=device.type == "cuda",
+                            slot_wait_s=round(t.slot_wait_s, 4), h2d_s=round(t.h2d_s, 4))
+        logger.info("fastload: %s fan-out over ranks %s of this host: this rank read %d tensors (%.2f GiB) and "
+                    "received %d (%.2f GiB) in %d rounds (exchange %.3f s, largest round %.2f GiB)", LOAD_FORMAT,
+                    list(s.ranks), s.tensors_read, s.read_bytes / 2**30, s.tensors_received,
+                    s.received_bytes / 2**30, s.rounds, s.sync_s, s.peak_round_bytes / 2**30)
         return loaded
 
     def _reads_into_pinned(self, device: Any, headers: list) -> str | None:

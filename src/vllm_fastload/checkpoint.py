@@ -8,16 +8,20 @@ This is the only place in the package that parses a header.
 
 from __future__ import annotations
 
+import dataclasses
+import errno
 import hashlib
 import json
 import math
 import os
+import re
+import stat
 import struct
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from .errors import CheckpointError
-from .storage import is_object_uri, list_safetensors, read_range
+from .storage import FileIdentity, file_identity, is_object_uri, list_safetensors, read_range
 
 #: Bytes per element of each safetensors dtype ("F4" packs two values per byte: 0.5).
 DTYPE_BYTES: dict[str, float] = {
@@ -54,7 +58,9 @@ class SafetensorsHeader:
     """A parsed, validated safetensors header.
 
     ``header_len`` (bytes, the u64 prefix), ``header_sha256`` (hex digest of the JSON bytes), ``data_bytes``
-    (length of the data section implied by the offsets), ``file_size`` (bytes, None for object storage).
+    (length of the data section implied by the offsets), ``file_size`` (bytes, from the file system or the
+    object store; None when the caller of :func:`parse_header` did not know it), ``identity`` (size and
+    mtime/inode or ETag/version of the file read, see :class:`~vllm_fastload.storage.FileIdentity`).
     """
 
     path: str
@@ -64,6 +70,7 @@ class SafetensorsHeader:
     metadata: Optional[dict[str, str]]
     data_bytes: int
     file_size: Optional[int] = None
+    identity: Optional[FileIdentity] = None
 
     @property
     def declared_size(self) -> int:
@@ -88,12 +95,15 @@ def _no_duplicates(path: str):
     return hook
 
 
-def parse_header(path: str, raw: bytes, header_len: int, file_size: Optional[int]) -> SafetensorsHeader:
-    """Validate header JSON ``raw`` of file ``path``; ``file_size`` (bytes) enables truncation/junk checks.
+def parse_header(path: str, raw: bytes, header_len: int, file_size: Optional[int],
+                 identity: Optional[FileIdentity] = None) -> SafetensorsHeader:
+    """Validate header JSON ``raw`` of file ``path``; ``file_size`` (bytes) enables truncation/junk checks;
+    ``identity`` is kept on the result (for the fingerprint).
 
     Raises :class:`CheckpointError` naming the file (and tensor) for: invalid JSON, duplicate names,
     ``__metadata__`` not a str->str object, unknown/empty dtype, bad shape or offsets, a byte length that does
-    not match shape x dtype, a hole or overlap between tensors, a truncated file or trailing bytes.
+    not match shape x dtype, a hole or overlap between tensors (a zero-element tensor inside another tensor's
+    range included: runai-model-streamer refuses those), a truncated file or trailing bytes.
     """
     try:
         obj = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates(path))
@@ -136,8 +146,9 @@ def parse_header(path: str, raw: bytes, header_len: int, file_size: Optional[int
                 f"{offs} span {offs[1] - offs[0]}"
             )
         tensors[name] = TensorInfo(name, dtype, tuple(shape), offs[0], offs[1])
-    # Coverage: sorted by (begin, size) so a zero-element tensor sharing a start sorts first.
-    pos = 0
+    # Coverage, as runai-model-streamer checks it: in (begin, size) order (a zero-element tensor sharing a start
+    # sorts first) every tensor starts exactly where the previous one ends.
+    pos, last = 0, None
     for t in sorted(tensors.values(), key=lambda t: (t.begin, t.nbytes)):
         if t.begin > pos:
             where = "before the first tensor" if pos == 0 else "between tensors"
@@ -147,6 +158,15 @@ def parse_header(path: str, raw: bytes, header_len: int, file_size: Optional[int
             )
         if t.begin < pos and t.nbytes:
             raise CheckpointError(f"{path}: tensor {t.name!r} overlaps the previous tensor (starts at {t.begin} < {pos})")
+        if t.begin < pos:
+            raise CheckpointError(
+                f"{path}: tensor {t.name!r} has zero elements but its data_offsets {[t.begin, t.end]} lie inside "
+                f"tensor {last.name!r} {[last.begin, last.end]}; runai-model-streamer refuses such a file "
+                f"(\"overlaps with next tensor\"): re-save the checkpoint with the safetensors library, which places "
+                f"zero-element tensors between tensors"
+            )
+        if t.nbytes:
+            last = t
         pos = max(pos, t.end)
     header = SafetensorsHeader(
         path=path,
@@ -156,6 +176,7 @@ def parse_header(path: str, raw: bytes, header_len: int, file_size: Optional[int
         metadata=metadata,
         data_bytes=pos,
         file_size=file_size,
+        identity=identity,
     )
     if file_size is not None:
         if file_size < header.declared_size:
@@ -173,24 +194,30 @@ def parse_header(path: str, raw: bytes, header_len: int, file_size: Optional[int
 def read_header(path: str) -> SafetensorsHeader:
     """Read and validate the header of a local or object-storage safetensors file.
 
+    The file's size comes from the file system or the object store's metadata
+    (:func:`~vllm_fastload.storage.file_identity`) before any byte is read, so truncation, a header longer than
+    the file and trailing bytes are found the same way, with the same messages, locally and on object storage.
     Raises :class:`CheckpointError` (malformed file, naming it), ``OSError`` or
     :class:`~vllm_fastload.errors.StorageError` (cannot read).
     """
-    file_size = None if is_object_uri(path) else os.path.getsize(path)
+    identity = file_identity(path)
+    file_size = identity.size
+    if file_size < 8:
+        raise CheckpointError(f"{path}: file is {file_size} bytes, too short for a safetensors header length")
     prefix = read_range(path, 0, 8)
-    if len(prefix) < 8:
+    if len(prefix) < 8:  # the file shrank since it was measured
         raise CheckpointError(f"{path}: file is {len(prefix)} bytes, too short for a safetensors header length")
     (n,) = struct.unpack("<Q", prefix)
     if n > MAX_HEADER_BYTES:
         raise CheckpointError(
             f"{path}: header length {n} bytes is absurdly large (limit {MAX_HEADER_BYTES}); not a safetensors file?"
         )
-    if file_size is not None and 8 + n > file_size:
+    if 8 + n > file_size:
         raise CheckpointError(f"{path}: header length {n} bytes is larger than the file ({file_size} bytes)")
     raw = read_range(path, 8, n)
     if len(raw) < n:
         raise CheckpointError(f"{path}: header length {n} bytes is larger than the file")
-    return parse_header(path, raw, n, file_size)
+    return parse_header(path, raw, n, file_size, identity)
 
 
 @dataclass(frozen=True)
@@ -198,13 +225,15 @@ class ShardPlan:
     """The safetensors shards one load reads, chosen as vLLM's default loader chooses them.
 
     ``source``: directory or object-storage prefix; ``files``: full paths/URIs, sorted; ``index``: the index
-    file used to filter them (None when there is none).
+    file used to filter them (None when there is none); ``weight_map``: the index's tensor name -> shard file
+    name (None without an index).
     """
 
     source: str
     files: tuple[str, ...]
     index: Optional[str] = None
     ignored: tuple[str, ...] = field(default=())
+    weight_map: Optional[dict[str, str]] = field(default=None, compare=False, repr=False)
 
 
 def weights_source(model_config: Any) -> str:
@@ -220,6 +249,56 @@ def model_shards(model_config: Any) -> ShardPlan:
     return select_shards(source, local if source != local else None)
 
 
+def _base(path: str) -> str:
+    return path.rstrip("/").rsplit("/", 1)[-1]
+
+
+#: A Hugging Face cache snapshot file: ``.../models--ORG--NAME/snapshots/REVISION/FILE`` (a link into ``blobs/``).
+_HF_SNAPSHOT = re.compile(r"(?:^|/)(models|datasets|spaces)--([^/]+)/snapshots/([^/]+)/")
+
+
+def _unusable_file(path: str) -> Optional[str]:
+    """Why the local file ``path`` (a shard or index the load needs) cannot be opened, or None.
+
+    Names a symbolic link's target and, for a link into a Hugging Face cache's ``blobs/`` whose blob is gone, the
+    likely cause (an incomplete or evicted download) and the command that restores it.
+    """
+    try:
+        st = os.stat(path)
+        if not stat.S_ISREG(st.st_mode):
+            return f"{path} is not a regular file" + (" (a directory)" if stat.S_ISDIR(st.st_mode) else "")
+        os.close(os.open(path, os.O_RDONLY))
+        return None
+    except OSError as e:
+        err = e
+    if not os.path.islink(path):
+        return f"{path} cannot be opened ({os.strerror(err.errno)})" if err.errno else f"{path}: {err}"
+    target = os.readlink(path)
+    resolved = os.path.realpath(path)
+    link = f"{path} is a symbolic link to {target}" + (f" ({resolved})" if resolved != target else "")
+    if err.errno == errno.ELOOP:
+        return f"{link}, a loop of links: fix or replace the link"
+    if err.errno != errno.ENOENT:
+        return f"{link}, which cannot be opened ({os.strerror(err.errno)})"
+    hf = _HF_SNAPSHOT.search(path)
+    if hf:
+        kind, name, revision = hf.groups()
+        repo = name.replace("--", "/", 1)
+        flag = "" if kind == "models" else f" --repo-type {kind[:-1]}"
+        return (f"{link}, which does not exist: the Hugging Face cache holds this snapshot's link but not its blob, "
+                f"the mark of an incomplete or evicted download; download it again (`hf download {repo} --revision "
+                f"{revision}{flag}`) or pass a directory holding the files")
+    return f"{link}, which does not exist: restore the target, or replace the link with the file"
+
+
+def _check_local(paths: Any) -> None:
+    """Raise :class:`CheckpointError` for the first local file in ``paths`` that cannot be opened."""
+    for p in paths:
+        problem = None if is_object_uri(p) else _unusable_file(p)
+        if problem:
+            raise CheckpointError(problem)
+
+
 def select_shards(source: str, index_dir: Optional[str] = None) -> ShardPlan:
     """Choose the ``*.safetensors`` shards of ``source`` to load.
 
@@ -229,18 +308,24 @@ def select_shards(source: str, index_dir: Optional[str] = None) -> ShardPlan:
     vLLM pulls the ``*.json`` files to a local directory, pass that), only the shards its ``weight_map`` names are
     used, and a named shard that does not exist raises :class:`CheckpointError` naming it — as vLLM's
     ``filter_duplicate_safetensors_files`` does. Without an index every ``*.safetensors`` file is used.
+    A chosen local shard (or the index) that cannot be opened — a symbolic link to a missing file (a Hugging Face
+    cache whose blob is gone), a link loop, a directory, no permission — raises :class:`CheckpointError` naming
+    it, its target and the fix, before anything is built. So does an index whose ``weight_map`` is empty.
     Returns a plan with no files when the source holds no safetensors (the caller decides on fallback).
     """
     files = list_safetensors(source)
     index_name = SAFE_INDEX
-    mistral = [f for f in files if f.rstrip("/").rsplit("/", 1)[-1].startswith("consolidated")]
+    mistral = [f for f in files if _base(f).startswith("consolidated")]
     if mistral:
         # vLLM's default loader (load format auto) switches to the Mistral layout whenever consolidated*.safetensors
         # exist, and then loads only those: never both layouts.
         files, index_name = mistral, MISTRAL_INDEX
     index_dir = index_dir or (None if is_object_uri(source) else source)
     index = os.path.join(index_dir, index_name) if index_dir else None
+    if index and os.path.lexists(index) and not os.path.isfile(index):
+        _check_local([index])  # a broken link or a directory: loading without it would choose other shards
     if not index or not os.path.isfile(index):
+        _check_local(files)
         return ShardPlan(source, tuple(files))
     try:
         with open(index) as f:
@@ -248,7 +333,11 @@ def select_shards(source: str, index_dir: Optional[str] = None) -> ShardPlan:
         wanted = sorted(set(weight_map.values()))
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise CheckpointError(f"{index}: not a valid safetensors index ({type(e).__name__}: {e})") from None
-    by_name = {f.rstrip("/").rsplit("/", 1)[-1]: f for f in files}
+    if not wanted:
+        raise CheckpointError(
+            f"{index}: weight_map is empty, so the index selects no shard and the load would hold no tensors; fix "
+            f"the index (it maps each tensor name to its shard) or remove it to load every *.safetensors file")
+    by_name = {_base(f): f for f in files}
     missing = [w for w in wanted if w not in by_name]
     if missing:
         raise CheckpointError(
@@ -256,5 +345,113 @@ def select_shards(source: str, index_dir: Optional[str] = None) -> ShardPlan:
             f"index; loading without them would leave weights uninitialized."
         )
     chosen = tuple(by_name[w] for w in wanted)
+    _check_local(chosen)
     ignored = tuple(f for f in files if f not in chosen)
-    return ShardPlan(source, chosen, index, ignored)
+    return ShardPlan(source, chosen, index, ignored, dict(weight_map))
+
+
+@dataclass(frozen=True)
+class Duplicate:
+    """A tensor name stored in more than one selected shard: ``files`` (full paths, plan order) and ``kept`` (the
+    one the index assigns it to, the only copy loaded)."""
+
+    name: str
+    files: tuple[str, ...]
+    kept: str
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """What one load reads: the plan, one header per ``plan.files`` entry whose ``tensors`` are the tensors to
+    load from that file (copies the index assigns to another shard removed), and the duplicates resolved."""
+
+    plan: ShardPlan
+    headers: tuple[SafetensorsHeader, ...]
+    duplicates: tuple[Duplicate, ...] = ()
+
+    @property
+    def tensor_count(self) -> int:
+        """Tensors the load yields (each name once)."""
+        return sum(len(h.tensors) for h in self.headers)
+
+    def warnings(self) -> list[str]:
+        """One text per shard holding copies that are not loaded (the loaders log each as a WARNING, ``inspect``
+        lists them): the tensors, the file they are loaded from instead, and the index that decided it."""
+        by_ignored: dict[str, list[Duplicate]] = {}
+        for d in self.duplicates:
+            for f in d.files:
+                if f != d.kept:
+                    by_ignored.setdefault(f, []).append(d)
+        out = []
+        for f, dups in by_ignored.items():
+            shown = ", ".join(f"{d.name!r} (loaded from {_base(d.kept)})" for d in dups[:5])
+            more = f" and {len(dups) - 5} more" if len(dups) > 5 else ""
+            out.append(f"{f} also holds {len(dups)} tensor(s) that {self.plan.index} assigns to another shard; those "
+                       f"copies are not loaded: {shown}{more}")
+        return out
+
+
+def resolve_duplicates(plan: ShardPlan, headers: list[SafetensorsHeader]) -> Checkpoint:
+    """Find every tensor name stored in more than one of ``headers`` (one per ``plan.files`` entry) and decide,
+    before any data is read, which copy loads.
+
+    With an index, the copy in the shard its ``weight_map`` assigns the name to; the other copies are dropped
+    from the returned headers (see :meth:`Checkpoint.warnings`). Raises :class:`CheckpointError` naming the
+    tensor and every file holding it when there is no index, or the index does not assign the name to one of
+    those files: loading them all would let the last copy read win, which depends on read order.
+    """
+    holders: dict[str, list[int]] = {}
+    for i, h in enumerate(headers):
+        for name in h.tensors:
+            holders.setdefault(name, []).append(i)
+    dups = {name: idx for name, idx in holders.items() if len(idx) > 1}
+    if not dups:
+        return Checkpoint(plan, tuple(headers))
+    wm = plan.weight_map or {}
+    unresolved = [n for n, idx in dups.items() if wm.get(n) not in {_base(headers[i].path) for i in idx}]
+    if unresolved:
+        name = unresolved[0]
+        files = ", ".join(headers[i].path for i in dups[name])
+        if plan.index is None:
+            why = (f"no safetensors index ({SAFE_INDEX}) says which copy to load (loading both, the last copy "
+                   f"read would win, in an order that depends on the reader)")
+            fix = (f"remove the file(s) that do not belong to the model, or add an index whose weight_map assigns "
+                   f"each tensor to one shard")
+        else:
+            said = f"assigns it to {wm[name]}" if name in wm else "does not list it"
+            why = f"{plan.index} {said}"
+            fix = "fix the index's weight_map or remove the extra copy"
+        more = (f"; {len(unresolved) - 1} more tensor name(s) are in more than one shard too, e.g. "
+                f"{', '.join(repr(n) for n in unresolved[1:4])}" if len(unresolved) > 1 else "")
+        raise CheckpointError(f"tensor {name!r} is stored in {len(dups[name])} shards ({files}) and {why}: {fix}"
+                              f"{more}")
+    found, kept_files = [], {}
+    for name, idx in dups.items():
+        files = tuple(headers[i].path for i in idx)
+        keep = next(f for f in files if _base(f) == wm[name])
+        found.append(Duplicate(name, files, keep))
+        kept_files[name] = keep
+    out = [dataclasses.replace(h, tensors={n: t for n, t in h.tensors.items()
+                                           if kept_files.get(n, h.path) == h.path}) for h in headers]
+    return Checkpoint(plan, tuple(out), tuple(found))
+
+
+def no_tensors_problem(plan: ShardPlan, headers: list[SafetensorsHeader]) -> Optional[str]:
+    """The error text when the selected shards hold no tensor at all (e.g. only ``__metadata__``), else None."""
+    if not headers or any(h.tensors for h in headers):
+        return None
+    names = ", ".join(_base(h.path) for h in headers)
+    return (f"{plan.source}: the selected shard(s) hold no tensors ({names}: headers without tensor entries), so "
+            f"the model's weights would stay uninitialized; point the load at the directory holding the weights, or "
+            f"re-export the checkpoint")
+
+
+def read_checkpoint(plan: ShardPlan) -> Checkpoint:
+    """Read and validate every header of ``plan`` and resolve duplicate names (:func:`resolve_duplicates`), before
+    any tensor data is read. Raises :class:`CheckpointError` for a malformed shard, an unresolvable duplicate or
+    shards without tensors; ``OSError`` / :class:`~vllm_fastload.errors.StorageError` when a shard cannot be read."""
+    headers = [read_header(f) for f in plan.files]
+    problem = no_tensors_problem(plan, headers)
+    if problem:
+        raise CheckpointError(problem)
+    return resolve_duplicates(plan, headers)

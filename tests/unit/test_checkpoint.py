@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from tests.conftest import write_raw, write_safetensors
-from vllm_fastload.checkpoint import SAFE_INDEX, read_header, select_shards
+from vllm_fastload.checkpoint import SAFE_INDEX, read_checkpoint, read_header, select_shards
 from vllm_fastload.errors import CheckpointError
 
 
@@ -149,3 +149,185 @@ def test_two_names_on_the_same_bytes_are_refused_like_the_default_loader(tmp_pat
     with pytest.raises(CheckpointError) as e:
         read_header(str(p))
     assert str(p) in str(e.value) and "overlaps the previous tensor" in str(e.value) and "'b'" in str(e.value)
+
+
+# --- issue 15: bad input, round 2 -----------------------------------------------------------------------------------
+def _two_shards_sharing(tmp_path, index_assigns=None):
+    """model-00001 holds a.weight and an all-zero norm, model-00002 holds b.weight and the real norm; with
+    ``index_assigns`` (a shard file name) an index assigns norm to it."""
+    s1 = write_safetensors(tmp_path / "model-00001-of-00002.safetensors",
+                           {"a.weight": torch.ones(4, 4), "norm": torch.zeros(8)})
+    s2 = write_safetensors(tmp_path / "model-00002-of-00002.safetensors",
+                           {"b.weight": torch.full((2, 2), 3.0), "norm": torch.arange(8, dtype=torch.float32)})
+    if index_assigns:
+        (tmp_path / SAFE_INDEX).write_text(json.dumps({"weight_map": {
+            "a.weight": s1.name, "b.weight": s2.name, "norm": index_assigns}}))
+    return str(s1), str(s2)
+
+
+def test_a_name_in_two_shards_without_index_is_refused_naming_tensor_and_both_files(tmp_path):
+    s1, s2 = _two_shards_sharing(tmp_path)
+    with pytest.raises(CheckpointError) as e:
+        read_checkpoint(select_shards(str(tmp_path)))
+    assert str(e.value) == (
+        f"tensor 'norm' is stored in 2 shards ({s1}, {s2}) and no safetensors index (model.safetensors.index.json) "
+        f"says which copy to load (loading both, the last copy read would win, in an order that depends on the "
+        f"reader): remove the file(s) that do not belong to the model, or add an index whose weight_map assigns "
+        f"each tensor to one shard")
+
+
+@pytest.mark.parametrize("assigned", [1, 2])
+def test_with_an_index_the_assigned_copy_is_the_only_one_read(tmp_path, assigned):
+    s1, s2 = _two_shards_sharing(tmp_path, index_assigns=f"model-0000{assigned}-of-00002.safetensors")
+    ckpt = read_checkpoint(select_shards(str(tmp_path)))
+    kept, ignored = (s1, s2) if assigned == 1 else (s2, s1)
+    assert [sorted(h.tensors) for h in ckpt.headers] == (
+        [["a.weight", "norm"], ["b.weight"]] if assigned == 1 else [["a.weight"], ["b.weight", "norm"]])
+    assert ckpt.tensor_count == 3 and [(d.name, d.kept) for d in ckpt.duplicates] == [("norm", kept)]
+    index = str(tmp_path / SAFE_INDEX)
+    assert ckpt.warnings() == [
+        f"{ignored} also holds 1 tensor(s) that {index} assigns to another shard; those copies are not loaded: "
+        f"'norm' (loaded from {kept.rsplit('/', 1)[1]})"]
+    # the header facts the fingerprint uses are the file's, not the filtered view's
+    assert [h.header_sha256 for h in ckpt.headers] == [read_header(s1).header_sha256, read_header(s2).header_sha256]
+
+
+@pytest.mark.parametrize("assigns, said", [("other.safetensors", "assigns it to other.safetensors"),
+                                           (None, "does not list it")])
+def test_an_index_that_does_not_decide_between_the_copies_is_refused(tmp_path, assigns, said):
+    s1, s2 = _two_shards_sharing(tmp_path, index_assigns="model-00001-of-00002.safetensors")
+    write_safetensors(tmp_path / "other.safetensors", {"c": torch.ones(1)})
+    wm = {"a.weight": "model-00001-of-00002.safetensors", "b.weight": "model-00002-of-00002.safetensors",
+          "c": "other.safetensors"}
+    if assigns:
+        wm["norm"] = assigns
+    (tmp_path / SAFE_INDEX).write_text(json.dumps({"weight_map": wm}))
+    with pytest.raises(CheckpointError) as e:
+        read_checkpoint(select_shards(str(tmp_path)))
+    assert str(e.value) == (f"tensor 'norm' is stored in 2 shards ({s1}, {s2}) and {tmp_path / SAFE_INDEX} {said}: "
+                            f"fix the index's weight_map or remove the extra copy")
+
+
+def test_fine_checkpoints_read_as_before(tmp_path):
+    ts = {"a": torch.ones(3), "b": torch.zeros(2, 2)}
+    write_safetensors(tmp_path / "model.safetensors", ts)
+    ckpt = read_checkpoint(select_shards(str(tmp_path)))
+    assert ckpt.duplicates == () and ckpt.warnings() == [] and ckpt.tensor_count == 2
+    assert ckpt.headers[0] == read_header(str(tmp_path / "model.safetensors"))
+
+
+def _runai_verdict(path):
+    """What runai-model-streamer's own safetensors reader says of ``path``: None (reads it) or its error text."""
+    from runai_model_streamer import SafetensorsStreamer
+
+    try:
+        with SafetensorsStreamer() as s:
+            s.stream_files([str(path)], device="cpu")
+            list(s.get_tensors())
+        return None
+    except Exception as e:  # noqa: BLE001 - any refusal
+        return str(e)
+
+
+@pytest.mark.parametrize("place, refused", [
+    ("start of a", False), ("end of a", False), ("end of data", False), ("inside a", True), ("inside b", True)])
+def test_zero_element_tensor_is_judged_as_runai_judges_it(tmp_path, place, refused):
+    """Issue 15, item 3: a zero-element tensor at a tensor boundary loads; one whose offsets sit inside another
+    tensor's range is refused before any read, naming file and both tensors (runai refuses it with 'overlaps' and no
+    file name)."""
+    at = {"start of a": 0, "end of a": 8, "end of data": 16, "inside a": 4, "inside b": 12}[place]
+    hdr = {"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+           "b": {"dtype": "F32", "shape": [2], "data_offsets": [8, 16]},
+           "z": {"dtype": "F32", "shape": [0, 3], "data_offsets": [at, at]}}
+    p = write_raw(tmp_path / "z.safetensors", hdr, bytes(range(16)))
+    runai = _runai_verdict(p)
+    assert (runai is not None) == refused and (not refused or "overlaps" in runai)
+    if not refused:
+        assert read_header(str(p)).tensors["z"].shape == (0, 3)
+        return
+    inside = "a" if at < 8 else "b"
+    span = [0, 8] if inside == "a" else [8, 16]
+    with pytest.raises(CheckpointError) as e:
+        read_header(str(p))
+    assert str(e.value) == (
+        f"{p}: tensor 'z' has zero elements but its data_offsets [{at}, {at}] lie inside tensor '{inside}' {span}; "
+        f"runai-model-streamer refuses such a file (\"overlaps with next tensor\"): re-save the checkpoint with the "
+        f"safetensors library, which places zero-element tensors between tensors")
+
+
+def _hf_snapshot(tmp_path, blob_exists=False):
+    """A Hugging Face cache layout: snapshots/<rev>/model.safetensors -> ../../blobs/<hash> (blob missing)."""
+    repo = tmp_path / "hub" / "models--HuggingFaceTB--SmolLM2-135M-Instruct"
+    snap = repo / "snapshots" / "0123abcd"
+    (repo / "blobs").mkdir(parents=True)
+    snap.mkdir(parents=True)
+    (snap / "config.json").write_text("{}")
+    if blob_exists:
+        write_safetensors(repo / "blobs" / "deadbeef", {"w": torch.ones(2)})
+    (snap / "model.safetensors").symlink_to("../../blobs/deadbeef")
+    return snap
+
+
+def test_hf_snapshot_link_to_a_missing_blob_fails_at_shard_selection(tmp_path):
+    """Issue 15, item 4: names the link, its target and the likely cause, with the command that restores it."""
+    snap = _hf_snapshot(tmp_path)
+    blob = tmp_path / "hub" / "models--HuggingFaceTB--SmolLM2-135M-Instruct" / "blobs" / "deadbeef"
+    with pytest.raises(CheckpointError) as e:
+        select_shards(str(snap))
+    assert str(e.value) == (
+        f"{snap}/model.safetensors is a symbolic link to ../../blobs/deadbeef ({blob}), which does not exist: the "
+        f"Hugging Face cache holds this snapshot's link but not its blob, the mark of an incomplete or evicted "
+        f"download; download it again (`hf download HuggingFaceTB/SmolLM2-135M-Instruct --revision 0123abcd`) or "
+        f"pass a directory holding the files")
+    assert len(select_shards(str(_hf_snapshot(tmp_path / "ok", blob_exists=True))).files) == 1  # a complete snapshot
+
+
+def test_every_unopenable_shard_or_index_fails_at_selection(tmp_path):
+    """The kind of item 4: a dangling link outside a cache, a link loop, a directory named *.safetensors, a
+    broken link where the index should be (loading without it would choose other shards)."""
+    d = tmp_path / "m"
+    d.mkdir()
+    (d / "model.safetensors").symlink_to(tmp_path / "gone.safetensors")
+    with pytest.raises(CheckpointError) as e:
+        select_shards(str(d))
+    assert str(e.value) == (f"{d}/model.safetensors is a symbolic link to {tmp_path}/gone.safetensors, which does "
+                            f"not exist: restore the target, or replace the link with the file")
+    (d / "model.safetensors").unlink()
+    (d / "model.safetensors").symlink_to("loop.link")
+    (d / "loop.link").symlink_to("model.safetensors")
+    with pytest.raises(CheckpointError, match=r"model.safetensors is a symbolic link to loop.link .*, a loop of "
+                                              r"links: fix or replace the link"):
+        select_shards(str(d))
+    for f in ("model.safetensors", "loop.link"):
+        (d / f).unlink()
+    (d / "model.safetensors").mkdir()
+    with pytest.raises(CheckpointError, match=rf"^{d}/model.safetensors is not a regular file \(a directory\)$"):
+        select_shards(str(d))
+    (d / "model.safetensors").rmdir()
+    write_safetensors(d / "model.safetensors", {"w": torch.ones(1)})
+    (d / SAFE_INDEX).symlink_to("../../blobs/0ff1ce")
+    with pytest.raises(CheckpointError, match=rf"^{d}/{SAFE_INDEX} is a symbolic link to \.\./\.\./blobs/0ff1ce .*which "
+                                              r"does not exist"):
+        select_shards(str(d))
+
+
+def test_shards_holding_no_tensors_are_refused(tmp_path):
+    """Issue 15, item 6: only __metadata__ in every selected shard."""
+    write_raw(tmp_path / "model.safetensors", {"__metadata__": {"format": "pt"}}, b"")
+    with pytest.raises(CheckpointError) as e:
+        read_checkpoint(select_shards(str(tmp_path)))
+    assert str(e.value) == (
+        f"{tmp_path}: the selected shard(s) hold no tensors (model.safetensors: headers without tensor entries), so "
+        f"the model's weights would stay uninitialized; point the load at the directory holding the weights, or "
+        f"re-export the checkpoint")
+
+
+def test_an_index_with_an_empty_weight_map_is_refused(tmp_path):
+    write_safetensors(tmp_path / "model.safetensors", {"w": torch.ones(1)})
+    (tmp_path / SAFE_INDEX).write_text(json.dumps({"metadata": {}, "weight_map": {}}))
+    with pytest.raises(CheckpointError) as e:
+        select_shards(str(tmp_path))
+    assert str(e.value) == (
+        f"{tmp_path / SAFE_INDEX}: weight_map is empty, so the index selects no shard and the load would hold no "
+        f"tensors; fix the index (it maps each tensor name to its shard) or remove it to load every *.safetensors "
+        f"file")

@@ -1,7 +1,8 @@
 """The identity of what a load produced. Both load formats compute it the same way.
 
-A :class:`Fingerprint` covers the checkpoint (sorted shard names, sizes and a SHA-256 of each safetensors
-header), the model architecture, dtype, quantization, RoPE settings, revision, KV-cache dtype, the parallel
+A :class:`Fingerprint` covers the checkpoint (sorted shard names, sizes, a SHA-256 of each safetensors header and
+each shard's identity: local files' mtime_ns, device and inode; objects' ETag and version id), the model
+architecture, dtype, quantization, RoPE settings, revision, KV-cache dtype, the parallel
 layout (TP/PP/DP size and rank) and the vLLM and plugin versions. Two loads with equal fingerprints produce the
 same weights; :meth:`Fingerprint.mismatched_fields` says why two differ. This module imports neither vLLM nor
 torch; :func:`from_vllm` reads the vLLM objects it is given.
@@ -16,21 +17,35 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Optional
 
 from . import __version__
-from .checkpoint import SafetensorsHeader, ShardPlan, model_shards, read_header
+from .checkpoint import SafetensorsHeader, ShardPlan, model_shards, read_checkpoint
 
 
 @dataclass(frozen=True)
 class ShardFacts:
-    """One shard: file name (no directory), size in bytes (declared by its header), SHA-256 of its header JSON."""
+    """One shard: file name (no directory), size in bytes (declared by its header), SHA-256 of its header JSON,
+    and the identity of the file version read (:class:`~vllm_fastload.storage.FileIdentity`): ``mtime_ns``,
+    ``st_dev``, ``st_ino`` for local files (a rewrite in place changes the mtime, a replaced file the inode),
+    ``etag`` and ``version_id`` for objects (None where the store does not report them)."""
 
     name: str
     size: int
     header_sha256: str
+    mtime_ns: Optional[int] = None
+    st_dev: Optional[int] = None
+    st_ino: Optional[int] = None
+    etag: Optional[str] = None
+    version_id: Optional[str] = None
 
     @classmethod
     def of(cls, header: SafetensorsHeader) -> "ShardFacts":
-        """Facts of a parsed header."""
-        return cls(header.path.rstrip("/").rsplit("/", 1)[-1], header.declared_size, header.header_sha256)
+        """Facts of a parsed header (identity fields None when the header was parsed without one)."""
+        ident = header.identity
+        return cls(header.path.rstrip("/").rsplit("/", 1)[-1], header.declared_size, header.header_sha256,
+                   **({} if ident is None else {k: getattr(ident, k) for k in IDENTITY_FIELDS}))
+
+
+#: The :class:`ShardFacts` fields that identify the file version (the rest describe its header).
+IDENTITY_FIELDS = ("mtime_ns", "st_dev", "st_ino", "etag", "version_id")
 
 
 @dataclass(frozen=True)
@@ -78,8 +93,9 @@ class Fingerprint:
     def mismatched_fields(self, other: "Fingerprint") -> list[tuple[str, Any, Any]]:
         """Fields that differ, as ``(field, self_value, other_value)``, in declaration order.
 
-        For ``shards`` the values are the shard names that differ (missing on one side, or other size/header).
-        An empty list means the fingerprints are equal.
+        For ``shards`` the values are the shards that differ: a name alone when the other side lacks it, else
+        ``"name (field=value, ...)"`` with this side's value of each differing fact (size, header, mtime, inode,
+        ETag, ...). An empty list means the fingerprints are equal.
         """
         out: list[tuple[str, Any, Any]] = []
         for f in dataclasses.fields(self):
@@ -87,15 +103,28 @@ class Fingerprint:
             if a == b:
                 continue
             if f.name == "shards":
-                sa, sb = set(a), set(b)
-                a = sorted(s.name for s in sa - sb)
-                b = sorted(s.name for s in sb - sa)
+                a, b = _shard_differences(a, b), _shard_differences(b, a)
             out.append((f.name, a, b))
         return out
 
     def explain(self, other: "Fingerprint") -> str:
         """Human text of :meth:`mismatched_fields`: ``field: mine != theirs; ...``."""
         return "; ".join(f"{n}: {a!r} != {b!r}" for n, a, b in self.mismatched_fields(other))
+
+
+def _shard_differences(mine: tuple[ShardFacts, ...], theirs: tuple[ShardFacts, ...]) -> list[str]:
+    """The shards of ``mine`` not equal in ``theirs`` (see :meth:`Fingerprint.mismatched_fields`)."""
+    other = {s.name: s for s in theirs}
+    out = []
+    for s in sorted(set(mine) - set(theirs), key=lambda s: s.name):
+        o = other.get(s.name)
+        if o is None:
+            out.append(s.name)
+            continue
+        diff = [f"{f.name}={getattr(s, f.name)!r}" for f in dataclasses.fields(s)
+                if getattr(s, f.name) != getattr(o, f.name)]
+        out.append(f"{s.name} ({', '.join(diff)})")
+    return out
 
 
 def _rope_of(hf_config: Any) -> Optional[str]:
@@ -129,10 +158,17 @@ def _parallel() -> dict[str, int]:
     return out
 
 
-def of_model(model_config: Any, vllm_config: Any = None) -> tuple[ShardPlan, Fingerprint]:
-    """Shards and fingerprint of what vLLM's ``model_config`` loads in this process (headers read, validated)."""
+def of_model(model_config: Any, vllm_config: Any = None, log_warnings: bool = True) -> tuple[ShardPlan, Fingerprint]:
+    """Shards and fingerprint of what vLLM's ``model_config`` loads in this process (headers read and validated,
+    duplicate names resolved: :func:`~vllm_fastload.checkpoint.read_checkpoint`, whose errors it raises).
+    Index-resolved duplicates are logged as WARNINGs (as the loaders log them) unless ``log_warnings`` is false."""
+    from .log import logger
+
     plan = model_shards(model_config)
-    return plan, from_vllm(model_config, [read_header(f) for f in plan.files], vllm_config)
+    ckpt = read_checkpoint(plan)
+    for w in ckpt.warnings() if log_warnings else ():
+        logger.warning("fastload: %s", w)
+    return plan, from_vllm(model_config, ckpt.headers, vllm_config)
 
 
 def from_vllm(model_config: Any, headers: Iterable[SafetensorsHeader], vllm_config: Any = None) -> Fingerprint:

@@ -1,5 +1,11 @@
 import dataclasses
+import os
 
+import pytest
+import torch
+
+from tests.conftest import write_safetensors
+from vllm_fastload.checkpoint import read_header
 from vllm_fastload.fingerprint import Fingerprint, ShardFacts
 
 
@@ -29,10 +35,68 @@ def test_mismatch_lists_fields_with_both_values():
     assert a.digest() != b.digest()
 
 
-def test_shard_change_names_the_shard():
+def test_shard_change_names_the_shard_and_the_fact():
     a = fp()
     b = fp(shards=(ShardFacts("a.safetensors", 10, "aa"), ShardFacts("b.safetensors", 20, "changed")))
-    assert a.mismatched_fields(b) == [("shards", ["b.safetensors"], ["b.safetensors"])]
+    assert a.mismatched_fields(b) == [("shards", ["b.safetensors (header_sha256='bb')"],
+                                       ["b.safetensors (header_sha256='changed')"])]
+    c = fp(shards=(ShardFacts("a.safetensors", 10, "aa"),))
+    assert a.mismatched_fields(c) == [("shards", ["b.safetensors"], [])]
+
+
+def _model_config(path):
+    import types
+
+    return types.SimpleNamespace(model=str(path), model_weights=None, revision=None, dtype="bfloat16",
+                                 quantization=None, architectures=["X"], hf_config=types.SimpleNamespace())
+
+
+def _fingerprint(path):
+    pytest.importorskip("vllm")
+    from vllm_fastload.fingerprint import of_model
+
+    return of_model(_model_config(path))[1]
+
+
+def test_values_written_over_the_files_change_the_fingerprint(tmp_path):
+    """Issue 15, item 7: identical headers, other tensor values (a norm weight zeroed in place; a fine-tune
+    written over the base model's file) give another fingerprint, and the mismatch names the shard and the facts."""
+    p = write_safetensors(tmp_path / "model.safetensors", {"norm": torch.ones(8), "w": torch.ones(4, 4)})
+    base = _fingerprint(tmp_path)
+    st = p.stat()
+    facts = base.shards[0]
+    assert (facts.size, facts.mtime_ns, facts.st_dev, facts.st_ino) == (st.st_size, st.st_mtime_ns, st.st_dev, st.st_ino)
+    header_len = int.from_bytes(p.read_bytes()[:8], "little")
+    with open(p, "r+b") as f:  # zero the norm weight in place: same inode, same header, new mtime
+        data_start = 8 + header_len
+        f.seek(data_start + read_header(str(p)).tensors["norm"].begin)
+        f.write(b"\0" * 32)
+    os.utime(p, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))  # coarse-mtime file systems: make it visible
+    zeroed = _fingerprint(tmp_path)
+    assert zeroed.shards[0].header_sha256 == facts.header_sha256 and zeroed.digest() != base.digest()
+    (field, mine, theirs), = zeroed.mismatched_fields(base)
+    assert (field, mine, theirs) == ("shards", [f"model.safetensors (mtime_ns={st.st_mtime_ns + 1_000_000})"],
+                                     [f"model.safetensors (mtime_ns={st.st_mtime_ns})"])
+    # a fine-tune saved over the base: a new file under the same name (new inode), same header
+    tuned = tmp_path / "tuned.tmp"
+    write_safetensors(tuned, {"norm": torch.full((8,), 2.0), "w": torch.ones(4, 4)})
+    os.replace(tuned, p)
+    replaced = _fingerprint(tmp_path)
+    assert replaced.shards[0].header_sha256 == facts.header_sha256
+    assert replaced.shards[0].st_ino == p.stat().st_ino and replaced.digest() != zeroed.digest()
+    # nothing changed: the same fingerprint
+    assert _fingerprint(tmp_path) == replaced
+
+
+def test_old_fingerprint_dicts_still_parse():
+    """A daemon of the previous version sends shards without identity fields: parsed, and unequal to ours."""
+    a = fp(shards=(ShardFacts("a.safetensors", 10, "aa", mtime_ns=1, st_dev=2, st_ino=3),))
+    old = a.to_dict()
+    old["shards"] = [{"name": "a.safetensors", "size": 10, "header_sha256": "aa"}]
+    b = Fingerprint.from_dict(old)
+    assert b.shards[0].mtime_ns is None and a.mismatched_fields(b) == [
+        ("shards", ["a.safetensors (mtime_ns=1, st_dev=2, st_ino=3)"],
+         ["a.safetensors (mtime_ns=None, st_dev=None, st_ino=None)"])]
 
 
 def test_every_field_participates():

@@ -17,7 +17,7 @@ import time
 from typing import Any, Iterator
 
 from ..config import IpcCacheConfig
-from ..errors import FastloadError
+from ..errors import CheckpointError, FastloadError
 from ..fallback import default_loader, fall_back
 from ..log import logger
 from ..report import LoadReport
@@ -140,6 +140,10 @@ class IpcCacheLoader(BaseModelLoader):
                 model, report = self._map(vllm_config, model_config, prefix, path, t0)
             report.emit(self.config.report_path)
             return model
+        except CheckpointError:
+            # the checkpoint itself is unusable (a malformed shard, a duplicate name without an index): vLLM's
+            # default loader would read the same files, and for a duplicate silently serve the last copy read
+            raise
         except FingerprintMismatch as e:
             fields = ", ".join(f"{n} (daemon {a!r}, engine {b!r})" for n, a, b in e.mismatched)
             reason = (f"fingerprint mismatch with the daemon at {path}: {fields}; restart `vllm-fastload preload` "

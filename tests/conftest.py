@@ -36,6 +36,21 @@ def demo_model() -> Path:
     return build_model()
 
 
+def demo_plus_overlay(demo_model: Path, tmp_path: Path) -> Path:
+    """Issue 15's example: the demo model (its shard linked, not copied) plus ``overlay.safetensors`` holding an
+    all-zero ``model.norm.weight``, no index. Returns the directory."""
+    import torch
+
+    from vllm_fastload.checkpoint import read_header
+
+    d = tmp_path / "overlaid"
+    d.mkdir()
+    (d / "model.safetensors").symlink_to(demo_model / "model.safetensors")
+    norm = read_header(str(demo_model / "model.safetensors")).tensors["model.norm.weight"]
+    write_safetensors(d / "overlay.safetensors", {"model.norm.weight": torch.zeros(norm.shape, dtype=torch.bfloat16)})
+    return d
+
+
 @pytest.fixture(scope="module")
 def moto_s3(tmp_path_factory):
     """A moto S3 server on 127.0.0.1 for this module; stopped by PID afterwards."""

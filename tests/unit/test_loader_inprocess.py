@@ -10,7 +10,7 @@ pytest.importorskip("vllm")
 
 from vllm.config.load import LoadConfig  # noqa: E402
 
-from tests.conftest import write_safetensors  # noqa: E402
+from tests.conftest import demo_plus_overlay, write_safetensors  # noqa: E402
 from vllm_fastload.errors import CheckpointError, ConfigError, FallbackRefused  # noqa: E402
 from vllm_fastload.streaming.loader import RunaiStreamerLoader  # noqa: E402
 
@@ -127,3 +127,93 @@ def test_page_cache_readers_are_shared_among_the_ranks_of_a_host(tmp_path, monke
     monkeypatch.setattr(parallel_state, "get_node_count", lambda: 2)
     run(tmp_path, report=tmp_path / "two.json")
     assert json.loads((tmp_path / "two.json").read_text())["extra"]["concurrency"] == 16
+
+
+# --- issue 15: bad input, round 2 -----------------------------------------------------------------------------------
+def test_demo_model_plus_overlay_without_index_is_refused_before_reading(demo_model, tmp_path):
+    d = demo_plus_overlay(demo_model, tmp_path)
+    loader = RunaiStreamerLoader(LoadConfig(load_format="runai_streamer"))
+    sink = Sink({})
+    with pytest.raises(CheckpointError) as e:
+        loader.load_weights(sink, model_config(d))
+    assert str(e.value).startswith(f"tensor 'model.norm.weight' is stored in 2 shards ({d}/model.safetensors, "
+                                   f"{d}/overlay.safetensors) and no safetensors index (model.safetensors.index.json) "
+                                   f"says which copy to load")
+    assert sink.seen == {}
+
+
+def _shared_norm(tmp_path, assigned):
+    """tensors() split over two shards that both hold a 'norm' (zeros in shard 1, ones in shard 2); the index
+    assigns it to shard ``assigned``."""
+    ts = tensors()
+    ts["norm"] = torch.ones(300, dtype=torch.bfloat16)
+    s1 = write_safetensors(tmp_path / "model-00001-of-00002.safetensors",
+                           {"a.weight": ts["a.weight"], "a.bias": ts["a.bias"], "norm": torch.zeros(300, dtype=torch.bfloat16)})
+    s2 = write_safetensors(tmp_path / "model-00002-of-00002.safetensors",
+                           {k: ts[k] for k in ("mask", "ids", "b.weight", "norm")})
+    wm = {k: s1.name for k in ("a.weight", "a.bias")} | {k: s2.name for k in ("mask", "ids", "b.weight")}
+    wm["norm"] = (s1 if assigned == 1 else s2).name
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": wm}))
+    return ts, s1, s2
+
+
+@pytest.mark.parametrize("assigned", [1, 2])
+@pytest.mark.parametrize("extra", [{}, {"concurrency": 1}, {"concurrency": 8, "fs_strategy": "sync_buffered"}])
+def test_with_an_index_each_name_loads_once_from_its_shard_whatever_the_read_order(tmp_path, caplog, assigned, extra):
+    ts, s1, s2 = _shared_norm(tmp_path, assigned)
+    loader = RunaiStreamerLoader(LoadConfig(load_format="runai_streamer",
+                                            model_loader_extra_config={**extra, "report_path": str(tmp_path / "r.json")}))
+    names = []
+    sink = Sink({k: (v.shape, v.dtype) for k, v in ts.items()})
+    real = sink.load_weights
+    sink.load_weights = lambda weights: real((names.append(n) or (n, t)) for n, t in weights)
+    with caplog.at_level("WARNING", logger="vllm.fastload"):
+        loader.load_weights(sink, model_config(tmp_path))
+    assert sorted(names) == sorted(ts)  # each name once: 6 tensors, not 7
+    want = 0.0 if assigned == 1 else 1.0
+    assert sink.seen["norm"].tolist() == [want] * 300
+    r = json.loads((tmp_path / "r.json").read_text())
+    assert r["tensors"] == 6 and r["bytes"] == sum(v.numel() * v.element_size() for v in ts.values())
+    kept, ignored = (s1, s2) if assigned == 1 else (s2, s1)
+    [w] = [rec.getMessage() for rec in caplog.records if rec.levelname == "WARNING" and "also holds" in rec.getMessage()]
+    assert w == (f"fastload: {ignored} also holds 1 tensor(s) that {tmp_path}/model.safetensors.index.json assigns to "
+                 f"another shard; those copies are not loaded: 'norm' (loaded from {kept.name})")
+
+
+def test_fan_out_entries_hold_each_name_once(tmp_path):
+    """At TP > 1 the fan-out splits the headers the loader passes: the ignored copy is not among them."""
+    from vllm_fastload.checkpoint import read_checkpoint, select_shards
+    from vllm_fastload.streaming.fanout import entries_of
+
+    _shared_norm(tmp_path, 2)
+    entries = entries_of(list(read_checkpoint(select_shards(str(tmp_path))).headers))
+    assert sorted((e.key[0], e.key[1]) for e in entries if e.key[1] == "norm") == [(1, "norm")]
+    assert len(entries) == 6
+
+
+def test_shards_without_tensors_fail_before_reading(tmp_path):
+    from tests.conftest import write_raw
+
+    write_raw(tmp_path / "model.safetensors", {"__metadata__": {"format": "pt"}}, b"")
+    with pytest.raises(CheckpointError, match=r"the selected shard\(s\) hold no tensors \(model.safetensors"):
+        run(tmp_path)
+
+
+def test_zero_element_tensor_inside_another_fails_naming_file_and_tensor(tmp_path):
+    from tests.conftest import write_raw
+
+    write_raw(tmp_path / "model.safetensors", {"a.weight": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]},
+                                               "z": {"dtype": "F32", "shape": [0], "data_offsets": [8, 8]}}, b"\0" * 16)
+    with pytest.raises(CheckpointError, match=rf"^{tmp_path}/model.safetensors: tensor 'z' has zero elements but its "
+                                              r"data_offsets \[8, 8\] lie inside tensor 'a.weight' \[0, 16\]"):
+        run(tmp_path)
+
+
+def test_missing_hf_blob_fails_in_download_model_before_the_model_is_built(tmp_path):
+    snap = tmp_path / "models--org--m" / "snapshots" / "r1"
+    snap.mkdir(parents=True)
+    (snap / "model.safetensors").symlink_to("../../blobs/abc")
+    loader = RunaiStreamerLoader(LoadConfig(load_format="runai_streamer"))
+    with pytest.raises(CheckpointError, match=r"incomplete or evicted download; download it again \(`hf download "
+                                              r"org/m --revision r1`\)"):
+        loader.download_model(model_config(snap))

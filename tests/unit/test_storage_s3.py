@@ -319,3 +319,92 @@ def test_listing_and_reading_endpoints_that_differ_are_refused(s3env, monkeypatc
     monkeypatch.setenv("RUNAI_STREAMER_S3_ENDPOINT", "http://127.0.0.1:9")
     with pytest.raises(StorageError, match="AWS_ENDPOINT_URL=.*RUNAI_STREAMER_S3_ENDPOINT=http://127.0.0.1:9.*different"):
         list_safetensors(uri)
+
+
+# --- issue 15, items 2 and 7: object sizes checked as local sizes are; shard identity from the store -------------
+def _put(moto, bucket, key, body, versioned=False):
+    import boto3
+
+    s3 = boto3.client("s3", endpoint_url=moto.endpoint, region_name="us-east-1", aws_access_key_id="testing",
+                      aws_secret_access_key="testing")
+    try:
+        s3.create_bucket(Bucket=bucket)
+    except s3.exceptions.BucketAlreadyOwnedByYou:
+        pass
+    if versioned:
+        s3.put_bucket_versioning(Bucket=bucket, VersioningConfiguration={"Status": "Enabled"})
+    return s3.put_object(Bucket=bucket, Key=key, Body=body)
+
+
+@pytest.mark.parametrize("damage, expect", [
+    ("truncated", "file is truncated: {size} bytes, but its header declares {declared}"),
+    ("trailing", "4 bytes of trailing data after the last tensor (file {size} bytes, header declares {declared})"),
+    ("header_past_end", "header length 10000 bytes is larger than the file ({size} bytes)"),
+    ("tiny", "file is 3 bytes, too short for a safetensors header length"),
+])
+def test_damaged_object_gets_the_local_message_before_any_data_is_read(s3env, tmp_path, damage, expect, capsys):
+    """Issue 15, item 2: a truncated shard on s3:// (and every other size check) fails in inspect and in the loader
+    with the message a local file gets, naming the URI; no 'transient (timeout, throttling)' diagnosis."""
+    from vllm.config.load import LoadConfig
+
+    from tests.unit.test_loader_inprocess import model_config
+    from vllm_fastload.cli import main
+    from vllm_fastload.errors import CheckpointError
+    from vllm_fastload.streaming.loader import RunaiStreamerLoader
+
+    moto, _, d = s3env
+    good = (d / "model.safetensors").read_bytes()
+    body = {"truncated": good[:-7], "trailing": good + b"junk", "tiny": good[:3],
+            "header_past_end": (10_000).to_bytes(8, "little") + good[8:]}[damage]
+    local = tmp_path / "local" / "model.safetensors"
+    local.parent.mkdir()
+    local.write_bytes(body)
+    prefix = f"damaged/{damage}"
+    _put(moto, "bucket-ok", f"{prefix}/model.safetensors", body)
+    uri = f"s3://bucket-ok/{prefix}"
+    declared = len(good)
+    text = expect.format(size=len(body), declared=declared)
+    for src, shard in ((str(local.parent), str(local)), (uri, f"{uri}/model.safetensors")):
+        assert main(["inspect", src, "--no-fingerprint", "--json"]) == 1
+        assert json.loads(capsys.readouterr().out)["problems"] == [f"{shard}: {text}"]
+    cfg = model_config(d)
+    cfg.model_weights = uri
+    with pytest.raises(CheckpointError) as e:
+        RunaiStreamerLoader(LoadConfig(load_format="runai_streamer")).load_weights(torch.nn.Module(), cfg)
+    assert str(e.value) == f"{uri}/model.safetensors: {text}"
+
+
+def test_object_identity_is_size_etag_and_version(s3env):
+    """Issue 15, item 7 on object storage: the fingerprint's shard facts carry the object's ETag (and version id on
+    a versioned bucket); other values under the same header change it, the same bytes rewritten do not (unversioned)."""
+    from vllm_fastload.fingerprint import ShardFacts
+    from vllm_fastload.storage import file_identity
+
+    moto, _, d = s3env
+    good = (d / "model.safetensors").read_bytes()
+    put = _put(moto, "bucket-ok", "ident/model.safetensors", good)
+    uri = "s3://bucket-ok/ident/model.safetensors"
+    ident = file_identity(uri)
+    assert (ident.size, ident.etag, ident.version_id, ident.mtime_ns) == (len(good), put["ETag"], None, None)
+    before = ShardFacts.of(read_header(uri))
+    assert (before.size, before.etag) == (len(good), put["ETag"])
+    changed = good[:-4] + b"\x7f\x7f\x7f\x7f"  # the last value changed, header identical
+    _put(moto, "bucket-ok", "ident/model.safetensors", changed)
+    after = ShardFacts.of(read_header(uri))
+    assert after.header_sha256 == before.header_sha256 and after.etag != before.etag and after != before
+    _put(moto, "bucket-ok", "ident/model.safetensors", changed)
+    assert ShardFacts.of(read_header(uri)) == after  # same bytes: same ETag, same facts
+    v1 = _put(moto, "versioned", "m/model.safetensors", good, versioned=True)
+    assert file_identity("s3://versioned/m/model.safetensors").version_id == v1["VersionId"]
+    v2 = _put(moto, "versioned", "m/model.safetensors", good)
+    assert v2["VersionId"] != v1["VersionId"]
+    assert file_identity("s3://versioned/m/model.safetensors").version_id == v2["VersionId"]
+
+
+def test_empty_object_is_too_short_not_a_storage_error(s3env):
+    moto, _, _ = s3env
+    _put(moto, "bucket-ok", "empty/model.safetensors", b"")
+    from vllm_fastload.errors import CheckpointError
+
+    with pytest.raises(CheckpointError, match=r"^s3://bucket-ok/empty/model.safetensors: file is 0 bytes, too short"):
+        read_header("s3://bucket-ok/empty/model.safetensors")

@@ -24,7 +24,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from ..checkpoint import ShardPlan, model_shards, read_header, weights_source
+from ..checkpoint import ShardPlan, model_shards, read_checkpoint, weights_source
 from ..config import StreamerConfig
 from ..errors import CheckpointError, ConfigError
 from ..fallback import default_loader, fall_back
@@ -144,7 +144,12 @@ class RunaiStreamerLoader(BaseModelLoader):
             report.emit(self.config.report_path)
             return
         plan = self._plan
-        headers = [read_header(f) for f in plan.files]
+        ckpt = read_checkpoint(plan)
+        for warning in ckpt.warnings():
+            logger.warning("fastload: %s", warning)
+        # copies of duplicated names that the index assigns elsewhere are already left out of these headers
+        headers = list(ckpt.headers)
+        self._skips_copies = bool(ckpt.duplicates)
         largest = max((h.largest for h in headers if h.largest), key=lambda t: t.nbytes, default=None)
         self._largest = largest.nbytes if largest is not None else 0
         mem = self.config.memory_limit
@@ -162,7 +167,7 @@ class RunaiStreamerLoader(BaseModelLoader):
         report.fingerprint, report.shards = fingerprint.short(), len(plan.files)
         if plan.ignored:
             logger.info("fastload: %s not in %s, not loaded: %s", LOAD_FORMAT, plan.index, ", ".join(plan.ignored))
-        self._total = sum(len(h.tensors) for h in headers)
+        self._total = ckpt.tensor_count
         report.extra["prepare_s"] = round(time.perf_counter() - t0, 4)  # shards, headers, fingerprint, strategy
         fan = self._fanout(device, why_not_direct)
         # runai reads its settings from the environment when a stream starts: set them for this load only.
@@ -173,7 +178,7 @@ class RunaiStreamerLoader(BaseModelLoader):
                 elif device.type == "cuda":
                     loaded = self._load_on_gpu(model, plan, headers, device, report, why_not_direct)
                 else:
-                    loaded = model.load_weights(self._timed(self._progress(self._stream(plan)), report))
+                    loaded = model.load_weights(self._timed(self._progress(self._stream(plan, headers)), report))
             finally:
                 if fan is not None:
                     fan.close()
@@ -240,7 +245,7 @@ class RunaiStreamerLoader(BaseModelLoader):
                             why_not)
             with H2DPipeline(device, slot_bytes=cfg.pinned_slot_bytes, slots=cfg.pinned_slots,
                              copy_threads=cfg.copy_threads, threaded=cfg.pipeline_thread) as pipe:
-                loaded = model.load_weights(pipe.run(self._progress(self._stream(plan, owned=False))))
+                loaded = model.load_weights(pipe.run(self._progress(self._stream(plan, headers, owned=False))))
             t = pipe.times
             report.extra.update(memcpy_s=round(t.memcpy_s, 4), consumer_wait_s=round(t.consumer_wait_s, 4),
                                 pinned_ring_bytes=cfg.pinned_slot_bytes * cfg.pinned_slots)
@@ -334,12 +339,26 @@ class RunaiStreamerLoader(BaseModelLoader):
         self._plan = plan
         return None, True
 
-    def _stream(self, plan: ShardPlan, owned: bool = True) -> Iterator[tuple[str, Any]]:
-        """``(name, host tensor)`` of every shard. ``owned=False`` yields views into runai's reused ring: only for
-        a consumer that copies each tensor before asking for the next (the pinned pipeline does)."""
+    def _stream(self, plan: ShardPlan, headers: list, owned: bool = True) -> Iterator[tuple[str, Any]]:
+        """``(name, host tensor)`` of every tensor of ``headers``. ``owned=False`` yields views into runai's reused
+        ring: only for a consumer that copies each tensor before asking for the next (the pinned pipeline does).
+        runai's ``SafetensorsStreamer`` reads whole files, so when copies of duplicated names are left out
+        (``_skips_copies``) the tensors are read by range instead (``streaming.direct.stream_tensors`` into owned
+        CPU tensors, in pieces of ``pinned_slot_bytes``, at most ``pinned_slots`` of them in flight)."""
         from runai_model_streamer import SafetensorsStreamer
 
         def tensors() -> Iterator[tuple[str, Any]]:
+            if getattr(self, "_skips_copies", False):
+                import torch
+
+                from .direct import stream_tensors
+                from .pipeline import StageTimes
+
+                cfg = self.config
+                for (_, name), t in stream_tensors(headers, torch.device("cpu"), cfg.pinned_slot_bytes,
+                                                   cfg.pinned_slots, StageTimes(), pinned=False):
+                    yield name, t
+                return
             with SafetensorsStreamer() as streamer:
                 streamer.stream_files(list(plan.files), device="cpu", owned=owned)
                 yield from streamer.get_tensors()

@@ -1,7 +1,10 @@
 """``vllm-fastload inspect <dir | s3://...>``: what the loaders will read, what is wrong with it, how to tune.
 
 Per shard: tensor count, bytes, largest tensor (MiB), dtypes, tensors whose file offset is not a multiple of
-their element size (alignment), header problems (the checks of :mod:`vllm_fastload.checkpoint`). Then a suggested
+their element size (alignment), header problems (the checks of :mod:`vllm_fastload.checkpoint`). Across shards, the
+checks the loaders run before reading data (:func:`~vllm_fastload.checkpoint.read_checkpoint`, same messages):
+names stored in more than one shard (a problem without an index, a warning when the index decides) and shards
+without tensors. Then a suggested
 ``memory_limit`` and ``concurrency`` for ``runai_streamer`` and, when vLLM is installed, the fingerprint the
 loaders compute for the given engine args (TP rank 0).
 """
@@ -13,18 +16,24 @@ import os
 from collections import Counter
 from typing import Any, Optional
 
-from .checkpoint import DTYPE_BYTES, read_header, select_shards
-from .errors import FastloadError
+from .checkpoint import (DTYPE_BYTES, SafetensorsHeader, no_tensors_problem, read_header, resolve_duplicates,
+                         select_shards)
+from .errors import CheckpointError, FastloadError
 from .storage import is_object_uri
 
 
 def shard_report(path: str) -> dict[str, Any]:
     """Facts of one shard; ``problem`` is the header error text (then the other fields are absent)."""
+    return _shard(path)[0]
+
+
+def _shard(path: str) -> tuple[dict[str, Any], Optional[SafetensorsHeader]]:
+    """:func:`shard_report` and the parsed header (None when it has a problem)."""
     name = path.rstrip("/").rsplit("/", 1)[-1]
     try:
         h = read_header(path)
     except (FastloadError, OSError) as e:
-        return {"shard": name, "problem": str(e)}
+        return {"shard": name, "problem": str(e)}, None
     base = 8 + h.header_len
     unaligned = [t.name for t in h.tensors.values()
                  if t.nbytes and DTYPE_BYTES[t.dtype] >= 1 and (base + t.begin) % int(DTYPE_BYTES[t.dtype])]
@@ -34,7 +43,7 @@ def shard_report(path: str) -> dict[str, Any]:
             "largest_mib": round(big.nbytes / 2**20, 2) if big else 0.0,
             "dtypes": dict(sorted(Counter(t.dtype for t in h.tensors.values()).items())),
             "unaligned_tensors": len(unaligned), "unaligned_examples": unaligned[:3],
-            "header_sha256": h.header_sha256, "problem": None}
+            "header_sha256": h.header_sha256, "problem": None}, h
 
 
 def suggest(shards: list[dict], remote: bool) -> dict[str, Any]:
@@ -62,7 +71,7 @@ def fingerprint_for(source: str, engine_args: list[str]) -> Optional[dict[str, A
     parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
     args = parser.parse_args(["--model", source, *engine_args])
     vcfg = EngineArgs.from_cli_args(args).create_engine_config()
-    _, fp = of_model(vcfg.model_config, vcfg)
+    _, fp = of_model(vcfg.model_config, vcfg, log_warnings=False)  # inspect lists them itself
     pc = vcfg.parallel_config  # this process has no parallel state: take the sizes the engine will have
     fp = Fingerprint.from_dict({**fp.to_dict(), "tp_size": pc.tensor_parallel_size,
                                 "pp_size": pc.pipeline_parallel_size})
@@ -95,10 +104,19 @@ def inspect(source: str, engine_args: Optional[list[str]] = None, with_fingerpri
     """The whole report (JSON-ready). Raises :class:`~vllm_fastload.errors.StorageError` when ``source`` cannot
     be listed and :class:`~vllm_fastload.errors.CheckpointError` for an index naming a missing shard."""
     plan = select_shards(source)
-    shards = [shard_report(f) for f in plan.files]
+    read = [_shard(f) for f in plan.files]
+    shards = [s for s, _ in read]
     out = {"source": source, "index": plan.index, "ignored": list(plan.ignored), "shards": shards,
-           "problems": [s["problem"] for s in shards if s.get("problem")],
+           "problems": [s["problem"] for s in shards if s.get("problem")], "warnings": [],
            "suggested": suggest(shards, is_object_uri(source))}
+    headers = [h for _, h in read if h is not None]
+    empty = no_tensors_problem(plan, headers) if len(headers) == len(plan.files) else None
+    if empty:
+        out["problems"].append(empty)
+    try:
+        out["warnings"] = resolve_duplicates(plan, headers).warnings()
+    except CheckpointError as e:
+        out["problems"].append(str(e))
     if not plan.files:
         out["problems"].append(no_shards_problem(source))
         out["suggested"] = None
@@ -122,6 +140,8 @@ def render(rep: dict[str, Any]) -> str:
                          f"size (e.g. {', '.join(s['unaligned_examples'])}): runai copies each to align it")
     for f in rep["ignored"]:
         lines.append(f"  ignored (not in the index): {f}")
+    for w in rep.get("warnings", []):
+        lines.append(f"  warning: {w}")
     for p in rep["problems"]:
         if not any(p == s.get("problem") for s in rep["shards"]):
             lines.append(f"  PROBLEM: {p}")

@@ -2,7 +2,7 @@ import json
 
 import torch
 
-from tests.conftest import write_raw, write_safetensors
+from tests.conftest import demo_plus_overlay, write_raw, write_safetensors
 from vllm_fastload.checkpoint import SAFE_INDEX
 from vllm_fastload.cli import main
 from vllm_fastload.inspect import inspect
@@ -48,3 +48,59 @@ def test_inspect_says_why_there_is_nothing_to_stream(tmp_path, capsys):
         assert main(["inspect", src, "--no-fingerprint"]) == 1
         out = capsys.readouterr().out
         assert expect in out and "suggested runai_streamer extra-config" not in out, out
+
+
+# --- issue 15: bad input, round 2 (inspect says what the loaders will do, with their messages) ----------------------
+def test_inspect_refuses_a_name_in_two_shards_without_index_like_the_loader(demo_model, tmp_path, capsys):
+    from vllm_fastload.checkpoint import read_checkpoint, select_shards
+    from vllm_fastload.errors import CheckpointError
+
+    d = demo_plus_overlay(demo_model, tmp_path)
+    assert main(["inspect", str(d), "--no-fingerprint", "--json"]) == 1
+    rep = json.loads(capsys.readouterr().out)
+    try:
+        read_checkpoint(select_shards(str(d)))
+    except CheckpointError as e:
+        loader_says = str(e)
+    assert rep["problems"] == [loader_says] and "'model.norm.weight' is stored in 2 shards" in loader_says
+    assert [s["tensors"] for s in rep["shards"]] == [272, 1]
+
+
+def test_inspect_warns_about_a_copy_the_index_leaves_out_and_exits_0(tmp_path, capsys):
+    s1 = write_safetensors(tmp_path / "model-00001-of-00002.safetensors", {"a": torch.ones(2), "n": torch.zeros(2)})
+    s2 = write_safetensors(tmp_path / "model-00002-of-00002.safetensors", {"b": torch.ones(2), "n": torch.ones(2)})
+    (tmp_path / SAFE_INDEX).write_text(json.dumps({"weight_map": {"a": s1.name, "b": s2.name, "n": s2.name}}))
+    assert main(["inspect", str(tmp_path), "--no-fingerprint"]) == 0
+    out = capsys.readouterr().out
+    assert (f"  warning: {s1} also holds 1 tensor(s) that {tmp_path / SAFE_INDEX} assigns to another shard; those "
+            f"copies are not loaded: 'n' (loaded from {s2.name})") in out.splitlines()
+
+
+def test_inspect_reports_shards_without_tensors(tmp_path, capsys):
+    write_raw(tmp_path / "model.safetensors", {"__metadata__": {"format": "pt"}}, b"")
+    assert main(["inspect", str(tmp_path), "--no-fingerprint", "--json"]) == 1
+    rep = json.loads(capsys.readouterr().out)
+    assert rep["problems"] == [
+        f"{tmp_path}: the selected shard(s) hold no tensors (model.safetensors: headers without tensor entries), so "
+        f"the model's weights would stay uninitialized; point the load at the directory holding the weights, or "
+        f"re-export the checkpoint"]
+
+
+def test_inspect_refuses_a_zero_element_tensor_inside_another(tmp_path, capsys):
+    p = write_raw(tmp_path / "model.safetensors", {"a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]},
+                                                   "z": {"dtype": "F32", "shape": [0], "data_offsets": [8, 8]}},
+                  b"\0" * 16)
+    assert main(["inspect", str(tmp_path), "--no-fingerprint", "--json"]) == 1
+    [problem] = json.loads(capsys.readouterr().out)["problems"]
+    assert problem.startswith(f"{p}: tensor 'z' has zero elements but its data_offsets [8, 8] lie inside tensor 'a'")
+
+
+def test_inspect_names_a_snapshot_link_to_a_missing_blob(tmp_path, capsys):
+    snap = tmp_path / "models--org--m" / "snapshots" / "r1"
+    snap.mkdir(parents=True)
+    (snap / "model.safetensors").symlink_to("../../blobs/abc")
+    assert main(["inspect", str(snap), "--no-fingerprint"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"vllm-fastload inspect: error: {snap}/model.safetensors is a symbolic link to "
+                          f"../../blobs/abc ({tmp_path}/models--org--m/blobs/abc), which does not exist")
+    assert "incomplete or evicted download" in err

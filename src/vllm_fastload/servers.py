@@ -59,6 +59,14 @@ class ManagedProcess:
         """Everything the process printed so far."""
         return self.log_path.read_text(errors="replace")
 
+    def diagnosis(self, lines: int = 40) -> str:
+        """For a failed test: the log's path, the exit code, and the log's ``fastload`` / ERROR / Error lines (the
+        plugin's own diagnosis, which the last lines of a vLLM log often hide under vLLM's shutdown messages), at
+        most ``lines`` of them, last ones kept."""
+        keep = [ln for ln in self.log().splitlines() if "fastload" in ln or "ERROR" in ln or "Error" in ln]
+        return (f"{' '.join(self.argv[:4])} ... (pid {self.pid}, exit code {self.proc.poll()}); log {self.log_path}; "
+                f"its fastload/ERROR lines:\n" + "\n".join(keep[-lines:]))
+
     def stop(self, grace_s: float = 20.0) -> Optional[int]:
         """SIGTERM the process group we started, SIGKILL after ``grace_s`` seconds. Returns the exit code."""
         if self.proc.poll() is None:

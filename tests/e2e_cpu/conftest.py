@@ -19,6 +19,6 @@ def e2e_logs(tmp_path_factory):
 def reference_ids(demo_model, e2e_logs):
     """Greedy ids from vLLM's built-in default loader (load format auto), one server per session."""
     with VllmServer(str(demo_model), [], log_path=e2e_logs / "auto.log") as srv:
-        assert srv.wait_ready(), srv.log()[-3000:]
+        assert srv.wait_ready(), srv.diagnosis()
         assert "fastload:" not in srv.log()
         return ids_of(srv)

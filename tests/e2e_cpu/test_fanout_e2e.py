@@ -27,12 +27,12 @@ def _server(model, args, log):
 
 def test_tp3_fanout_matches_default_loader(demo_model, e2e_logs):
     with _server(demo_model, [], e2e_logs / "tp3-auto.log") as srv:
-        assert srv.wait_ready(), srv.log()[-3000:]
+        assert srv.wait_ready(), srv.diagnosis()
         expected = srv.greedy_ids(PROMPT, TOKENS)
     extra = json.dumps({"distributed": True})
     with _server(demo_model, ["--load-format", "runai_streamer", "--model-loader-extra-config", extra],
                  e2e_logs / "tp3-fanout.log") as srv:
-        assert srv.wait_ready(), srv.log()[-3000:]
+        assert srv.wait_ready(), srv.diagnosis()
         got = srv.greedy_ids(PROMPT, TOKENS)
         log = srv.log()
     assert got == expected

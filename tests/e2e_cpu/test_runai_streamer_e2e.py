@@ -45,7 +45,7 @@ def test_local_dir_matches_default_loader(demo_model, logs, reference_ids):
     assert "model.embed_tokens.weight" in stored and not any("lm_head" in name for name in stored)
     report = logs / "local.report.json"
     with _runai(demo_model, logs, "runai-local", {"report_path": str(report)}) as srv:
-        assert srv.wait_ready(), srv.log()[-3000:]
+        assert srv.wait_ready(), srv.diagnosis()
         assert ids_of(srv) == reference_ids
         log = srv.log()
     r = json.loads(report.read_text())
@@ -65,9 +65,17 @@ def test_s3_matches_default_loader(demo_model, logs, reference_ids, moto_s3):
     report = logs / "s3.report.json"
     env = {**__import__("os").environ, **moto_s3.env()}
     # moto is a single Python process on 2 cores: 4 readers instead of runai's 16 keep it from timing out.
-    with _runai(uri, logs, "runai-s3", {"report_path": str(report), "concurrency": 4}, env=env) as srv:
-        assert srv.wait_ready(), srv.log()[-3000:]
-        assert ids_of(srv) == reference_ids
+    for attempt in (1, 2):
+        with _runai(uri, logs, f"runai-s3-{attempt}", {"report_path": str(report), "concurrency": 4}, env=env) as srv:
+            ready = srv.wait_ready()
+            if not ready and attempt == 1 and "transient" in srv.log():
+                # moto on a loaded 2-core machine drops a request now and then ("File access error"); the plugin
+                # classifies it as transient. One retry, said out loud; a second failure fails the test.
+                print(f"test_s3_matches_default_loader: retrying once after a transient S3 failure:\n{srv.diagnosis(8)}")
+                continue
+            assert ready, srv.diagnosis()
+            assert ids_of(srv) == reference_ids
+            break
     r = json.loads(report.read_text())
     assert r["source"] == uri and r["format_used"] == "runai_streamer"
     from vllm_fastload.inspect import inspect
@@ -98,7 +106,7 @@ def bin_only_model(demo_model, tmp_path_factory):
 def test_bin_only_falls_back_with_warning(bin_only_model, logs, reference_ids):
     report = logs / "bin.report.json"
     with _runai(bin_only_model, logs, "runai-bin", {"report_path": str(report)}) as srv:
-        assert srv.wait_ready(), srv.log()[-3000:]
+        assert srv.wait_ready(), srv.diagnosis()
         assert ids_of(srv) == reference_ids
         log = srv.log()
     assert "WARNING" in log and f"runai_streamer cannot serve this load: no *.safetensors files in {bin_only_model}" in log

@@ -8,6 +8,10 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
+#: why every GPU test module skips on a machine without CUDA (CI has none)
+NO_CUDA = ("no CUDA GPU on this machine (CI has none): these tests need an NVIDIA GPU with vLLM 0.26; there, run "
+           "`bash benchmarks/device.sh gpu` (runai_streamer) or `bash benchmarks/device.sh ipctests` (ipc_cache)")
+
 
 def _models_dir(tmp_path_factory, name: str) -> Path:
     """``$FASTLOAD_GPU_MODELS/<name>`` when set (benchmarks/device.sh keeps models out of the pytest basetemp, which

@@ -3,8 +3,10 @@
 import pytest
 import torch
 
+from tests.gpu.conftest import NO_CUDA
+
 if not torch.cuda.is_available():
-    pytest.skip("no CUDA device: GPU tests run on the device machine (benchmarks/device.sh tests)", allow_module_level=True)
+    pytest.skip(NO_CUDA, allow_module_level=True)
 
 pytest.importorskip("vllm")
 

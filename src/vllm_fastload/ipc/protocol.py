@@ -8,11 +8,13 @@ Conversation (client -> daemon / daemon -> client)::
 
     hello {version, fingerprint, mode, pid}  ->  manifest {version, fingerprint, segments, tensors, reprocess}
                                                   + one fd per segment        | error {reason, mismatched}
-    attach {mode}                            ->  attached {clients}
-    release {}                               ->  released {freed}
+    attach {mode}        (after the manifest) ->  attached {clients}
+    release {}      (after attach in copy)   ->  released {freed}
     status {}                                ->  status {...}
     bye {}                                   ->  (daemon closes)
 
+Every message's fields are defined (and validated on receipt) in :mod:`.messages`; a message that is not valid
+there, or not allowed at this point of the conversation, is answered ``error {reason}`` naming the field.
 The connection is the lease: a zero_copy client keeps it open for its lifetime; when it closes, the daemon
 counts the client as gone.
 """
@@ -23,30 +25,54 @@ import json
 import os
 import socket
 import struct
+import time
 from typing import Any, Optional
+
+from ..errors import FastloadError
 
 PROTOCOL_VERSION = 1
 #: Largest frame accepted (bytes); a manifest of ~100k tensors is a few tens of MB.
 MAX_FRAME_BYTES = 256 * 2**20
 MAX_FDS = 64
 _LEN = struct.Struct(">I")
+_CRED = struct.Struct("3i")
 
 
-class ProtocolError(RuntimeError):
+class ProtocolError(FastloadError):
     """The peer sent something that is not a valid frame of this protocol (or closed mid-frame)."""
 
 
-def _recv_exact(sock: socket.socket, n: int, fds: list[int]) -> bytes:
+class PeerClosed(ProtocolError):
+    """The peer closed the connection (between frames when no byte of the frame had arrived)."""
+
+
+def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
+    """``(pid, uid, gid)`` of the process at the other end of a connected Unix socket (``SO_PEERCRED``: the
+    kernel's record from ``connect``/``listen``, which the peer cannot forge)."""
+    return _CRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size))
+
+
+def _recv_exact(sock: socket.socket, n: int, fds: list[int], deadline: list[float], frame_timeout_s: Optional[float]) -> bytes:
     buf = bytearray()
     while len(buf) < n:
+        if deadline:
+            left = deadline[0] - time.monotonic()
+            if left <= 0:
+                raise socket.timeout(f"frame incomplete after {frame_timeout_s:g} s")
+            sock.settimeout(left)
         if not fds and len(buf) == 0:
             data, got_fds, _flags, _addr = socket.recv_fds(sock, n - len(buf), MAX_FDS)
             fds.extend(got_fds)
         else:
             data = sock.recv(n - len(buf))
         if not data:
-            raise ProtocolError(f"connection closed after {len(buf)} of {n} bytes")
+            cls = PeerClosed if n == _LEN.size and not buf else ProtocolError
+            raise cls(f"connection closed after {len(buf)} of {n} bytes")
         buf += data
+        if frame_timeout_s is not None and not deadline:
+            # the frame's first bytes are here: the rest must follow within frame_timeout_s (a peer that sends
+            # half a frame and stalls must not hold the connection forever)
+            deadline.append(time.monotonic() + frame_timeout_s)
     return bytes(buf)
 
 
@@ -64,48 +90,76 @@ def send(sock: socket.socket, msg: dict[str, Any], fds: Optional[list[int]] = No
         sock.sendall(data)
 
 
-def recv(sock: socket.socket) -> tuple[dict[str, Any], list[int]]:
-    """Receive one frame: ``(message, file descriptors)``. Raises :class:`ProtocolError` on bad input and
-    ``socket.timeout`` when the socket's timeout expires."""
+def recv(sock: socket.socket, frame_timeout_s: Optional[float] = None) -> tuple[dict[str, Any], list[int]]:
+    """Receive one frame: ``(message, file descriptors)``. The wait for the frame's first byte is bounded by the
+    socket's timeout; with ``frame_timeout_s`` the whole frame must arrive within that many seconds of its first
+    byte (the socket's timeout is restored afterwards). Raises :class:`ProtocolError` on bad input
+    (:class:`PeerClosed` when the peer closed between frames) and ``socket.timeout`` when a wait expires."""
     fds: list[int] = []
+    deadline: list[float] = []
+    old_timeout = sock.gettimeout()
     try:
-        (n,) = _LEN.unpack(_recv_exact(sock, 4, fds))
+        (n,) = _LEN.unpack(_recv_exact(sock, _LEN.size, fds, deadline, frame_timeout_s))
         if n > MAX_FRAME_BYTES:
             raise ProtocolError(f"peer announced a frame of {n} bytes (limit {MAX_FRAME_BYTES}); not this protocol?")
-        body = _recv_exact(sock, n, fds) if n else b""
+        body = _recv_exact(sock, n, fds, deadline, frame_timeout_s) if n else b""
         try:
             msg = json.loads(body)
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise ProtocolError(f"frame is not JSON ({e}); is the peer upstream vLLM's pickle-based daemon?") from None
+        except RecursionError:
+            raise ProtocolError("frame nests JSON arrays/objects deeper than the parser allows; no message of this "
+                                "protocol does") from None
         if not isinstance(msg, dict) or not isinstance(msg.get("type"), str):
-            raise ProtocolError(f"frame without a 'type': {str(msg)[:200]}")
+            raise ProtocolError(f"frame without a 'type': {_preview(msg)}")
     except BaseException:
         # descriptors that arrived with a frame that broke off (peer killed mid-frame, timeout) are closed, not
         # leaked: a leaked memfd would keep the daemon's memory alive in this process
-        for fd in fds:
+        close_fds(fds)
+        raise
+    finally:
+        if deadline:
             try:
-                os.close(fd)
+                sock.settimeout(old_timeout)
             except OSError:
                 pass
-        raise
     return msg, fds
 
 
+def _preview(value: Any, limit: int = 200) -> str:
+    """``repr`` of a decoded JSON value cut to ``limit`` characters (without walking a deep value twice)."""
+    try:
+        text = repr(value)
+    except RecursionError:
+        return f"<a deeply nested {type(value).__name__}>"
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def close_fds(fds: list[int]) -> None:
+    """Close received file descriptors, ignoring ones already closed."""
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+
 def request(sock: socket.socket, msg: dict[str, Any], expect: str) -> tuple[dict[str, Any], list[int]]:
-    """Send ``msg`` and receive the reply; raise :class:`ProtocolError` when it is not of type ``expect``
-    (an ``error`` reply's reason is in the message)."""
+    """Send ``msg`` and receive the reply; raise :class:`ProtocolError` when it is not a valid message of type
+    ``expect`` (an ``error`` reply's reason is in the message, the reply in ``.reply``)."""
+    from .messages import parse_reply
+
     send(sock, msg)
     reply, fds = recv(sock)
+    try:
+        parse_reply(reply)
+    except ProtocolError:
+        close_fds(fds)
+        raise
     if reply["type"] != expect:
-        for fd in fds:
-            try:
-                import os
-
-                os.close(fd)
-            except OSError:
-                pass
+        close_fds(fds)
         if reply["type"] == "error":
-            err = ProtocolError(reply.get("reason", "error"))
+            err = ProtocolError(reply["reason"])
             err.reply = reply  # type: ignore[attr-defined]
             raise err
         raise ProtocolError(f"expected {expect!r}, got {reply['type']!r}")

@@ -1,0 +1,250 @@
+"""The typed wire schema of the weight-cache protocol: one pydantic model per message (framing: :mod:`.protocol`).
+
+Requests (client -> daemon) are validated strictly and completely before the daemon acts on them: every field's
+type and range, no unknown fields. A message that fails gets an ``error`` frame naming the field, and the
+connection stays usable. Replies (daemon -> client) are validated by the client before it trusts them: known
+fields strictly, unknown fields ignored (a newer daemon may add status fields). The fingerprint's wire model is
+derived from :class:`~vllm_fastload.fingerprint.Fingerprint` itself, so the two cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from typing import Annotated, Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
+
+from ..fingerprint import Fingerprint
+from .protocol import PROTOCOL_VERSION, ProtocolError
+
+Mode = Literal["zero_copy", "copy"]
+
+
+class MessageError(ProtocolError):
+    """A frame that is valid JSON but not a valid message of this protocol; the message names the message type and
+    the field."""
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+
+class _Reply(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True, frozen=True)
+
+
+def _wire_type(tp: Any) -> Any:
+    """``tp`` with each dataclass replaced by its wire model and tuples by lists (JSON has arrays only)."""
+    if dataclasses.is_dataclass(tp):
+        return wire_model(tp)
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is None or not args:
+        return tp
+    if origin is tuple:
+        return list[_wire_type(args[0])] if len(args) == 2 and args[1] is Ellipsis else tuple[tuple(map(_wire_type, args))]
+    if origin is Union:
+        return Union[tuple(_wire_type(a) for a in args)]
+    if origin is list:
+        return list[_wire_type(args[0])]
+    if origin is dict:
+        return dict[args[0], _wire_type(args[1])]
+    return tp
+
+
+_MODELS: dict[type, type[BaseModel]] = {}
+
+
+def wire_model(dc: type) -> type[BaseModel]:
+    """The strict pydantic model of a (frozen) dataclass's JSON form (``dataclasses.asdict``): same fields, same
+    defaults, nested dataclasses as nested models. Cached per class."""
+    if dc not in _MODELS:
+        hints = typing.get_type_hints(dc)
+        fields: dict[str, Any] = {}
+        for f in dataclasses.fields(dc):
+            default = f.default if f.default is not dataclasses.MISSING else ...
+            fields[f.name] = (_wire_type(hints[f.name]), default)
+        _MODELS[dc] = create_model(f"Wire{dc.__name__}", __base__=_Request, **fields)
+    return _MODELS[dc]
+
+
+WireFingerprint = wire_model(Fingerprint)
+
+
+# --- requests ------------------------------------------------------------------------------------------------
+class Hello(_Request):
+    """``hello``: the engine's fingerprint; answered by ``manifest`` (+ one fd per segment) or ``error``."""
+
+    type: Literal["hello"]
+    version: int
+    fingerprint: WireFingerprint  # type: ignore[valid-type]
+    mode: Mode
+    pid: Optional[int] = Field(None, ge=0)
+
+    def to_fingerprint(self) -> Fingerprint:
+        """The fingerprint as the dataclass the daemon compares."""
+        return Fingerprint.from_dict(self.fingerprint.model_dump())
+
+
+class Attach(_Request):
+    """``attach``: the engine uses the mapped weights in ``mode``; only after this connection got the manifest."""
+
+    type: Literal["attach"]
+    mode: Mode
+
+
+class Release(_Request):
+    """``release``: a copy-mode engine cloned everything; only after this connection attached in copy mode."""
+
+    type: Literal["release"]
+
+
+class Status(_Request):
+    """``status``: the daemon's state (``vllm-fastload status``, ``/health``, ``/metrics``)."""
+
+    type: Literal["status"]
+
+
+class Bye(_Request):
+    """``bye``: the client is done; the daemon closes the connection."""
+
+    type: Literal["bye"]
+
+
+REQUESTS: dict[str, type[_Request]] = {m.model_fields["type"].annotation.__args__[0]: m  # type: ignore[union-attr]
+                                       for m in (Hello, Attach, Release, Status, Bye)}
+
+
+# --- replies -------------------------------------------------------------------------------------------------
+class SegmentMeta(_Reply):
+    """One export buffer of a manifest: its size in bytes, its transport and (CUDA) the device identity."""
+
+    size: int = Field(ge=0)
+    transport: Literal["memfd", "cuda_vmm"]
+    device: Optional[str] = None
+
+
+class TensorEntry(_Reply):
+    """Where one tensor sits in the segment (:mod:`.layout` checks the geometry against the buffer)."""
+
+    dtype: str
+    shape: list[int]
+    stride: Optional[list[int]] = None
+    offset: int
+    nbytes: int
+    checksum: str
+    kind: Literal["param", "buffer", "attr"]
+
+
+class Manifest(_Reply):
+    """``manifest``: everything the engine installs; sent with one fd per segment."""
+
+    type: Literal["manifest"]
+    version: int
+    fingerprint: dict[str, Any]
+    fingerprint_short: Optional[str] = None
+    segments: list[SegmentMeta] = Field(min_length=1)
+    tensors: dict[str, TensorEntry]
+    aliases: dict[str, str] = {}
+    reprocess: list[str] = []
+    attrs: dict[str, dict[str, Any]] = {}
+    object_attrs: dict[str, dict[str, Any]] = {}
+
+
+class Error(_Reply):
+    """``error``: why the daemon refused; ``mismatched`` lists ``[field, daemon value, engine value]``."""
+
+    type: Literal["error"]
+    reason: str
+    mismatched: Optional[list[Annotated[list[Any], Field(min_length=3, max_length=3)]]] = None
+
+
+class Attached(_Reply):
+    """``attached``: the number of clients now attached."""
+
+    type: Literal["attached"]
+    clients: int = Field(ge=0)
+
+
+class Released(_Reply):
+    """``released``: whether the daemon freed its memory."""
+
+    type: Literal["released"]
+    freed: bool
+
+
+class StatusReply(_Reply):
+    """``status``: one rank's state (the fields ``vllm-fastload status`` and ``/metrics`` print)."""
+
+    type: Literal["status"]
+    model: str
+    device: str
+    socket: str
+    fingerprint: dict[str, Any]
+    fingerprint_short: Optional[str] = None
+    tensors: int
+    bytes: int
+    state: Literal["loading", "released", "ready"]
+    clients: int
+    client_modes: list[Mode]
+    attaches: int
+    fingerprint_mismatches: int
+    load_seconds: float
+    uptime_s: float
+    pid: int
+
+
+REPLIES: dict[str, type[_Reply]] = {"manifest": Manifest, "error": Error, "attached": Attached,
+                                    "released": Released, "status": StatusReply}
+
+
+def describe(e: ValidationError, what: str, limit: int = 3) -> str:
+    """One line per failing field (at most ``limit``): ``invalid 'attach' message: field 'mode': Input should be
+    'zero_copy' or 'copy' (got None)``. Values are cut to 60 characters."""
+    parts = []
+    for err in e.errors(include_url=False)[:limit]:
+        loc = ".".join(str(x) for x in err["loc"]) or "(message)"
+        if err["type"] == "missing":
+            parts.append(f"field {loc!r}: missing")
+        elif err["type"] == "extra_forbidden":
+            parts.append(f"field {loc!r}: not a field of this message")
+        else:
+            got = repr(err.get("input"))
+            got = got if len(got) <= 60 else got[:57] + "..."
+            parts.append(f"field {loc!r}: {err['msg']} (got {got})")
+    more = len(e.errors()) - limit
+    return f"invalid {what!r} message: " + "; ".join(parts) + (f"; and {more} more" if more > 0 else "")
+
+
+def _validate(model: type[BaseModel], msg: dict[str, Any], kind: str) -> Any:
+    try:
+        return model.model_validate(msg)
+    except ValidationError as e:
+        raise MessageError(describe(e, kind)) from None
+    except RecursionError:
+        raise MessageError(f"invalid {kind!r} message: nested too deeply") from None
+
+
+def parse_request(msg: dict[str, Any]) -> _Request:
+    """Validate a request frame (a dict with a string ``type``, as :func:`.protocol.recv` returns it).
+
+    A hello of another protocol version is refused by its version before its other fields are looked at (they may
+    differ between versions). Raises :class:`MessageError` naming the type and each failing field."""
+    kind = msg.get("type")
+    model = REQUESTS.get(kind) if isinstance(kind, str) else None
+    if model is None:
+        raise MessageError(f"unknown message type {str(kind)[:40]!r}; expected one of {', '.join(REQUESTS)}")
+    version = msg.get("version")
+    if model is Hello and type(version) is int and version != PROTOCOL_VERSION:
+        raise MessageError(f"protocol version {version} != {PROTOCOL_VERSION}; upgrade vllm-fastload on both sides")
+    return _validate(model, msg, kind)
+
+
+def parse_reply(msg: dict[str, Any]) -> _Reply:
+    """Validate a reply frame from the daemon. Raises :class:`MessageError` naming the type and each failing
+    field (an unknown type included)."""
+    kind = msg.get("type")
+    model = REPLIES.get(kind) if isinstance(kind, str) else None
+    if model is None:
+        raise MessageError(f"unknown reply type {str(kind)[:40]!r}; expected one of {', '.join(REPLIES)}")
+    return _validate(model, msg, kind)

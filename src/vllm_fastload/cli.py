@@ -25,7 +25,9 @@ def main(argv: list[str] | None = None) -> int:
     ins.add_argument("--no-fingerprint", action="store_true", help="skip the fingerprint (does not import vLLM)")
     sub.add_parser("preload", help="start the preload daemon(s): `vllm-fastload preload <vllm serve args>`",
                    add_help=False)
-    st = sub.add_parser("status", help="list the preload daemons in a socket dir")
+    st = sub.add_parser("status", help="list the preload daemons in a socket dir",
+                        epilog="Exit codes: 0 daemons listed; 1 no daemon in the socket dir; 2 the socket dir cannot "
+                               "be used (the message says why and how to fix it).")
     st.add_argument("--weight-cache-socket-dir", default=None,
                     help="the daemons' socket directory (default: the daemon's default, "
                          "$XDG_RUNTIME_DIR/vllm-fastload or /tmp/vllm-fastload-<uid>)")
@@ -72,12 +74,20 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _status(args: argparse.Namespace) -> int:
-    from .ipc.client import status_of
-    from .ipc.paths import ensure_socket_dir
+    import os
 
-    d = ensure_socket_dir(args.weight_cache_socket_dir, create=False)
-    rows = []
-    for sock in sorted(d.glob("*.sock")) if d.exists() else []:
+    from .ipc.client import status_of
+    from .ipc.paths import SocketDir, socket_dir_spec
+
+    spec = socket_dir_spec(args.weight_cache_socket_dir)
+    try:
+        with SocketDir.open(spec) as sd:
+            names = sorted(n for n in os.listdir(sd.fd) if n.endswith(".sock"))
+    except FileNotFoundError:
+        names = []
+    d, rows = spec.path, []
+    for name in names:
+        sock = d / name
         st = status_of(str(sock))
         rows.append(st or {"socket": str(sock), "state": "not answering (stale socket?)"})
     if args.json:

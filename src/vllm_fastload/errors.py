@@ -22,3 +22,14 @@ class StorageError(FastloadError):
 
 class FallbackRefused(FastloadError):
     """The fast path cannot serve this load and ``"fallback": false`` forbids the default loader."""
+
+
+class SocketDirError(FastloadError):
+    """The weight-cache socket directory cannot be used (missing permission, not a directory, a symbolic link, on a
+    read-only file system, owned by another user, writable by others); the message names the directory, where it
+    came from (flag, extra-config key, ``$XDG_RUNTIME_DIR`` or the default) and the fix."""
+
+
+class UntrustedPeer(FastloadError):
+    """The process at the other end of a weight-cache socket runs as another user (not this one, not root): its
+    manifest and memory are never used; the message names the socket and both uids."""

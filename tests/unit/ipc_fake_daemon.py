@@ -1,7 +1,9 @@
 """A stand-in preload daemon for the fault tests, in its own process so a test can SIGKILL it.
 
 ``python -m tests.unit.ipc_fake_daemon SOCK`` serves a small packed segment (:func:`weights`) with the real
-``RankServer`` (real lock, real socket, real protocol) until killed. ``--half-manifest`` instead plays a daemon
+``RankServer`` (real lock, real socket, real protocol) until killed. ``--nofile N`` lowers its fd limit first,
+``--max-connections`` / ``--idle-timeout-s`` set the daemon's limits, ``--health-port`` also serves the real health
+server on 127.0.0.1. ``--half-manifest`` instead plays a daemon
 killed during the hand-over: it answers the first hello with the first half of a manifest frame (and the segment's
 file descriptor, as the real daemon sends it with the frame's first bytes), then SIGKILLs itself.
 Prints ``ready`` once the socket accepts connections.
@@ -12,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import signal
 import socket
 import struct
@@ -21,7 +24,7 @@ import torch
 
 from vllm_fastload.fingerprint import Fingerprint, ShardFacts
 from vllm_fastload.ipc import protocol
-from vllm_fastload.ipc.daemon import RankServer, RankState, acquire
+from vllm_fastload.ipc.daemon import Limits, RankServer, RankState, acquire, start_health_server
 from vllm_fastload.ipc.shm import pack
 
 
@@ -54,10 +57,13 @@ def make_state(path, fp: Fingerprint, tensors: dict[str, torch.Tensor]) -> RankS
     return st
 
 
-def serve(path: str) -> None:
+def serve(path: str, limits: Limits, health_port: int = 0) -> None:
     acquire(Path(path))  # the lock fd stays open for the process's life
-    srv = RankServer(make_state(path, fingerprint(), weights()), path)
+    srv = RankServer(make_state(path, fingerprint(), weights()), path, None, limits.max_connections,
+                     limits.idle_timeout_s, limits.attach_timeout_s)
     srv.bind()
+    if health_port:
+        start_health_server("127.0.0.1", health_port, [path], limits)
     print("ready", flush=True)
     srv.serve_forever()
 
@@ -81,11 +87,17 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("socket")
     p.add_argument("--half-manifest", action="store_true")
+    p.add_argument("--nofile", type=int, default=0)
+    p.add_argument("--max-connections", type=int, default=Limits.max_connections)
+    p.add_argument("--idle-timeout-s", type=float, default=Limits.idle_timeout_s)
+    p.add_argument("--health-port", type=int, default=0)
     a = p.parse_args()
+    if a.nofile:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (a.nofile, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
     if a.half_manifest:
         half_manifest(a.socket)
     else:
-        serve(a.socket)
+        serve(a.socket, Limits(a.max_connections, a.idle_timeout_s), a.health_port)
 
 
 if __name__ == "__main__":

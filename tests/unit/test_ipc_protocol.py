@@ -30,6 +30,7 @@ def fingerprint(**kw):
 def server(tmp_path):
     w = torch.arange(1000, dtype=torch.float32)
     seg, entries = pack({"w": w})
+    entries["w"]["kind"] = "param"
     fp = fingerprint()
     manifest = {"type": "manifest", "version": protocol.PROTOCOL_VERSION, "fingerprint": fp.to_dict(),
                 "fingerprint_short": fp.short(), "segments": [seg.meta()], "tensors": entries,

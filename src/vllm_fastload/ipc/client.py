@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import os
 import socket
+import stat
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Optional
 
-from ..errors import FastloadError
+from ..errors import FastloadError, SocketDirError, UntrustedPeer
 from ..log import logger
 from . import protocol
+from .messages import MessageError, parse_reply
+from .paths import ENGINE_KEY, SocketDir, SocketDirSpec
 from .shm import Segment, open_segment
 
 
@@ -38,6 +42,7 @@ class Lease:
     conn: socket.socket
     manifest: dict
     segment: Segment
+    path: str = "?"
     _closing: threading.Event = field(default_factory=threading.Event, repr=False)
     _watcher: Optional[threading.Thread] = field(default=None, repr=False)
 
@@ -64,11 +69,9 @@ class Lease:
         return bool(reply["freed"])
 
     def _path(self) -> str:
-        """The daemon's socket path (the peer address of the connection), ``"?"`` when unknown."""
-        try:
-            return self.conn.getpeername() or "?"
-        except OSError:
-            return "?"
+        """The daemon's socket path as the engine named it (the connection's peer address goes through the
+        directory's descriptor)."""
+        return self.path
 
     def watch(self) -> None:
         """Start a daemon thread that notices when the daemon closes this connection (killed, stopped, restarted)
@@ -110,20 +113,63 @@ class Lease:
             self._watcher.join(5)
 
 
-def connect(path: str, timeout_s: float) -> socket.socket:
-    """Connect to the daemon socket, retrying until ``timeout_s`` (the daemon may be starting).
-    Raises :class:`CacheUnavailable` naming the path and the last error."""
+#: connect() errors a retry can cure: no socket yet (the daemon starts), nobody listening (a stale socket about to be
+#: replaced), a full listen backlog, a slow accept.
+_RETRYABLE = (FileNotFoundError, ConnectionRefusedError, BlockingIOError, InterruptedError, socket.timeout)
+
+
+def check_peer(conn: socket.socket, path: str) -> None:
+    """Refuse a daemon that runs as another user: only this uid or root may hand this process weights (another
+    local user could otherwise answer on a socket path it redirected, with forged weights). Raises
+    :class:`~vllm_fastload.errors.UntrustedPeer` naming the socket, the peer's pid and both uids."""
+    pid, uid, _gid = protocol.peer_credentials(conn)
+    if uid not in (os.getuid(), 0):
+        raise UntrustedPeer(f"the process on {path} (pid {pid}) runs as uid {uid}, not as this user ({os.getuid()}) "
+                            f"or root: its manifest and memory are not used. Check who owns the socket dir and that "
+                            f"`vllm-fastload preload` runs as this user")
+
+
+def connect(path: str, timeout_s: float, origin: Optional[str] = None) -> socket.socket:
+    """Connect to the daemon socket ``path``, retrying until ``timeout_s`` while the daemon may be starting (no
+    socket yet, nobody listening). The socket's directory is opened without following a symbolic link and checked
+    (:class:`.paths.SocketDir`), the socket itself must not be a link, and the peer must run as this user or root
+    (:func:`check_peer`). ``origin`` says where the path came from (for messages).
+
+    Raises :class:`CacheUnavailable` naming the path and the last error at the timeout, at once for errors a retry
+    cannot cure; :class:`~vllm_fastload.errors.SocketDirError` and :class:`~vllm_fastload.errors.UntrustedPeer` at
+    once."""
+    sock_path = Path(path)
+    spec = SocketDirSpec(sock_path.parent, origin or f"the directory of socket {path}", ENGINE_KEY)
     deadline = time.monotonic() + timeout_s
     last: Optional[BaseException] = None
     while True:
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             s.settimeout(max(0.1, deadline - time.monotonic()))
-            s.connect(path)
+            with SocketDir.open(spec) as sd:
+                st = sd.lstat(sock_path.name)
+                if st is None:
+                    raise FileNotFoundError(path)
+                if not stat.S_ISSOCK(st.st_mode):
+                    kind = "a symbolic link" if stat.S_ISLNK(st.st_mode) else "not a socket"
+                    raise CacheUnavailable(f"{path} is {kind}; a daemon's socket is created by `vllm-fastload preload` "
+                                           f"itself: remove {path} and restart the daemon")
+                s.connect(sd.entry(sock_path.name))
+            check_peer(s, path)
             return s
-        except (FileNotFoundError, ConnectionRefusedError, socket.timeout, OSError) as e:
+        except _RETRYABLE as e:
             s.close()
             last = e
+        except PermissionError as e:
+            s.close()
+            raise CacheUnavailable(f"this user (uid {os.getuid()}) may not connect to {path} ({e.strerror}); run the "
+                                   f"engine as the user of `vllm-fastload preload`") from None
+        except (SocketDirError, UntrustedPeer, CacheUnavailable):
+            s.close()
+            raise
+        except OSError as e:
+            s.close()
+            raise CacheUnavailable(f"cannot connect to the preload daemon at {path} ({type(e).__name__}: {e})") from None
         if time.monotonic() >= deadline:
             what = "no socket" if isinstance(last, FileNotFoundError) else f"{type(last).__name__}: {last}"
             raise CacheUnavailable(f"no preload daemon at {path} within {timeout_s:g} s ({what}); start "
@@ -132,13 +178,14 @@ def connect(path: str, timeout_s: float) -> socket.socket:
 
 
 def fetch(path: str, fingerprint: dict, mode: str, connect_timeout_s: float, state_timeout_s: float,
-          device: Any = None) -> Lease:
-    """Connect, send hello with ``fingerprint``, receive the manifest and map its segment on ``device``
-    (a ``torch.device``; default CPU).
+          device: Any = None, origin: Optional[str] = None) -> Lease:
+    """Connect (:func:`connect`; ``origin`` says where ``path`` came from), send hello with ``fingerprint``, receive
+    and validate the manifest and map its segment on ``device`` (a ``torch.device``; default CPU).
 
-    Raises :class:`FingerprintMismatch` or :class:`CacheUnavailable` (with the reason).
+    Raises :class:`FingerprintMismatch` or :class:`CacheUnavailable` (with the reason), and what :func:`connect`
+    raises.
     """
-    conn = connect(path, connect_timeout_s)
+    conn = connect(path, connect_timeout_s, origin)
     conn.settimeout(state_timeout_s)
     try:
         protocol.send(conn, {"type": "hello", "version": protocol.PROTOCOL_VERSION, "fingerprint": fingerprint,
@@ -158,32 +205,45 @@ def fetch(path: str, fingerprint: dict, mode: str, connect_timeout_s: float, sta
     except OSError as e:
         conn.close()
         raise CacheUnavailable(f"daemon at {path} closed the connection during the hand-over ({e})") from None
+    try:
+        parse_reply(reply)
+        if reply["type"] not in ("manifest", "error"):
+            raise MessageError(f"expected a manifest, got {reply['type']!r}")
+    except MessageError as e:
+        protocol.close_fds(fds)
+        conn.close()
+        raise CacheUnavailable(f"daemon at {path} sent an unusable reply to hello ({e}); run the same vllm-fastload "
+                               f"version on both sides") from None
     if reply["type"] == "error":
+        protocol.close_fds(fds)
         conn.close()
         if reply.get("mismatched"):
             raise FingerprintMismatch(reply["reason"], reply["mismatched"])
-        raise CacheUnavailable(f"daemon at {path}: {reply.get('reason')}")
-    if reply["type"] != "manifest" or len(fds) != len(reply.get("segments", [])) or not fds:
-        for fd in fds:
-            os.close(fd)
+        raise CacheUnavailable(f"daemon at {path}: {reply['reason']}")
+    if len(fds) != len(reply["segments"]):
+        protocol.close_fds(fds)
         conn.close()
-        raise CacheUnavailable(f"daemon at {path} sent {reply['type']!r} with {len(fds)} segment(s); expected a manifest")
+        raise CacheUnavailable(f"daemon at {path} sent a manifest of {len(reply['segments'])} segment(s) with "
+                               f"{len(fds)} file descriptor(s)")
     conn.settimeout(None)
     import torch
 
     try:
         seg = open_segment(fds[0], reply["segments"][0], torch.device(device or "cpu"))
     except BaseException:
+        protocol.close_fds(fds[1:])
         conn.close()
         raise
-    return Lease(conn, reply, seg)
+    protocol.close_fds(fds[1:])
+    return Lease(conn, reply, seg, path)
 
 
 def status_of(path: str, timeout_s: float = 2.0) -> Optional[dict[str, Any]]:
-    """The daemon's ``status`` reply, or None when nothing answers on ``path``."""
+    """The daemon's ``status`` reply (validated), or None when nothing usable answers on ``path`` (no daemon, a
+    daemon of another user, an invalid reply)."""
     try:
         conn = connect(path, timeout_s)
-    except CacheUnavailable:
+    except FastloadError:
         return None
     try:
         conn.settimeout(timeout_s)

@@ -10,25 +10,29 @@ Flag names follow upstream ``vllm preload`` (``--weight-cache-socket-dir``, ``--
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import fcntl
 import json
+import logging
 import os
+import shutil
 import signal
 import socket
-import struct
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 from ..errors import FastloadError
 from ..log import logger
-from . import protocol
+from . import messages, protocol
 from .client import status_of
-from .paths import default_socket_dir, device_identity, ensure_socket_dir, socket_path
+from .paths import SocketDir, SocketDirSpec, device_identity, socket_dir_spec, socket_path
 from .shm import Segment, pack
 
 DEFAULT_LOAD_FORMAT = "runai_streamer"
@@ -165,115 +169,266 @@ def build_and_export(vllm_config: Any, local_rank: int, rank: int, world_size: i
     return segment, manifest, time.perf_counter() - t0
 
 
-def _peer_uid(conn: socket.socket) -> int:
-    creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    _pid, uid, _gid = struct.unpack("3i", creds)
-    return uid
+#: Defaults of the connection limits (flags ``--weight-cache-max-connections``, ``-idle-timeout-s``,
+#: ``-attach-timeout-s``).
+MAX_CONNECTIONS = 256
+IDLE_TIMEOUT_S = 30.0
+ATTACH_TIMEOUT_S = 600.0
+#: Longest pause of an accept loop after an accept error (EMFILE: the fd limit is reached).
+MAX_ACCEPT_BACKOFF_S = 1.0
+
+
+class Throttle:
+    """At most one log line per ``key`` every ``every_s`` seconds; the lines in between are counted and the next
+    one says how many were left out (a flood of bad clients must not flood the log)."""
+
+    def __init__(self, every_s: float = 10.0):
+        self.every_s = every_s
+        self._last: dict[str, float] = {}
+        self._skipped: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def __call__(self, key: str, level: int, fmt: str, *args: Any) -> None:
+        """Log ``fmt % args`` at ``level`` unless a line of ``key`` was logged less than ``every_s`` ago."""
+        now = time.monotonic()
+        with self._lock:
+            if now - self._last.get(key, -1e9) < self.every_s:
+                self._skipped[key] = self._skipped.get(key, 0) + 1
+                return
+            self._last[key] = now
+            skipped = self._skipped.pop(key, 0)
+        if skipped:
+            fmt += " (%d more like this in the last %g s)"
+            args = (*args, skipped, self.every_s)
+        logger.log(level, fmt, *args)
+
+
+def accept_backoff(previous: float) -> float:
+    """The pause after an accept error: doubling from 50 ms up to :data:`MAX_ACCEPT_BACKOFF_S`. The pending
+    connection that failed to be accepted stays in the backlog, so without a pause the loop would spin."""
+    return min(MAX_ACCEPT_BACKOFF_S, max(0.05, previous * 2))
+
+
+@dataclass
+class _Client:
+    """One connection's place in the conversation: who it is (``SO_PEERCRED``), whether it got the manifest and in
+    which mode it attached."""
+
+    cid: int
+    pid: int
+    uid: int
+    got_manifest: bool = False
+    mode: Optional[str] = None
 
 
 class RankServer:
-    """Serves one rank's segment on its Unix socket (one thread per connection)."""
+    """Serves one rank's segment on its Unix socket (one thread per connection, at most ``max_connections``).
 
-    def __init__(self, state: RankState, path: Path):
+    Connections that are not an attached zero_copy lease must send a complete frame every ``idle_timeout_s``
+    seconds (``attach_timeout_s`` between the manifest and the attach, while the engine maps); a frame must arrive
+    whole within ``idle_timeout_s`` of its first byte. Every request is validated (:mod:`.messages`) and must fit
+    the conversation (attach after the manifest; release after a copy-mode attach); anything else is answered
+    with an error frame. The accept loop survives every accept error (logged, with a pause).
+    ``sdir``: the opened socket directory (default: ``path``'s directory, opened and checked here)."""
+
+    def __init__(self, state: RankState, path: Path, sdir: Optional[SocketDir] = None,
+                 max_connections: int = MAX_CONNECTIONS, idle_timeout_s: float = IDLE_TIMEOUT_S,
+                 attach_timeout_s: float = ATTACH_TIMEOUT_S):
         self.state, self.path = state, Path(path)
+        self._own_dir = sdir is None
+        self.sdir = sdir or SocketDir.open(SocketDirSpec(self.path.parent, "the directory of the socket",
+                                                         "--weight-cache-socket-dir"))
+        self.max_connections, self.idle_timeout_s, self.attach_timeout_s = max_connections, idle_timeout_s, attach_timeout_s
         self.sock: Optional[socket.socket] = None
         self.stop = threading.Event()
         self._next_id = 0
+        self._active = 0
+        self._log = Throttle()
 
     def bind(self) -> None:
-        """Create the 0600 listening socket (after the stale-socket check of :func:`acquire`)."""
+        """Create the 0600 listening socket (after the stale-socket check of :func:`acquire`), through the socket
+        directory's descriptor."""
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         old = os.umask(0o177)
         try:
-            s.bind(str(self.path))
+            s.bind(self.sdir.entry(self.path.name))
         finally:
             os.umask(old)
-        os.chmod(self.path, 0o600)
+        os.chmod(self.path.name, 0o600, dir_fd=self.sdir.fd)
         s.listen(64)
         s.settimeout(0.5)
         self.sock = s
 
     def serve_forever(self) -> None:
-        """Accept until :attr:`stop` is set."""
+        """Accept until :attr:`stop` is set. An accept error (the process's fd limit, out of memory) is logged and
+        followed by a pause; then accepting goes on."""
         assert self.sock is not None
+        pause = 0.0
         while not self.stop.is_set():
             try:
                 conn, _ = self.sock.accept()
             except socket.timeout:
                 continue
-            except OSError:
-                break
-            threading.Thread(target=self._handle, args=(conn,), daemon=True).start()
+            except OSError as e:
+                if self.stop.is_set():
+                    break
+                pause = accept_backoff(pause)
+                self._log("accept", logging.WARNING, "fastload: accept on %s failed (%s: %s); pausing %.2f s, still "
+                          "serving. At the fd limit (EMFILE) raise LimitNOFILE / ulimit -n or lower "
+                          "--weight-cache-max-connections", self.path, type(e).__name__, e, pause)
+                self.stop.wait(pause)
+                continue
+            pause = 0.0
+            with self.state.lock:
+                full = self._active >= self.max_connections
+                if not full:
+                    self._active += 1
+            if full:
+                self._refuse_full(conn)
+                continue
+            try:
+                threading.Thread(target=self._handle, args=(conn,), daemon=True).start()
+            except RuntimeError as e:  # no thread could be started (a thread limit)
+                with self.state.lock:
+                    self._active -= 1
+                self._log("thread", logging.WARNING, "fastload: cannot start a connection thread (%s); refused one "
+                          "connection", e)
+                conn.close()
+
+    def _refuse_full(self, conn: socket.socket) -> None:
+        """Tell a connection beyond ``max_connections`` why it is closed (without blocking the accept loop)."""
+        reason = (f"the daemon already serves {self.max_connections} connections (--weight-cache-max-connections); "
+                  f"this one is refused: retry later, or raise the limit")
+        try:
+            conn.settimeout(0.2)
+            protocol.send(conn, {"type": "error", "reason": reason})
+        except OSError:
+            pass
+        conn.close()
+        self._log("full", logging.WARNING, "fastload: refused a connection on %s: %d connections open "
+                  "(--weight-cache-max-connections %d)", self.path, self.max_connections, self.max_connections)
+
+    def _timeout_for(self, c: _Client) -> Optional[float]:
+        """How long the daemon waits for this connection's next frame."""
+        if c.mode == "zero_copy":
+            return None  # the connection is the lease: open as long as the engine maps the memory
+        if c.got_manifest and c.mode is None:
+            return self.attach_timeout_s
+        return self.idle_timeout_s
 
     def _handle(self, conn: socket.socket) -> None:
         st = self.state
         with st.lock:
             self._next_id += 1
-            cid = self._next_id
+            c = _Client(self._next_id, -1, -1)
         try:
-            peer = _peer_uid(conn)
-            if peer not in (os.getuid(), 0):
-                protocol.send(conn, {"type": "error", "reason": f"peer uid {peer} is not the daemon's uid {os.getuid()} "
-                                     f"(or root); run the engine as the same user as `vllm-fastload preload`"})
+            c.pid, c.uid, _ = protocol.peer_credentials(conn)
+            if c.uid not in (os.getuid(), 0):
+                self._log("peer", logging.WARNING, "fastload: refused a connection from pid %d running as uid %d (not "
+                          "the daemon's uid %d, nor root)", c.pid, c.uid, os.getuid())
+                conn.settimeout(1.0)
+                protocol.send(conn, {"type": "error", "reason": f"peer uid {c.uid} is not the daemon's uid "
+                                     f"{os.getuid()} (or root); run the engine as the same user as "
+                                     f"`vllm-fastload preload`"})
                 return
-            conn.settimeout(None)
-            while True:
-                try:
-                    msg, fds = protocol.recv(conn)
-                except (protocol.ProtocolError, OSError):
-                    return
-                for fd in fds:
-                    os.close(fd)
-                kind = msg["type"]
-                if kind == "status":
-                    protocol.send(conn, st.status())
-                elif kind == "hello":
-                    self._hello(conn, msg)
-                elif kind == "attach":
-                    mode = msg.get("mode", "zero_copy")
-                    with st.lock:
-                        st.clients[cid] = mode
-                        st.attaches += 1
-                        n = len(st.clients)
-                    protocol.send(conn, {"type": "attached", "clients": n})
-                elif kind == "release":
-                    protocol.send(conn, {"type": "released", "freed": self._release(cid)})
-                elif kind == "bye":
-                    return
-                else:
-                    protocol.send(conn, {"type": "error", "reason": f"unknown message type {kind!r}"})
+            while self._serve_one(conn, c):
+                pass
         except OSError as e:  # the client went away while we were sending (killed mid-transfer): not our failure
             logger.info("fastload: client %d disconnected while the daemon was sending to it (%s: %s); still serving",
-                        cid, type(e).__name__, e)
+                        c.cid, type(e).__name__, e)
+        except Exception as e:  # noqa: BLE001 - a bug handling one client must not take the daemon down
+            logger.exception("fastload: internal error serving client %d (pid %d); closed its connection", c.cid, c.pid)
+            try:
+                protocol.send(conn, {"type": "error", "reason": f"internal error in the daemon ({type(e).__name__}: "
+                                     f"{e}); see its log"})
+            except OSError:
+                pass
         finally:
             with st.lock:
-                st.clients.pop(cid, None)
+                st.clients.pop(c.cid, None)
+                self._active -= 1
             conn.close()
 
-    def _hello(self, conn: socket.socket, msg: dict) -> None:
+    def _serve_one(self, conn: socket.socket, c: _Client) -> bool:
+        """Receive and answer one frame of client ``c``. Returns False when the connection is done."""
+        st = self.state
+        timeout = self._timeout_for(c)
+        conn.settimeout(timeout)
+        try:
+            raw, fds = protocol.recv(conn, frame_timeout_s=self.idle_timeout_s)
+        except socket.timeout:
+            what = "between the manifest and the attach (--weight-cache-attach-timeout-s)" if timeout == \
+                self.attach_timeout_s and c.got_manifest else "(--weight-cache-idle-timeout-s)"
+            self._log("idle", logging.INFO, "fastload: closed client %d (pid %d): no complete frame within %g s %s",
+                      c.cid, c.pid, timeout or self.idle_timeout_s, what)
+            conn.settimeout(1.0)
+            protocol.send(conn, {"type": "error", "reason": f"no complete frame within {timeout or self.idle_timeout_s:g}"
+                                 f" s {what}; closing the connection"})
+            return False
+        except protocol.PeerClosed:
+            return False
+        except protocol.ProtocolError as e:
+            if "connection closed" not in str(e):
+                self._log("frame", logging.WARNING, "fastload: closed client %d (pid %d): %s", c.cid, c.pid, e)
+                conn.settimeout(1.0)
+                protocol.send(conn, {"type": "error", "reason": f"bad frame: {e}; closing the connection"})
+            return False
+        protocol.close_fds(fds)
+        try:
+            msg = messages.parse_request(raw)
+        except messages.MessageError as e:
+            self._log("invalid", logging.WARNING, "fastload: client %d (pid %d) sent an invalid message: %s",
+                      c.cid, c.pid, e)
+            protocol.send(conn, {"type": "error", "reason": str(e)})
+            return True
+        if isinstance(msg, messages.Status):
+            protocol.send(conn, st.status())
+        elif isinstance(msg, messages.Hello):
+            if self._hello(conn, msg):
+                c.got_manifest = True
+        elif isinstance(msg, messages.Attach):
+            if not c.got_manifest or c.mode is not None:
+                why = "attach before this connection received the manifest (send hello first)" if not c.got_manifest \
+                    else f"this connection is already attached ({c.mode})"
+                protocol.send(conn, {"type": "error", "reason": f"attach refused: {why}"})
+                return True
+            c.mode = msg.mode
+            with st.lock:
+                st.clients[c.cid] = msg.mode
+                st.attaches += 1
+                n = len(st.clients)
+            protocol.send(conn, {"type": "attached", "clients": n})
+        elif isinstance(msg, messages.Release):
+            if c.mode != "copy":
+                self._log("release", logging.WARNING, "fastload: refused a release from client %d (pid %d, uid %d): "
+                          "only a connection that received the manifest and attached in copy mode may release",
+                          c.cid, c.pid, c.uid)
+                protocol.send(conn, {"type": "error", "reason": "release refused: only a connection that received "
+                                     "the manifest and attached in copy mode may release the daemon's memory"})
+                return True
+            protocol.send(conn, {"type": "released", "freed": self._release(c)})
+            c.mode = "released"
+        else:  # bye
+            return False
+        return True
+
+    def _hello(self, conn: socket.socket, msg: "messages.Hello") -> bool:
+        """Answer a valid hello with the manifest (True) or an error (False)."""
         from ..fingerprint import Fingerprint
 
         st = self.state
         st.ready.wait()  # an engine that connects while the daemon loads waits (bounded by its state_timeout_s)
-        if msg.get("version") != protocol.PROTOCOL_VERSION:
-            protocol.send(conn, {"type": "error", "reason": f"protocol version {msg.get('version')} != "
-                                 f"{protocol.PROTOCOL_VERSION}; upgrade vllm-fastload on both sides"})
-            return
-        try:
-            theirs = Fingerprint.from_dict(msg["fingerprint"])
-        except (KeyError, TypeError) as e:
-            protocol.send(conn, {"type": "error", "reason": f"malformed fingerprint: {e}"})
-            return
+        theirs = msg.to_fingerprint()
         mine = Fingerprint.from_dict(st.fingerprint)
         diff = mine.mismatched_fields(theirs)
         if diff:
             with st.lock:
                 st.mismatches += 1
             logger.warning("fastload: refused client pid %s (it falls back to disk): fingerprint mismatch: %s",
-                           msg.get("pid"), mine.explain(theirs))
+                           msg.pid, mine.explain(theirs))
             protocol.send(conn, {"type": "error", "reason": "fingerprint mismatch: " + mine.explain(theirs),
                                  "mismatched": [[n, a, b] for n, a, b in diff]})
-            return
+            return False
         # Take what to send under the lock, send outside it: a client that stops reading must not block the
         # status, attach and hello of every other client.
         with st.lock:
@@ -283,81 +438,138 @@ class RankServer:
         if fd < 0:
             protocol.send(conn, {"type": "error", "reason": "the daemon's cache was released by a copy-mode "
                                  "client; restart `vllm-fastload preload` to fill it again"})
-            return
+            return False
         try:
             protocol.send(conn, manifest, fds=[fd])
         finally:
             os.close(fd)
+        return True
 
-    def _release(self, cid: int) -> bool:
-        """A copy-mode client is done: free the segment unless a zero_copy client still maps it."""
+    def _release(self, c: _Client) -> bool:
+        """Copy-mode client ``c`` is done: free the segment unless a zero_copy client still maps it; logged."""
         st = self.state
         with st.lock:
-            st.clients.pop(cid, None)
-            if any(m == "zero_copy" for m in st.clients.values()) or st.segment is None:
-                return False
-            st.segment.close()
-            st.segment = None
-            st.released = True
-            return True
+            st.clients.pop(c.cid, None)
+            mapped = sum(m == "zero_copy" for m in st.clients.values())
+            if mapped or st.segment is None:
+                freed = False
+            else:
+                st.segment.close()
+                st.segment = None
+                st.released = True
+                freed = True
+        if freed:
+            logger.warning("fastload: client %d (pid %d, uid %d, copy mode) released the cache: %.2f GiB freed; later "
+                           "engines load from disk until the daemon is restarted", c.cid, c.pid, c.uid,
+                           st.nbytes / 2**30)
+        else:
+            logger.info("fastload: client %d (pid %d, uid %d, copy mode) is done; the cache stays (%d zero_copy "
+                        "client(s) map it)", c.cid, c.pid, c.uid, mapped)
+        return freed
 
     def close(self) -> None:
         """Stop accepting, remove the socket file, free the segment."""
         self.stop.set()
         if self.sock is not None:
             self.sock.close()
-        try:
-            self.path.unlink()
-        except FileNotFoundError:
-            pass
+        if self.sdir.fd >= 0:
+            self.sdir.unlink(self.path.name)
+        if self._own_dir:
+            self.sdir.close()
         with self.state.lock:
             if self.state.segment is not None:
                 self.state.segment.close()
                 self.state.segment = None
 
 
-def acquire(path: Path) -> int:
-    """Take the per-device lock ``<socket>.lock`` (held for the daemon's life) and clear a stale socket.
+def _lock_name(path: Path) -> str:
+    return path.name + ".lock"
+
+
+def _lock_held(path: Path) -> FastloadError:
+    return FastloadError(f"another preload daemon already serves this device (lock {path}.lock is held); stop it "
+                         f"first or use another --weight-cache-socket-dir")
+
+
+def check_lock_free(path: Path, sdir: SocketDir) -> None:
+    """Raise the "another preload daemon" error when the lock of socket ``path`` is held now (taken and given back
+    at once: a pre-check before anything else binds, such as the health port)."""
+    try:
+        fd = sdir.open_file(_lock_name(path), os.O_RDWR)
+    except FileNotFoundError:
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise _lock_held(path) from None
+    finally:
+        os.close(fd)
+
+
+def acquire(path: Path, sdir: Optional[SocketDir] = None) -> int:
+    """Take the per-device lock ``<socket>.lock`` (held for the daemon's life) and clear a stale socket, both
+    through the socket directory ``sdir`` (default: ``path``'s directory, opened and checked here).
 
     Raises :class:`FastloadError` when another daemon holds the lock or a live daemon answers on the socket.
     Returns the lock's file descriptor.
     """
-    lock_path = Path(str(path) + ".lock")
-    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+    path = Path(path)
+    own = sdir is None
+    sdir = sdir or SocketDir.open(SocketDirSpec(path.parent, "the directory of the socket", "--weight-cache-socket-dir"))
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        raise FastloadError(f"another preload daemon already serves this device (lock {lock_path} is held); "
-                            f"stop it first or use another --weight-cache-socket-dir") from None
-    if path.exists():
-        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        probe.settimeout(2)
+        fd = sdir.open_file(_lock_name(path), os.O_RDWR | os.O_CREAT, 0o600)
         try:
-            probe.connect(str(path))
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
             os.close(fd)
-            raise FastloadError(f"a live daemon answers on {path}; refusing to replace it")
-        except (ConnectionRefusedError, FileNotFoundError):
-            logger.warning("fastload: removing stale socket %s (no listener)", path)
-            path.unlink(missing_ok=True)
-        finally:
-            probe.close()
-    return fd
+            raise _lock_held(path) from None
+        if sdir.lstat(path.name) is not None:
+            probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            probe.settimeout(2)
+            try:
+                probe.connect(sdir.entry(path.name))
+                os.close(fd)
+                raise FastloadError(f"a live daemon answers on {path}; refusing to replace it")
+            except (ConnectionRefusedError, FileNotFoundError):
+                logger.warning("fastload: removing stale socket %s (no listener)", path)
+                sdir.unlink(path.name)
+            finally:
+                probe.close()
+        return fd
+    finally:
+        if own:
+            sdir.close()
+
+
+@dataclass(frozen=True)
+class Limits:
+    """The daemon's connection limits (flags ``--weight-cache-max-connections``, ``--weight-cache-idle-timeout-s``,
+    ``--weight-cache-attach-timeout-s``): per server (each rank's socket, the health port), seconds."""
+
+    max_connections: int = MAX_CONNECTIONS
+    idle_timeout_s: float = IDLE_TIMEOUT_S
+    attach_timeout_s: float = ATTACH_TIMEOUT_S
 
 
 def serve_rank(vllm_config: Any, local_rank: int, rank: int, world_size: int, init_method: str,
-               socket_dir: Path, ready: Any = None) -> int:
-    """Run one rank: lock, bind the socket (engines that connect now wait for the load), load, export, serve
-    until SIGTERM/SIGINT. A signal during the load aborts it. Socket and lock are removed on every exit.
-    Returns the exit code."""
+               socket_dir: Any, ready: Any = None, limits: Limits = Limits()) -> int:
+    """Run one rank: open and check the socket dir (a :class:`.paths.SocketDirSpec`, or a path), lock, bind the
+    socket (engines that connect now wait for the load), load, export, serve until SIGTERM/SIGINT. A signal during
+    the load aborts it. Socket and lock are removed on every exit. Returns the exit code."""
     from vllm.platforms import current_platform
 
+    spec = socket_dir if isinstance(socket_dir, SocketDirSpec) else socket_dir_spec(str(socket_dir))
     identity = device_identity(current_platform.device_type, local_rank)
-    path = socket_path(socket_dir, identity)
-    lock_fd = acquire(path)
+    path = socket_path(spec.path, identity)
+    sdir = SocketDir.open(spec, create=True)
+    try:
+        lock_fd = acquire(path, sdir)
+    except BaseException:
+        sdir.close()
+        raise
     state = RankState(fingerprint={}, segment=None, manifest={}, model=vllm_config.model_config.model,
                       device=identity, socket=str(path), load_s=0.0, nbytes=0, loading=True)
-    server = RankServer(state, path)
+    server = RankServer(state, path, sdir, limits.max_connections, limits.idle_timeout_s, limits.attach_timeout_s)
     stopping = threading.Event()
 
     def on_signal(signum: int, _frame: Any) -> None:
@@ -393,8 +605,9 @@ def serve_rank(vllm_config: Any, local_rank: int, rank: int, world_size: int, in
         return 0
     finally:
         server.close()
+        sdir.unlink(_lock_name(path))
         os.close(lock_fd)
-        Path(str(path) + ".lock").unlink(missing_ok=True)
+        sdir.close()
         logger.info("fastload: rank %d stopped; socket and shared memory removed", rank)
 
 
@@ -425,8 +638,79 @@ def metrics_text(statuses: list[Optional[dict]]) -> bytes:
     return generate_latest(reg)
 
 
-def start_health_server(host: str, port: int, sockets: list[str]) -> ThreadingHTTPServer:
-    """``GET /health`` (200 when every rank is ready, else 503) and ``GET /metrics`` on ``host:port``."""
+class HealthServer(ThreadingHTTPServer):
+    """The health/metrics HTTP server, bounded like the rank sockets: at most ``max_connections`` requests at once
+    (more are answered 503 and closed at once), each connection closed ``timeout_s`` after it was accepted whatever
+    it sends (idle and trickling clients included), and an accept error is logged and paused on, never fatal.
+    The port is reachable from wherever ``host`` is; these bounds keep it from exhausting the process's file
+    descriptors, which the rank sockets of this process share."""
+
+    daemon_threads = True
+    request_queue_size = 128  # socketserver's 5 would drop probes while a burst of connections is accepted
+
+    def __init__(self, address: tuple[str, int], handler: Any, max_connections: int, timeout_s: float):
+        self.timeout_s = timeout_s
+        self._slots = threading.BoundedSemaphore(max_connections)
+        self.max_connections = max_connections
+        self._pause = 0.0
+        self._log = Throttle()
+        super().__init__(address, handler)
+
+    def get_request(self) -> Any:  # socketserver skips the request on OSError; pause so the loop does not spin
+        try:
+            got = super().get_request()
+        except OSError as e:
+            self._pause = accept_backoff(self._pause)
+            self._log("accept", logging.WARNING, "fastload: health server accept failed (%s: %s); pausing %.2f s, "
+                      "still serving", type(e).__name__, e, self._pause)
+            time.sleep(self._pause)
+            raise
+        self._pause = 0.0
+        return got
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):
+            body = b"busy: too many open connections to the health port\n"
+            try:
+                request.settimeout(0.2)
+                request.sendall(b"HTTP/1.0 503 Service Unavailable\r\nContent-Type: text/plain\r\nContent-Length: "
+                                + str(len(body)).encode() + b"\r\nConnection: close\r\n\r\n" + body)
+            except OSError:
+                pass
+            self.shutdown_request(request)
+            self._log("full", logging.WARNING, "fastload: health server refused a connection from %s: %d open "
+                      "(--weight-cache-max-connections)", client_address[0], self.max_connections)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        # A deadline for the whole connection, not per read: a client sending one byte now and then would
+        # otherwise keep its slot for ever.
+        killer = threading.Timer(self.timeout_s, _shutdown_quietly, args=(request,))
+        killer.daemon = True
+        killer.start()
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            killer.cancel()
+            self._slots.release()
+
+
+def _shutdown_quietly(sock: socket.socket) -> None:
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+
+
+def start_health_server(host: str, port: int, sockets: list[str], limits: Limits = Limits()) -> ThreadingHTTPServer:
+    """``GET /health`` (200 when every rank is ready, else 503) and ``GET /metrics`` on ``host:port``, bounded by
+    ``limits`` (:class:`HealthServer`: at most ``max_connections`` at once, each closed after ``idle_timeout_s``,
+    at most 10 s). Raises :class:`FastloadError` naming the address when it cannot be bound (port in use)."""
 
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:  # noqa: N802
@@ -450,7 +734,14 @@ def start_health_server(host: str, port: int, sockets: list[str]) -> ThreadingHT
         def log_message(self, *args: Any) -> None:
             pass
 
-    srv = ThreadingHTTPServer((host, port), Handler)
+    timeout_s = min(10.0, limits.idle_timeout_s)
+    Handler.timeout = timeout_s  # per read (StreamRequestHandler); the server's deadline bounds the whole connection
+    try:
+        srv = HealthServer((host, port), Handler, limits.max_connections, timeout_s)
+    except OSError as e:
+        hint = "another preload daemon (`vllm-fastload status`) or another server uses it; pass another " \
+            "--weight-cache-health-port" if e.errno == errno.EADDRINUSE else "check --weight-cache-health-host"
+        raise FastloadError(f"cannot serve health on {host}:{port} ({e.strerror or e}): {hint}") from None
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     return srv
 
@@ -463,18 +754,77 @@ def add_daemon_flags(parser: Any) -> Any:
     """The daemon's own flags (names as upstream ``vllm preload``); every other flag is a vLLM engine arg."""
     parser.add_argument("--weight-cache-socket-dir", default=None,
                         help="directory of the daemons' sockets (default $XDG_RUNTIME_DIR/vllm-fastload or "
-                             "/tmp/vllm-fastload-<uid>); created 0700, must be owned by you")
+                             "/tmp/vllm-fastload-<uid>); created 0700, must be owned by you and not be a symbolic "
+                             "link")
     parser.add_argument("--weight-cache-health-port", type=int, default=None,
                         help="serve GET /health and /metrics on this port (off when not given)")
     parser.add_argument("--weight-cache-health-host", default="0.0.0.0",
-                        help="address of the health server (0.0.0.0 as upstream; use 127.0.0.1 unless a probe "
-                             "from outside the host needs it)")
+                        help="address of the health server (0.0.0.0 as upstream, so Kubernetes httpGet probes reach "
+                             "it; use 127.0.0.1 unless a probe from outside the host needs it)")
+    parser.add_argument("--weight-cache-max-connections", type=_positive(int), default=MAX_CONNECTIONS,
+                        help="connections each rank socket, and the health port, serve at once; more are refused "
+                             "with a clear error (keep 2 x this + 64 below the fd limit, LimitNOFILE)")
+    parser.add_argument("--weight-cache-idle-timeout-s", type=_positive(float), default=IDLE_TIMEOUT_S,
+                        help="seconds a connection that is not an attached zero_copy engine may stay silent, and "
+                             "the most a frame may take to arrive once it started; health requests get at most "
+                             "min(this, 10) s")
+    parser.add_argument("--weight-cache-attach-timeout-s", type=_positive(float), default=ATTACH_TIMEOUT_S,
+                        help="seconds an engine may take between receiving the manifest and attaching (it maps and "
+                             "verifies the weights in between); then the daemon closes the connection and the "
+                             "engine loads from disk")
     return parser
+
+
+def _positive(kind: type) -> Any:
+    """An argparse type: a number of ``kind`` greater than 0."""
+    def parse(text: str) -> Any:
+        value = kind(text)
+        if not value > 0:
+            raise ValueError(text)
+        return value
+
+    parse.__name__ = f"positive {kind.__name__}"
+    return parse
+
+
+def raise_fd_limit(limits: Limits) -> int:
+    """Raise this process's soft fd limit to its hard limit (it only caps how many connections the daemon can hold
+    at once) and WARN when it stays below what ``limits`` needs (two servers of ``max_connections`` plus 64 for
+    the daemon's own files). Returns the soft limit now in force."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or hard > soft:
+        want = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+            soft = want
+        except (ValueError, OSError):
+            pass
+    need = 2 * limits.max_connections + 64
+    if soft < need:
+        logger.warning("fastload: the fd limit is %d, below the %d that --weight-cache-max-connections %d needs; "
+                       "raise LimitNOFILE (systemd) / ulimit -n, or lower the flag. Accepting pauses at the limit "
+                       "and goes on when connections close", soft, need, limits.max_connections)
+    return soft
+
+
+@contextlib.contextmanager
+def private_init_method() -> Iterator[str]:
+    """``file://`` init method for ``torch.distributed`` in a fresh private directory (``mkdtemp``: 0700, unique,
+    named ``fastload-dist-<pid>-*`` in the temp dir), removed when the block ends, whatever ends it (a return, an
+    error, SIGTERM/SIGINT through the normal shutdown). Only SIGKILL can leave it behind."""
+    d = tempfile.mkdtemp(prefix=f"fastload-dist-{os.getpid()}-")
+    try:
+        yield f"file://{d}/store"
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
 
 
 def main(argv: list[str]) -> int:
     """``vllm-fastload preload``: parse vLLM's engine args plus our flags, start one daemon per local rank."""
     from vllm.engine.arg_utils import EngineArgs
+    from vllm.platforms import current_platform
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     parser = FlexibleArgumentParser(prog="vllm-fastload preload",
@@ -482,66 +832,74 @@ def main(argv: list[str]) -> int:
     add_daemon_flags(parser)
     parser = EngineArgs.add_cli_args(parser)
     args = parser.parse_args(argv)
-    # Socket names carry the device identity (a GPU UUID): check the path length before vLLM's config setup and
-    # before creating the directory, so a too-long --weight-cache-socket-dir fails at once and leaves nothing.
-    from vllm.platforms import current_platform as _platform
-
-    socket_path(Path(args.weight_cache_socket_dir) if args.weight_cache_socket_dir else default_socket_dir(),
-                device_identity(_platform.device_type, 0))
+    # Socket names carry the device identity (a GPU UUID): check the path length and the directory before vLLM's
+    # config setup, so a bad --weight-cache-socket-dir fails at once (a too-long one leaves nothing behind).
+    spec = socket_dir_spec(args.weight_cache_socket_dir)
+    socket_path(spec.path, device_identity(current_platform.device_type, 0))
+    SocketDir.open(spec, create=True).close()
+    limits = Limits(args.weight_cache_max_connections, args.weight_cache_idle_timeout_s,
+                    args.weight_cache_attach_timeout_s)
     if not any(a.split("=", 1)[0] in ("--load-format", "--load_format") for a in argv):
         args.load_format = DEFAULT_LOAD_FORMAT
     engine_args = EngineArgs.from_cli_args(args)
     vllm_config = engine_args.create_engine_config()
     pc = vllm_config.parallel_config
     world = pc.tensor_parallel_size * pc.pipeline_parallel_size
-    socket_dir = ensure_socket_dir(args.weight_cache_socket_dir)
-    logger.info("fastload: starting %d daemon(s) for %s in %s", world, vllm_config.model_config.model, socket_dir)
-    import tempfile
-
-    init_method = f"file://{tempfile.mktemp(prefix='fastload-dist-')}"
-    from vllm.platforms import current_platform
-
-    sockets = [str(socket_path(socket_dir, device_identity(current_platform.device_type, r))) for r in range(world)]
+    logger.info("fastload: starting %d daemon(s) for %s in %s", world, vllm_config.model_config.model, spec.path)
+    sockets = [socket_path(spec.path, device_identity(current_platform.device_type, r)) for r in range(world)]
+    with SocketDir.open(spec) as sdir:
+        for sock in sockets:  # the clear "already serves" error before the health port's "address in use"
+            check_lock_free(sock, sdir)
+    raise_fd_limit(limits)
     health = None
     if args.weight_cache_health_port is not None:
-        health = start_health_server(args.weight_cache_health_host, args.weight_cache_health_port, sockets)
+        health = start_health_server(args.weight_cache_health_host, args.weight_cache_health_port,
+                                     [str(p) for p in sockets], limits)
+    try:
+        with private_init_method() as init_method:
+            return _run_ranks(vllm_config, world, init_method, spec, limits)
+    finally:
+        if health is not None:
+            health.shutdown()
+            health.server_close()
+
+
+def _run_ranks(vllm_config: Any, world: int, init_method: str, spec: SocketDirSpec, limits: Limits) -> int:
+    """Serve every rank (in this process at world size 1, else one spawned process per rank) until they stop.
+    Returns the exit code."""
     if world == 1:
-        code = serve_rank(vllm_config, 0, 0, 1, init_method, socket_dir)
-    else:
-        import multiprocessing as mp
+        return serve_rank(vllm_config, 0, 0, 1, init_method, spec, None, limits)
+    import multiprocessing as mp
 
-        ctx = mp.get_context("spawn")
-        ready = ctx.Queue()
-        procs = [ctx.Process(target=_rank_main, args=((vllm_config, r, r, world, init_method, socket_dir, ready),))
-                 for r in range(world)]
+    ctx = mp.get_context("spawn")
+    ready = ctx.Queue()
+    procs = [ctx.Process(target=_rank_main, args=((vllm_config, r, r, world, init_method, spec, ready, limits),))
+             for r in range(world)]
+    for p in procs:
+        p.start()
+
+    def forward(signum: int, _f: Any) -> None:
         for p in procs:
-            p.start()
+            if p.is_alive():
+                os.kill(p.pid, signal.SIGTERM)
 
-        def forward(signum: int, _f: Any) -> None:
-            for p in procs:
-                if p.is_alive():
-                    os.kill(p.pid, signal.SIGTERM)
+    signal.signal(signal.SIGTERM, forward)
+    signal.signal(signal.SIGINT, forward)
+    import queue as _queue
 
-        signal.signal(signal.SIGTERM, forward)
-        signal.signal(signal.SIGINT, forward)
-        import queue as _queue
-
-        pending = world
-        while pending:
-            try:
-                ready.get(timeout=1.0)
-                pending -= 1
-            except _queue.Empty:
-                dead = [r for r, p in enumerate(procs) if not p.is_alive()]
-                if dead:
-                    logger.error("fastload: rank(s) %s exited while loading; stopping the others", dead)
-                    forward(signal.SIGTERM, None)
-                    break
-        if not pending:
-            logger.info("fastload: ready")
-        for p in procs:
-            p.join()
-        code = max((p.exitcode or 0) for p in procs) or (1 if pending else 0)
-    if health is not None:
-        health.shutdown()
-    return code
+    pending = world
+    while pending:
+        try:
+            ready.get(timeout=1.0)
+            pending -= 1
+        except _queue.Empty:
+            dead = [r for r, p in enumerate(procs) if not p.is_alive()]
+            if dead:
+                logger.error("fastload: rank(s) %s exited while loading; stopping the others", dead)
+                forward(signal.SIGTERM, None)
+                break
+    if not pending:
+        logger.info("fastload: ready")
+    for p in procs:
+        p.join()
+    return max((p.exitcode or 0) for p in procs) or (1 if pending else 0)

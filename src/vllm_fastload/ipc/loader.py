@@ -106,12 +106,15 @@ class IpcCacheLoader(BaseModelLoader):
             return 0
 
     def socket_for_this_rank(self) -> str:
-        """The daemon socket of the device this worker uses (``socket_path`` wins over ``socket_dir``)."""
+        """The daemon socket of the device this worker uses (``socket_path`` wins over ``socket_dir``). Sets
+        :attr:`socket_origin` (where the directory came from, for messages). Raises
+        :class:`~vllm_fastload.errors.SocketDirError` when the socket directory cannot be used."""
         from vllm.platforms import current_platform
 
-        from .paths import device_identity, ensure_socket_dir, socket_path
+        from .paths import ENGINE_KEY, device_identity, ensure_socket_dir, socket_dir_spec, socket_path
 
         if self.config.socket_path:
+            self.socket_origin = 'from "socket_path" in --model-loader-extra-config'
             return self.config.socket_path
         local_rank = 0
         try:
@@ -120,7 +123,8 @@ class IpcCacheLoader(BaseModelLoader):
             local_rank = get_world_group().local_rank
         except (ImportError, AssertionError, AttributeError):
             pass
-        d = ensure_socket_dir(self.config.socket_dir, create=False)
+        d = ensure_socket_dir(self.config.socket_dir, create=False, override=ENGINE_KEY)
+        self.socket_origin = socket_dir_spec(self.config.socket_dir, ENGINE_KEY).origin
         # Drafts of speculative decoding have no daemon of their own yet: their socket never exists, so they fall
         # back to disk with a warning.
         role = "draft" if self.config.is_draft else "target"
@@ -193,7 +197,8 @@ class IpcCacheLoader(BaseModelLoader):
         plan, fp = of_model(model_config, vllm_config)
         lap("fingerprint_s")
         mode = self.config.mode
-        lease = fetch(path, fp.to_dict(), mode, self.config.connect_timeout_s, self.config.state_timeout_s, device)
+        lease = fetch(path, fp.to_dict(), mode, self.config.connect_timeout_s, self.config.state_timeout_s, device,
+                      getattr(self, "socket_origin", None))
         lap("connect_manifest_s")
         registered: list = []
         try:

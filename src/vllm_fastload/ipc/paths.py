@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import socket
 import stat
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
-from ..errors import FastloadError
+from ..errors import FastloadError, SocketDirError
 
 
 def default_socket_dir() -> Path:
@@ -18,23 +20,179 @@ def default_socket_dir() -> Path:
     return Path(runtime) / "vllm-fastload" if runtime else Path(f"/tmp/vllm-fastload-{os.getuid()}")
 
 
-def ensure_socket_dir(path: Optional[str], create: bool = True) -> Path:
-    """Return the socket directory, creating it 0700. Raises :class:`FastloadError` when it is owned by another
-    user or writable by group/others (a shared directory would let others plant sockets)."""
-    d = Path(path) if path else default_socket_dir()
-    if create:
-        d.mkdir(mode=0o700, parents=True, exist_ok=True)
-    if not d.exists():
-        return d
-    st = d.stat()
-    if st.st_uid != os.getuid():
-        raise FastloadError(
-            f"socket dir {d} is owned by uid {st.st_uid}, not by this user ({os.getuid()}); use a directory you own "
-            f"(--weight-cache-socket-dir / \"socket_dir\")")
-    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        raise FastloadError(
-            f"socket dir {d} is writable by group or others (mode {stat.S_IMODE(st.st_mode):o}); chmod 700 {d}")
-    return d
+#: How each side names the setting that chooses the socket directory (for the fix in error messages).
+DAEMON_FLAG = "--weight-cache-socket-dir"
+ENGINE_KEY = '"socket_dir" in --model-loader-extra-config'
+
+
+@dataclass(frozen=True)
+class SocketDirSpec:
+    """A socket directory and where it came from: ``origin`` for messages (``from --weight-cache-socket-dir``,
+    ``from $XDG_RUNTIME_DIR=/run/user/1000``, ...), ``override`` the setting that chooses another one."""
+
+    path: Path
+    origin: str
+    override: str
+
+    def fail(self, problem: str, fix: str = "") -> SocketDirError:
+        """The error for this directory: ``socket dir D (origin) <problem>; <fix>``."""
+        fix = fix or f"use a directory you own, mode 0700 ({self.override} DIR)"
+        return SocketDirError(f"socket dir {self.path} ({self.origin}) {problem}; {fix}")
+
+
+def socket_dir_spec(path: Optional[str], override: str = DAEMON_FLAG) -> SocketDirSpec:
+    """The socket directory ``path`` names (``None``: :func:`default_socket_dir`) and where it came from.
+    ``override`` names the setting of the calling side (:data:`DAEMON_FLAG`, :data:`ENGINE_KEY`)."""
+    if path:
+        return SocketDirSpec(Path(path), f"from {override}", override)
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    if runtime:
+        return SocketDirSpec(default_socket_dir(), f"from $XDG_RUNTIME_DIR={runtime}", override)
+    return SocketDirSpec(default_socket_dir(), "the default while $XDG_RUNTIME_DIR is unset", override)
+
+
+def _blocking_ancestor(d: Path) -> str:
+    """The first directory on the way to ``d`` this user may not search, as ``A (uid U, mode M)``; ``""`` if none."""
+    for a in [*reversed(d.parents), d]:
+        try:
+            st = os.stat(a)
+        except OSError:
+            return ""
+        if not os.access(a, os.X_OK):
+            return f"{a} (owner uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):o})"
+    return ""
+
+
+def _diagnose(spec: SocketDirSpec, e: OSError) -> SocketDirError:
+    """The clear error for an ``OSError`` met while creating or opening ``spec.path``."""
+    d = spec.path
+    try:
+        lst = os.lstat(d)
+    except OSError:
+        lst = None
+    if lst is not None and stat.S_ISLNK(lst.st_mode):
+        target = os.readlink(d)
+        dangling = "" if os.path.exists(d) else ", which does not exist"
+        return spec.fail(f"is a symbolic link (to {target}{dangling}, link owned by uid {lst.st_uid}): the socket dir "
+                         f"must be the directory itself, or whoever can change the link could hand engines forged "
+                         f"weights", f"pass the real directory ({spec.override} DIR) or remove the link")
+    if e.errno in (errno.EACCES, errno.EPERM):
+        where = _blocking_ancestor(d)
+        fix = (f"set XDG_RUNTIME_DIR to this user's own runtime directory (it may be another user's after su/sudo) or "
+               f"pass a directory you own ({spec.override} DIR)") if "XDG_RUNTIME_DIR=" in spec.origin else ""
+        return spec.fail(f"cannot be used by uid {os.getuid()}: permission denied"
+                         + (f" by {where}" if where else ""), fix)
+    if e.errno == errno.ENOTDIR or (lst is not None and not stat.S_ISDIR(lst.st_mode)):
+        what = "is not a directory" if lst is None else f"is a {_kind(lst.st_mode)}, not a directory"
+        return spec.fail(what, f"remove it or choose another directory ({spec.override} DIR)")
+    if e.errno == errno.EROFS:
+        return spec.fail("is on a read-only file system (the daemon creates its sockets there)",
+                         f"choose a writable directory ({spec.override} DIR), e.g. $XDG_RUNTIME_DIR/vllm-fastload")
+    return spec.fail(f"cannot be used ({type(e).__name__}: {e.strerror or e})")
+
+
+def _kind(mode: int) -> str:
+    for test, name in ((stat.S_ISREG, "regular file"), (stat.S_ISSOCK, "socket"), (stat.S_ISFIFO, "FIFO"),
+                       (stat.S_ISCHR, "character device"), (stat.S_ISBLK, "block device")):
+        if test(mode):
+            return name
+    return "special file"
+
+
+class SocketDir:
+    """A socket directory opened once (``O_NOFOLLOW``) and verified through its descriptor: a real directory (not a
+    symbolic link), owned by this user, not writable by group or others. Sockets are bound and connected relative
+    to that descriptor (:meth:`entry`, ``/proc/self/fd/N/<name>``), so swapping the path after the check (a link
+    flipped to another user's directory) cannot redirect them. A context manager; :meth:`close` drops the fd."""
+
+    def __init__(self, spec: SocketDirSpec, fd: int):
+        self.spec, self.fd = spec, fd
+        via = f"/proc/self/fd/{fd}"
+        self._prefix = via if os.path.isdir(via) else str(spec.path)
+
+    @classmethod
+    def open(cls, spec: SocketDirSpec, create: bool = False) -> "SocketDir":
+        """Open (``create``: first make it, 0700, and its parents) and verify ``spec.path``.
+
+        Raises ``FileNotFoundError`` when it does not exist (and ``create`` is false): no daemon has made it yet.
+        Raises :class:`SocketDirError` for every other reason it cannot be used, naming the directory, where it
+        came from and the fix; with ``create`` also when it is on a read-only file system."""
+        d = spec.path
+        if create:
+            try:
+                d.parent.mkdir(parents=True, exist_ok=True)
+                os.mkdir(d, 0o700)
+            except FileExistsError:
+                pass  # a directory, or something else that the open below diagnoses
+            except OSError as e:
+                raise _diagnose(spec, e) from None
+        try:
+            fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except FileNotFoundError:
+            if os.path.lexists(d):  # a dangling symbolic link
+                raise _diagnose(spec, OSError(errno.ELOOP, "symbolic link")) from None
+            raise
+        except OSError as e:
+            raise _diagnose(spec, e) from None
+        try:
+            st = os.fstat(fd)
+            if st.st_uid != os.getuid():
+                raise spec.fail(f"is owned by uid {st.st_uid}, not by this user ({os.getuid()})")
+            if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+                raise spec.fail(f"is writable by group or others (mode {stat.S_IMODE(st.st_mode):o})",
+                                f"chmod 700 {d}")
+            if create and os.fstatvfs(fd).f_flag & os.ST_RDONLY:
+                raise _diagnose(spec, OSError(errno.EROFS, "read-only file system"))
+        except BaseException:
+            os.close(fd)
+            raise
+        return cls(spec, fd)
+
+    def entry(self, name: str) -> str:
+        """The path to bind or connect ``name`` in this directory through its descriptor."""
+        return f"{self._prefix}/{name}"
+
+    def lstat(self, name: str) -> Optional[os.stat_result]:
+        """``lstat`` of ``name`` in this directory (symbolic links not followed); None when it does not exist."""
+        try:
+            return os.stat(name, dir_fd=self.fd, follow_symlinks=False)
+        except FileNotFoundError:
+            return None
+
+    def open_file(self, name: str, flags: int, mode: int = 0o600) -> int:
+        """``os.open`` of ``name`` in this directory, never through a symbolic link."""
+        return os.open(name, flags | os.O_NOFOLLOW | os.O_CLOEXEC, mode, dir_fd=self.fd)
+
+    def unlink(self, name: str) -> None:
+        """Remove ``name`` from this directory (nothing when it is gone)."""
+        try:
+            os.unlink(name, dir_fd=self.fd)
+        except FileNotFoundError:
+            pass
+
+    def close(self) -> None:
+        """Close the directory's descriptor (idempotent)."""
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def __enter__(self) -> "SocketDir":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def ensure_socket_dir(path: Optional[str], create: bool = True, override: str = DAEMON_FLAG) -> Path:
+    """Return the socket directory ``path`` names (default :func:`default_socket_dir`), creating it 0700 when
+    ``create``. Raises :class:`~vllm_fastload.errors.SocketDirError` (see :meth:`SocketDir.open`) when it cannot be
+    used; a directory that does not exist is returned as is when not ``create`` (no daemon made it yet)."""
+    spec = socket_dir_spec(path, override)
+    try:
+        SocketDir.open(spec, create).close()
+    except FileNotFoundError:
+        pass
+    return spec.path
 
 
 def device_identity(device_type: str, local_rank: int) -> str:

@@ -35,6 +35,11 @@ def test_kubernetes_deployment_is_consistent():
     assert parse_bytes(limits["memory"].replace("Gi", "GiB"), key="m", minimum=0) >= 2 * streamer.memory_limit
     assert int(limits["cpu"]) >= streamer.concurrency
     assert pre["startupProbe"]["httpGet"]["port"] == int(_flag(pre["command"], "--weight-cache-health-port"))
+    # the bounds of the threat model (docs/operations.md) are set explicitly where the health port is on the pod IP
+    assert _flag(pre["command"], "--weight-cache-health-host") == "0.0.0.0"
+    assert int(_flag(pre["command"], "--weight-cache-max-connections")) <= 1024
+    assert float(_flag(pre["command"], "--weight-cache-idle-timeout-s")) <= 30
+    assert pre["securityContext"]["allowPrivilegeEscalation"] is False
 
 
 def test_systemd_units_parse_and_order():
@@ -43,6 +48,10 @@ def test_systemd_units_parse_and_order():
     eng = configparser.ConfigParser(strict=False, interpolation=None)
     eng.read(EX / "systemd" / "vllm-engine@.service")
     assert "vllm-fastload preload" in pre["Service"]["ExecStart"] and pre["Service"]["KillSignal"] == "SIGTERM"
+    # fds for two servers of --weight-cache-max-connections plus the daemon's own (systemd's default is 1024)
+    max_conn = int(pre["Service"]["ExecStart"].split("--weight-cache-max-connections")[1].split()[0])
+    assert int(pre["Service"]["LimitNOFILE"]) >= 2 * max_conn + 64 and int(pre["Service"]["LimitNOFILE"]) > 1024
+    assert pre["Service"]["PrivateTmp"] == "yes" and pre["Service"]["UMask"] == "0077"
     assert "vllm-fastload-preload@%i.service" in eng["Unit"]["After"]
     assert "--load-format ipc_cache" in eng["Service"]["ExecStart"]
 

@@ -9,8 +9,6 @@ vLLM calls every general plugin once per process (API server, engine core, each 
 
 from __future__ import annotations
 
-LOAD_FORMATS = ("runai_streamer", "ipc_cache")
-
 
 def register() -> None:
     """Register this plugin's load formats with vLLM (no-op when already registered in this process)."""

@@ -266,3 +266,39 @@ def test_a_refused_registration_does_not_reach_the_callers_thread(monkeypatch):
     monkeypatch.setattr(hostmem.torch, "empty", lambda n, **kw: torch.zeros(n, dtype=torch.uint8))
     hostmem.page_locked(2**20, device=0)
     assert threads and threads[0] is not threading.current_thread() and threads[0].name == "fastload-hostreg"
+
+
+def test_changed_runai_internals_send_the_load_to_the_ring_path(monkeypatch):
+    """The direct path replaces runai's requests_iterator._alloc_slot while it builds its ring: a runai release that
+    renamed or re-signed it must make the load fall back to the ring path with the reason (logged at WARNING by the
+    loader), not crash or misbehave inside runai."""
+    from runai_model_streamer.file_streamer import requests_iterator as ri
+    from runai_model_streamer.file_streamer import slot_pool
+
+    assert direct.internals_changed() is None  # the installed runai is one the path was written for
+    monkeypatch.delattr(ri, "_alloc_slot")
+    why = direct.internals_changed()
+    assert why.startswith(direct.INTERNALS_CHANGED) and "_alloc_slot(slot_size) is missing" in why
+    assert direct.unsupported([]) == why
+    monkeypatch.setattr(ri, "_alloc_slot", lambda size, pinned: None, raising=False)
+    assert "['size', 'pinned']" in direct.internals_changed()
+    monkeypatch.setattr(ri, "_alloc_slot", lambda slot_size: None)
+
+    class Slot:
+        __slots__ = ("buffer",)
+
+    monkeypatch.setattr(slot_pool, "Slot", Slot)
+    assert "slot_pool.Slot has slots ('buffer',)" in direct.internals_changed()
+
+
+def test_loader_logs_changed_internals_at_warning(monkeypatch, caplog):
+    from runai_model_streamer.file_streamer import requests_iterator as ri
+
+    from vllm_fastload.config import StreamerConfig
+    from vllm_fastload.streaming.loader import RunaiStreamerLoader
+
+    monkeypatch.delattr(ri, "_alloc_slot")
+    loader = RunaiStreamerLoader.__new__(RunaiStreamerLoader)
+    loader.config = StreamerConfig.from_extra({})
+    why = loader._reads_into_pinned(torch.device("cuda", 0), [])
+    assert why.startswith(direct.INTERNALS_CHANGED)

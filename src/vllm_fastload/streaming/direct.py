@@ -64,9 +64,39 @@ def torch_dtypes() -> dict[str, torch.dtype]:
     return dict(safetensors_to_torch_dtype)
 
 
+#: How a reason from :func:`internals_changed` starts (the loader logs those at WARNING: an upgrade broke the path).
+INTERNALS_CHANGED = "runai-model-streamer changed an internal the direct read path relies on"
+
+
+def internals_changed() -> Optional[str]:
+    """Why the runai-model-streamer internals this path replaces (``requests_iterator._alloc_slot(slot_size)``, the
+    ``slot_pool.Slot(memory, address)`` it returns) are not as in the tested 0.17 releases, or None. Checked at
+    every load: a runai upgrade outside the pinned range must fall back to the ring path loudly, not misbehave."""
+    import inspect as _inspect
+
+    try:
+        from runai_model_streamer.file_streamer import requests_iterator as ri
+        from runai_model_streamer.file_streamer.slot_pool import Slot
+    except ImportError as e:
+        return f"{INTERNALS_CHANGED}: cannot import {e.name or e}"
+    alloc = getattr(ri, "_alloc_slot", None)
+    try:
+        params = list(_inspect.signature(alloc).parameters) if callable(alloc) else None
+    except (TypeError, ValueError):
+        params = None
+    if params != ["slot_size"]:
+        return f"{INTERNALS_CHANGED}: requests_iterator._alloc_slot(slot_size) is {'missing' if alloc is None else params}"
+    if tuple(getattr(Slot, "__slots__", ())) != ("memory", "address"):
+        return f"{INTERNALS_CHANGED}: slot_pool.Slot has slots {getattr(Slot, '__slots__', None)}, not (memory, address)"
+    return None
+
+
 def unsupported(headers: list[SafetensorsHeader]) -> Optional[str]:
-    """Why the direct path cannot stream these shards (a dtype runai maps to no torch dtype, or packed F4 whose
-    storage shape differs from the header's), or None."""
+    """Why the direct path cannot stream these shards (runai's internals changed, :func:`internals_changed`; a
+    dtype runai maps to no torch dtype, or packed F4 whose storage shape differs from the header's), or None."""
+    changed = internals_changed()
+    if changed:
+        return changed
     known = torch_dtypes()
     for h in headers:
         for t in h.tensors.values():

@@ -19,6 +19,7 @@ directory (``model_config.model``) and keeps the URI in ``model_config.model_wei
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Iterator
@@ -151,7 +152,6 @@ class RunaiStreamerLoader(BaseModelLoader):
         headers = list(ckpt.headers)
         self._skips_copies = bool(ckpt.duplicates)
         largest = max((h.largest for h in headers if h.largest), key=lambda t: t.nbytes, default=None)
-        self._largest = largest.nbytes if largest is not None else 0
         mem = self.config.memory_limit
         device = _model_device(model)
         why_not_direct = self._reads_into_pinned(device, headers)
@@ -241,8 +241,11 @@ class RunaiStreamerLoader(BaseModelLoader):
         else:
             self._drop_arena()
             if cfg.pinned_reader:
-                logger.info("fastload: copying through the pinned ring instead of reading into pinned memory: %s",
-                            why_not)
+                from .direct import INTERNALS_CHANGED
+
+                level = logging.WARNING if why_not.startswith(INTERNALS_CHANGED) else logging.INFO
+                logger.log(level, "fastload: copying through the pinned ring instead of reading into pinned memory: "
+                           "%s", why_not)
             with H2DPipeline(device, slot_bytes=cfg.pinned_slot_bytes, slots=cfg.pinned_slots,
                              copy_threads=cfg.copy_threads, threaded=cfg.pipeline_thread) as pipe:
                 loaded = model.load_weights(pipe.run(self._progress(self._stream(plan, headers, owned=False))))

@@ -146,6 +146,16 @@ class VllmServer(ManagedProcess):
             raise RuntimeError(f"chat failed: HTTP {status}: {body}")
         return body["choices"][0]["message"]["content"]
 
+    def rpc(self, method: str, timeout_s: float = 300.0, **kwargs: str) -> Any:
+        """``POST /collective_rpc`` (vLLM's dev endpoint: the server must run with ``VLLM_SERVER_DEV_MODE=1``):
+        ``method`` on every worker with string ``kwargs``. Returns the JSON answer; raises RuntimeError on HTTP
+        errors with vLLM's message."""
+        status, body = _http("POST", self.url + "/collective_rpc", {"method": method, "kwargs": kwargs},
+                             timeout=timeout_s)
+        if status != 200:
+            raise RuntimeError(f"collective_rpc {method} failed: HTTP {status}: {body}")
+        return body
+
     def greedy_ids(self, prompt: str, max_tokens: int = 16) -> list[int]:
         """Greedy (temperature 0) completion token ids for ``prompt``, from the completions endpoint."""
         status, body = _http("POST", self.url + "/v1/completions", {

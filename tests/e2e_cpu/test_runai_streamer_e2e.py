@@ -133,3 +133,31 @@ def test_bad_extra_config_exits_nonzero_before_loading(demo_model, logs):
         log = srv.log()
     assert "unknown key 'concurency'" in log and "did you mean 'concurrency'" in log
     assert "Loading weights took" not in log and "fastload: runai_streamer loaded" not in log
+
+
+def test_reload_weights_in_place_and_from_a_new_path(demo_model, logs, reference_ids, tmp_path):
+    """vLLM's reload_weights through the server's /collective_rpc (VLLM_SERVER_DEV_MODE=1) streams with our loader
+    (it asks for get_all_weights; vLLM's error was "Model reloading with `runai_streamer` format"): from a copy
+    whose final norm is zero the answers change, reloading the original brings back the default loader's ids."""
+    import os
+
+    from safetensors.torch import load_file, save_file
+
+    changed = tmp_path / "norm-zeroed"
+    shutil.copytree(demo_model, changed)
+    tensors = load_file(str(changed / "model.safetensors"))
+    tensors["model.norm.weight"].zero_()
+    save_file(tensors, str(changed / "model.safetensors"), metadata={"format": "pt"})
+    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}
+    with _runai(demo_model, logs, "runai-reload", env=env) as srv:
+        assert srv.wait_ready(), srv.diagnosis()
+        srv.rpc("reload_weights", weights_path=str(changed))
+        zeroed = ids_of(srv)
+        srv.rpc("reload_weights", weights_path=str(demo_model))
+        back = ids_of(srv)
+        log = srv.log()
+    assert zeroed != reference_ids
+    assert back == reference_ids
+    loads = [line for line in log.splitlines() if "fastload: runai_streamer loaded 272 tensors" in line]
+    assert len(loads) == 3, loads  # the start and both reloads went through our loader
+    assert str(changed) in loads[1] and str(demo_model) in loads[2]

@@ -134,17 +134,55 @@ class RunaiStreamerLoader(BaseModelLoader):
         """Stream the checkpoint into ``model`` (see module docstring). Raises ConfigError, CheckpointError,
         StorageError, FallbackRefused; never leaves a parameter uninitialized without an error."""
         t0 = time.perf_counter()
-        source = weights_source(model_config)
-        report = LoadReport(load_format=LOAD_FORMAT, source=source)
+        report = LoadReport(load_format=LOAD_FORMAT, source=weights_source(model_config))
         reason, possible = self._why_not(model_config)
         if reason:
             loader = fall_back(LOAD_FORMAT, reason, self.config.fallback, self.load_config, possible=possible)
             loader.load_weights(model, model_config)
-            report.format_used, report.fallback_reason = loader.load_config.load_format, reason
-            report.wall_s = time.perf_counter() - t0
-            report.emit(self.config.report_path)
+            self._fell_back(report, loader, reason, t0)
             return
-        plan = self._plan
+        loaded = model.load_weights(self._tensors(model, model_config, report, t0))
+        self._finish(report, t0)
+        t_check = time.perf_counter()
+        self._check_all_loaded(model, model_config, loaded)
+        report.extra["check_s"] = round(time.perf_counter() - t_check, 4)
+        report.emit(self.config.report_path)
+
+    def get_all_weights(self, model_config: Any, model: Any) -> Iterator[tuple[str, Any]]:
+        """Every ``(name, tensor)`` of ``model_config``'s checkpoint, through the same read paths as
+        :meth:`load_weights` (pinned direct reads, the TP > 1 fan-out, CPU). vLLM's in-place ``reload_weights``
+        asks a loader for this method (``vllm.model_executor.model_loader.reload.inplace``, vLLM 0.32; the name and
+        signature of ``DefaultModelLoader.get_all_weights``); for a new ``weights_path`` vLLM points
+        ``model_config.model`` at it first. When the checkpoint cannot be streamed the fallback policy applies and
+        the fallback loader's ``get_all_weights`` yields. The load report is emitted when the iteration ends."""
+        t0 = time.perf_counter()
+        report = LoadReport(load_format=LOAD_FORMAT, source=weights_source(model_config))
+        reason, possible = self._why_not(model_config)
+        if reason:
+            loader = fall_back(LOAD_FORMAT, reason, self.config.fallback, self.load_config, possible=possible)
+            yield from loader.get_all_weights(model_config, model)
+            self._fell_back(report, loader, reason, t0)
+            return
+        yield from self._tensors(model, model_config, report, t0)
+        self._finish(report, t0)
+        report.emit(self.config.report_path)
+
+    def _fell_back(self, report: LoadReport, loader: Any, reason: str, t0: float) -> None:
+        report.format_used, report.fallback_reason = loader.load_config.load_format, reason
+        report.wall_s = time.perf_counter() - t0
+        report.emit(self.config.report_path)
+
+    def _finish(self, report: LoadReport, t0: float) -> None:
+        """Wall and consumer seconds of a finished stream. CPU: reader and consumer alternate in one thread. GPU:
+        they overlap; the consumer's own time is what is left after waiting for the producer."""
+        report.wall_s = self._weights_s = time.perf_counter() - t0
+        waited = report.extra.get("consumer_wait_s", report.read_wait_s)
+        report.consume_s = max(report.wall_s - waited, 0.0)
+
+    def _tensors(self, model: Any, model_config: Any, report: LoadReport, t0: float) -> Iterator[tuple[str, Any]]:
+        """``(name, tensor)`` of the checkpoint :meth:`_why_not` chose (``self._plan``): headers validated and the
+        fingerprint computed before the first tensor, then the fan-out, GPU or CPU path (``report`` filled in)."""
+        plan, source = self._plan, weights_source(model_config)
         ckpt = read_checkpoint(plan)
         for warning in ckpt.warnings():
             logger.warning("fastload: %s", warning)
@@ -174,23 +212,14 @@ class RunaiStreamerLoader(BaseModelLoader):
         with scoped_environ(env):
             try:
                 if fan is not None:
-                    loaded = self._load_fanned_out(model, plan, headers, device, report, fan)
+                    yield from self._fanned_out_tensors(plan, headers, device, report, fan)
                 elif device.type == "cuda":
-                    loaded = self._load_on_gpu(model, plan, headers, device, report, why_not_direct)
+                    yield from self._gpu_tensors(plan, headers, device, report, why_not_direct)
                 else:
-                    loaded = model.load_weights(self._timed(self._progress(self._stream(plan, headers)), report))
+                    yield from self._timed(self._progress(self._stream(plan, headers)), report)
             finally:
                 if fan is not None:
                     fan.close()
-        report.wall_s = self._weights_s = time.perf_counter() - t0
-        # CPU: reader and consumer alternate in one thread. GPU: they overlap; the consumer's own time is what is
-        # left after waiting for the producer thread.
-        waited = report.extra.get("consumer_wait_s", report.read_wait_s)
-        report.consume_s = max(report.wall_s - waited, 0.0)
-        t_check = time.perf_counter()
-        self._check_all_loaded(model, model_config, loaded)
-        report.extra["check_s"] = round(time.perf_counter() - t_check, 4)
-        report.emit(self.config.report_path)
 
     def _fs_strategy_env(self, plan: ShardPlan, report: LoadReport) -> dict[str, str]:
         """``RUNAI_STREAMER_FS_STRATEGY`` from ``fs_strategy`` (see config), as an env update. ``auto``: buffered
@@ -217,8 +246,8 @@ class RunaiStreamerLoader(BaseModelLoader):
                                               os.environ.get("RUNAI_STREAMER_FS_STRATEGY", "runai default"))
         return env
 
-    def _load_on_gpu(self, model: Any, plan: ShardPlan, headers: list, device: Any, report: LoadReport,
-                     why_not: str | None) -> Any:
+    def _gpu_tensors(self, plan: ShardPlan, headers: list, device: Any, report: LoadReport,
+                     why_not: str | None) -> Iterator[tuple[str, Any]]:
         """GPU path. ``why_not`` is None (:meth:`_reads_into_pinned`): runai reads tensor pieces straight into a
         recycled pinned arena and the GPU copies them out (``streaming.direct``); else runai reads into pageable
         memory and each tensor is copied through a pinned ring (``streaming.pipeline``), logged with the reason
@@ -233,7 +262,7 @@ class RunaiStreamerLoader(BaseModelLoader):
             it = stream_to_device(headers, device, cfg.pinned_slot_bytes, cfg.pinned_slots, t, arena, stats)
             arena = None  # the stream owns it now
             try:
-                loaded = model.load_weights(self._progress(self._storage_errors(plan, it)))
+                yield from self._progress(self._storage_errors(plan, it))
             finally:
                 it.close()
                 release_pinned_cache()
@@ -248,14 +277,13 @@ class RunaiStreamerLoader(BaseModelLoader):
                            "%s", why_not)
             with H2DPipeline(device, slot_bytes=cfg.pinned_slot_bytes, slots=cfg.pinned_slots,
                              copy_threads=cfg.copy_threads, threaded=cfg.pipeline_thread) as pipe:
-                loaded = model.load_weights(pipe.run(self._progress(self._stream(plan, headers, owned=False))))
+                yield from pipe.run(self._progress(self._stream(plan, headers, owned=False)))
             t = pipe.times
             report.extra.update(memcpy_s=round(t.memcpy_s, 4), consumer_wait_s=round(t.consumer_wait_s, 4),
                                 pinned_ring_bytes=cfg.pinned_slot_bytes * cfg.pinned_slots)
         report.extra["read_ring_pinned"] = why_not is None
         report.tensors, report.bytes, report.read_wait_s = t.tensors, t.bytes, t.read_wait_s
         report.extra.update(slot_wait_s=round(t.slot_wait_s, 4), h2d_s=round(t.h2d_s, 4))
-        return loaded
 
     def _take_arena(self, device: Any, report: LoadReport) -> Any:
         """The pinned arena :meth:`_start_pinning` prepared for ``device`` (its seconds go to the report), or None
@@ -281,8 +309,8 @@ class RunaiStreamerLoader(BaseModelLoader):
             logger.info("fastload: %s reads the whole checkpoint on this rank (no fan-out): %s", LOAD_FORMAT, why)
         return fan
 
-    def _load_fanned_out(self, model: Any, plan: ShardPlan, headers: list, device: Any, report: LoadReport,
-                         fan: Any) -> Any:
+    def _fanned_out_tensors(self, plan: ShardPlan, headers: list, device: Any, report: LoadReport,
+                            fan: Any) -> Iterator[tuple[str, Any]]:
         """This rank reads its share (``streaming.direct.stream_tensors``: pinned direct reads on a GPU, runai's
         owned slots on CPU) and gets the rest from the other ranks of its host (``streaming.fanout``)."""
         from .direct import release_pinned_cache, stream_tensors
@@ -299,7 +327,7 @@ class RunaiStreamerLoader(BaseModelLoader):
         arena = None  # the stream owns it now
         it = fan.run(entries, owner, self._storage_errors(plan, local), device)
         try:
-            loaded = model.load_weights(self._progress(it))
+            yield from self._progress(it)
         finally:
             it.close()
             release_pinned_cache()
@@ -312,7 +340,6 @@ class RunaiStreamerLoader(BaseModelLoader):
                     "received %d (%.2f GiB) in %d rounds (exchange %.3f s, largest round %.2f GiB)", LOAD_FORMAT,
                     list(s.ranks), s.tensors_read, s.read_bytes / 2**30, s.tensors_received,
                     s.received_bytes / 2**30, s.rounds, s.sync_s, s.peak_round_bytes / 2**30)
-        return loaded
 
     def _reads_into_pinned(self, device: Any, headers: list) -> str | None:
         """None when this load takes the direct path (``streaming.direct``: GPU, ``pinned_reader``, dtypes runai

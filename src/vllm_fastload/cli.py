@@ -33,12 +33,18 @@ def main(argv: list[str] | None = None) -> int:
                          "$XDG_RUNTIME_DIR/vllm-fastload or /tmp/vllm-fastload-<uid>)")
     st.add_argument("--json", action="store_true")
     argv = sys.argv[1:] if argv is None else argv
+    if not argv:  # a bare `vllm-fastload`: what it can do, not argparse's "arguments are required"
+        p.print_help()
+        return 2
     if argv and argv[0] == "preload":
         from .errors import FastloadError
         from .ipc.daemon import main as preload_main
 
+        rest = argv[1:]
+        if rest and not rest[0].startswith("-"):  # `preload MODEL ...`, as `vllm serve MODEL ...` takes it
+            rest = ["--model", rest[0], *rest[1:]]
         try:
-            return preload_main(argv[1:])
+            return preload_main(rest)
         except FastloadError as e:
             print(f"vllm-fastload preload: error: {e}", file=sys.stderr)
             return 2

@@ -1,0 +1,30 @@
+"""The `vllm-fastload` command line: what a bare call prints, and `preload MODEL` taking the model positionally."""
+
+import pytest
+
+from vllm_fastload import cli
+
+
+def test_bare_command_lists_every_subcommand(capsys):
+    assert cli.main([]) == 2
+    out = capsys.readouterr().out
+    for sub, words in (("build-demo-model", "SmolLM2"), ("inspect", "fingerprint"), ("preload", "daemon"),
+                       ("status", "socket dir")):
+        line = next(ln for ln in out.splitlines() if ln.strip().startswith(sub))
+        assert words in line, line
+
+
+def test_preload_takes_the_model_positionally(monkeypatch):
+    seen = []
+    import vllm_fastload.ipc.daemon as daemon
+
+    monkeypatch.setattr(daemon, "main", lambda argv: seen.append(argv) or 0)
+    assert cli.main(["preload", "/models/llama", "--tensor-parallel-size", "2"]) == 0
+    assert cli.main(["preload", "--model", "/models/llama"]) == 0
+    assert seen == [["--model", "/models/llama", "--tensor-parallel-size", "2"], ["--model", "/models/llama"]]
+
+
+def test_unknown_subcommand_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["serve"])
+    assert e.value.code == 2 and "invalid choice: 'serve'" in capsys.readouterr().err

@@ -22,7 +22,8 @@ def main(argv: list[str] | None = None) -> int:
                                 "args would compute it.")
     ins.add_argument("source")
     ins.add_argument("--json", action="store_true", help="machine-readable output")
-    ins.add_argument("--no-fingerprint", action="store_true", help="skip the fingerprint (does not import vLLM)")
+    ins.add_argument("--no-fingerprint", action="store_true",
+                     help="skip the fingerprint: no vLLM import, no engine-arg parsing (well under a second)")
     sub.add_parser("preload", help="start the preload daemon(s): `vllm-fastload preload <vllm serve args>`",
                    add_help=False)
     st = sub.add_parser("status", help="list the preload daemons in a socket dir",
@@ -52,6 +53,11 @@ def main(argv: list[str] | None = None) -> int:
     if rest and args.cmd != "inspect":
         p.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.cmd == "inspect":
+        import os
+
+        # vLLM's INFO lines (engine config) would land in the middle of the report on stdout; warnings still
+        # reach stderr through logging's last-resort handler
+        os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
         from .errors import FastloadError
         from .inspect import inspect, render
 

@@ -11,6 +11,8 @@ loaders compute for the given engine args (TP rank 0).
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 from collections import Counter
@@ -69,7 +71,14 @@ def fingerprint_for(source: str, engine_args: list[str]) -> Optional[dict[str, A
     from .fingerprint import Fingerprint, of_model
 
     parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
-    args = parser.parse_args(["--model", source, *engine_args])
+    said = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(said):  # argparse prints its whole usage before the one line that matters
+            args = parser.parse_args(["--model", source, *engine_args])
+    except SystemExit:
+        last = [ln for ln in said.getvalue().splitlines() if ln.strip()][-1:]
+        why = last[0].split("error: ", 1)[-1] if last else " ".join(engine_args)
+        raise ValueError(f"vLLM rejected the engine args: {why}") from None
     vcfg = EngineArgs.from_cli_args(args).create_engine_config()
     _, fp = of_model(vcfg.model_config, vcfg, log_warnings=False)  # inspect lists them itself
     pc = vcfg.parallel_config  # this process has no parallel state: take the sizes the engine will have
@@ -121,8 +130,26 @@ def inspect(source: str, engine_args: Optional[list[str]] = None, with_fingerpri
         out["problems"].append(no_shards_problem(source))
         out["suggested"] = None
     if with_fingerprint and not out["problems"]:
-        out["fingerprint"] = fingerprint_for(source, engine_args or [])
+        try:
+            out["fingerprint"] = fingerprint_for(source, engine_args or [])
+        except Exception as e:  # noqa: BLE001 - the shard report stands; the fingerprint part fails alone
+            out["problems"].append(f"fingerprint not computed: {one_line(e)} (the shard report above is complete; "
+                                   f"fix the engine args, or pass --no-fingerprint)")
     return out
+
+
+def one_line(e: BaseException) -> str:
+    """The line of an exception's message that says what is wrong (pydantic's first error for a vLLM config)."""
+    errors = getattr(e, "errors", None)
+    if callable(errors):
+        try:
+            first = errors()[0]
+            return f"{type(e).__name__}: {first.get('msg', '')}".replace("Value error, ", "")
+        except (TypeError, IndexError, AttributeError):
+            pass
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    text = lines[0] if lines else ""
+    return text if text.startswith("vLLM rejected") else f"{type(e).__name__}: {text}"
 
 
 def render(rep: dict[str, Any]) -> str:

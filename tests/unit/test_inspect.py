@@ -104,3 +104,21 @@ def test_inspect_names_a_snapshot_link_to_a_missing_blob(tmp_path, capsys):
     assert err.startswith(f"vllm-fastload inspect: error: {snap}/model.safetensors is a symbolic link to "
                           f"../../blobs/abc ({tmp_path}/models--org--m/blobs/abc), which does not exist")
     assert "incomplete or evicted download" in err
+
+
+def test_bad_engine_args_fail_the_fingerprint_alone_in_one_line(demo_model, capsys):
+    """Engine args vLLM refuses (an unknown flag; a TP size the model's heads do not divide) still give the shard
+    report; the fingerprint part is one problem line naming vLLM's reason, not a 250-line usage or a traceback."""
+    pytest = __import__("pytest")
+    pytest.importorskip("vllm")
+    rep = inspect(str(demo_model), ["--bogus-flag", "3"])
+    assert rep["shards"][0]["tensors"] == 272 and "fingerprint" not in rep
+    assert rep["problems"] == [
+        "fingerprint not computed: vLLM rejected the engine args: unrecognized arguments: "
+        "--bogus-flag 3 (the shard report above is complete; fix the engine args, or pass --no-fingerprint)"]
+    assert main(["inspect", str(demo_model), "--tensor-parallel-size", "2"]) == 1
+    out = capsys.readouterr().out
+    assert "model.safetensors: 272 tensors" in out
+    assert ("PROBLEM: fingerprint not computed: ValidationError: Total number of attention heads (9) must be "
+            "divisible by tensor parallel size (2).") in out
+    assert len(out.splitlines()) == 4  # source, shard, problem, suggestion: no vLLM log lines in the report

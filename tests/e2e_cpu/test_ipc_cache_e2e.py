@@ -216,8 +216,14 @@ def test_copy_mode_matches_and_daemon_frees_its_memory(demo_model, sock_dir, e2e
         assert st["state"] == "released" and st["bytes"] == 0
 
 
-def test_sigterm_exits_cleanly_and_removes_socket_and_lock(daemon2, sock_dir):
+def test_sigterm_exits_cleanly_and_removes_socket_lock_and_rendezvous_dir(daemon2, sock_dir):
+    import glob
+    import tempfile
+
+    rendezvous = f"{tempfile.gettempdir()}/fastload-dist-{daemon2.pid}-*"
+    assert len(glob.glob(rendezvous)) == 1  # torch.distributed's file:// store, private to this daemon
     code = daemon2.stop()
     assert code == 0, daemon2.log()[-2000:]
     assert "socket and shared memory removed" in daemon2.log()
     assert list(sock_dir.iterdir()) == []
+    assert glob.glob(rendezvous) == []

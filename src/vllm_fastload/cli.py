@@ -84,7 +84,6 @@ def main(argv: list[str] | None = None) -> int:
     return 1
 
 
-
 def _status(args: argparse.Namespace) -> int:
     import os
 
@@ -104,7 +103,7 @@ def _status(args: argparse.Namespace) -> int:
         rows.append(st or {"socket": str(sock), "state": "not answering (stale socket?)"})
     if args.json:
         print(json.dumps(rows, indent=2))
-        return 0
+        return 0 if rows else 1  # the same exit codes as the text form
     if not rows:
         print(f"no preload daemons in {d}")
         return 1

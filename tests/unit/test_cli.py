@@ -28,3 +28,11 @@ def test_unknown_subcommand_is_a_usage_error(capsys):
     with pytest.raises(SystemExit) as e:
         cli.main(["serve"])
     assert e.value.code == 2 and "invalid choice: 'serve'" in capsys.readouterr().err
+
+
+def test_status_exit_codes_are_the_same_with_json(tmp_path, capsys):
+    d = tmp_path / "sock"
+    d.mkdir(mode=0o700)
+    assert cli.main(["status", "--weight-cache-socket-dir", str(d)]) == 1
+    assert cli.main(["status", "--weight-cache-socket-dir", str(d), "--json"]) == 1
+    assert capsys.readouterr().out.splitlines()[-1] == "[]"

@@ -141,7 +141,8 @@ class RunaiStreamerLoader(BaseModelLoader):
             loader.load_weights(model, model_config)
             self._fell_back(report, loader, reason, t0)
             return
-        loaded = model.load_weights(self._tensors(model, model_config, report, t0))
+        tensors = self._tensors(model, model_config, report, t0)  # validates the checkpoint before the model
+        loaded = model.load_weights(tensors)
         self._finish(report, t0)
         t_check = time.perf_counter()
         self._check_all_loaded(model, model_config, loaded)
@@ -180,8 +181,9 @@ class RunaiStreamerLoader(BaseModelLoader):
         report.consume_s = max(report.wall_s - waited, 0.0)
 
     def _tensors(self, model: Any, model_config: Any, report: LoadReport, t0: float) -> Iterator[tuple[str, Any]]:
-        """``(name, tensor)`` of the checkpoint :meth:`_why_not` chose (``self._plan``): headers validated and the
-        fingerprint computed before the first tensor, then the fan-out, GPU or CPU path (``report`` filled in)."""
+        """``(name, tensor)`` of the checkpoint :meth:`_why_not` chose (``self._plan``) through the fan-out, GPU or
+        CPU path (``report`` filled in). Headers are validated, the fingerprint computed and the fan-out agreed on
+        here, before the iterator is returned: a bad checkpoint fails before the model is touched."""
         plan, source = self._plan, weights_source(model_config)
         ckpt = read_checkpoint(plan)
         for warning in ckpt.warnings():
@@ -208,18 +210,22 @@ class RunaiStreamerLoader(BaseModelLoader):
         self._total = ckpt.tensor_count
         report.extra["prepare_s"] = round(time.perf_counter() - t0, 4)  # shards, headers, fingerprint, strategy
         fan = self._fanout(device, why_not_direct)
-        # runai reads its settings from the environment when a stream starts: set them for this load only.
-        with scoped_environ(env):
-            try:
-                if fan is not None:
-                    yield from self._fanned_out_tensors(plan, headers, device, report, fan)
-                elif device.type == "cuda":
-                    yield from self._gpu_tensors(plan, headers, device, report, why_not_direct)
-                else:
-                    yield from self._timed(self._progress(self._stream(plan, headers)), report)
-            finally:
-                if fan is not None:
-                    fan.close()
+
+        def stream() -> Iterator[tuple[str, Any]]:
+            # runai reads its settings from the environment when a stream starts: set them for this load only.
+            with scoped_environ(env):
+                try:
+                    if fan is not None:
+                        yield from self._fanned_out_tensors(plan, headers, device, report, fan)
+                    elif device.type == "cuda":
+                        yield from self._gpu_tensors(plan, headers, device, report, why_not_direct)
+                    else:
+                        yield from self._timed(self._progress(self._stream(plan, headers)), report)
+                finally:
+                    if fan is not None:
+                        fan.close()
+
+        return stream()
 
     def _fs_strategy_env(self, plan: ShardPlan, report: LoadReport) -> dict[str, str]:
         """``RUNAI_STREAMER_FS_STRATEGY`` from ``fs_strategy`` (see config), as an env update. ``auto``: buffered

@@ -6,9 +6,9 @@ import py_compile
 import subprocess
 from pathlib import Path
 
+import pytest
 import yaml
 
-from vllm_fastload.config import StreamerConfig, parse_bytes
 
 EX = Path(__file__).resolve().parents[2] / "examples"
 
@@ -17,43 +17,161 @@ def _flag(cmd, name):
     return cmd[cmd.index(name) + 1]
 
 
-def test_kubernetes_deployment_is_consistent():
-    dep = yaml.safe_load((EX / "kubernetes" / "deployment.yaml").read_text())
-    pod = dep["spec"]["template"]["spec"]
-    c = {x["name"]: x for x in pod["containers"]}
-    pre, eng = c["preload"], c["engine"]
-    assert pre["command"][:2] == ["vllm-fastload", "preload"]
-    sock_dir = _flag(pre["command"], "--weight-cache-socket-dir")
-    eng_cfg = json.loads(_flag(eng["command"], "--model-loader-extra-config"))
-    assert _flag(eng["command"], "--load-format") == "ipc_cache" and eng_cfg["socket_dir"] == sock_dir
-    mounts = lambda x: {m["name"]: m["mountPath"] for m in x["volumeMounts"]}  # noqa: E731
-    assert mounts(pre)["fastload-sock"] == mounts(eng)["fastload-sock"] and sock_dir.startswith(mounts(pre)["fastload-sock"])
-    # same tensor-parallel size on both sides (else the fingerprint differs)
-    assert _flag(pre["command"], "--tensor-parallel-size") == _flag(eng["command"], "--tensor-parallel-size")
-    streamer = StreamerConfig.from_extra(json.loads(_flag(pre["command"], "--model-loader-extra-config")))
-    limits = pre["resources"]["limits"]
-    assert parse_bytes(limits["memory"].replace("Gi", "GiB"), key="m", minimum=0) >= 2 * streamer.memory_limit
-    assert int(limits["cpu"]) >= streamer.concurrency
-    assert pre["startupProbe"]["httpGet"]["port"] == int(_flag(pre["command"], "--weight-cache-health-port"))
-    # the bounds of the threat model (docs/operations.md) are set explicitly where the health port is on the pod IP
-    assert _flag(pre["command"], "--weight-cache-health-host") == "0.0.0.0"
-    assert int(_flag(pre["command"], "--weight-cache-max-connections")) <= 1024
-    assert float(_flag(pre["command"], "--weight-cache-idle-timeout-s")) <= 30
-    assert pre["securityContext"]["allowPrivilegeEscalation"] is False
+def _k8s():
+    docs = list(yaml.safe_load_all((EX / "kubernetes" / "deployment.yaml").read_text()))
+    return {d["kind"]: d for d in docs}
 
 
-def test_systemd_units_parse_and_order():
-    pre = configparser.ConfigParser(strict=False, interpolation=None)
-    pre.read(EX / "systemd" / "vllm-fastload-preload@.service")
-    eng = configparser.ConfigParser(strict=False, interpolation=None)
-    eng.read(EX / "systemd" / "vllm-engine@.service")
-    assert "vllm-fastload preload" in pre["Service"]["ExecStart"] and pre["Service"]["KillSignal"] == "SIGTERM"
+def test_kubernetes_manifests_pass_the_kubernetes_schema():
+    kv = pytest.importorskip("kubernetes_validate")
+    for kind, doc in _k8s().items():
+        kv.validate(doc, kv.latest_version(), strict=True)  # raises on any field the API does not have
+
+
+def test_kubernetes_daemon_and_engine_share_one_gpu_container():
+    """The NVIDIA device plugin gives each requesting container its own GPU: daemon and engine must be one
+    container (under supervise.sh) or the engine could never map the daemon's memory."""
+    docs = _k8s()
+    pod = docs["Deployment"]["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == 1
+    env = {e["name"]: e["value"] for e in c["env"]}
+    # the ConfigMap carries supervise.sh verbatim
+    assert docs["ConfigMap"]["data"]["supervise.sh"] == (EX / "kubernetes" / "supervise.sh").read_text()
+    mount = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
+    assert c["command"] == ["/bin/sh", mount["supervise"] + "/supervise.sh"]
+    assert env["SOCKET_DIR"].startswith(mount["fastload-sock"])
+    weight = env["WEIGHT_ARGS"].split()
+    assert "--tensor-parallel-size" in weight  # one variable for both sides: the fingerprint cannot differ
+    engine = env["ENGINE_ARGS"].split()
+    assert float(_flag(engine, "--gpu-memory-utilization")) <= 0.85  # the daemon's weights are not free memory
+    preload = env["PRELOAD_ARGS"].split()
+    assert all(f.startswith("--weight-cache-") for f in preload if f.startswith("--"))
+    # the threat model's bounds are set where the health port is on the pod IP
+    assert _flag(preload, "--weight-cache-health-host") == "0.0.0.0"
+    assert int(_flag(preload, "--weight-cache-max-connections")) <= 1024
+    assert float(_flag(preload, "--weight-cache-idle-timeout-s")) <= 30
+    assert c["livenessProbe"]["httpGet"]["port"] == int(env["HEALTH_PORT"])  # the daemon
+    assert c["readinessProbe"]["httpGet"]["port"] == 8000 == int(_flag(engine, "--port"))  # the engine
+    assert c["securityContext"]["allowPrivilegeEscalation"] is False
+
+
+def _stub(bin_dir, name, body):
+    p = bin_dir / name
+    p.write_text("#!/bin/sh\n" + body)
+    p.chmod(0o755)
+
+
+def test_supervisor_restarts_the_engine_and_stops_both_on_sigterm(tmp_path):
+    """supervise.sh with stand-ins for vllm-fastload and vllm: it waits for the daemon's /health, restarts an
+    engine that exited, and on SIGTERM stops the engine, then the daemon."""
+    import os
+    import signal
+    import socket
+    import time
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    bin_dir, log = tmp_path / "bin", tmp_path / "calls.log"
+    bin_dir.mkdir()
+    _stub(bin_dir, "vllm-fastload", f"""echo "daemon $*" >> {log}
+trap 'echo daemon-stopped >> {log}; exit 0' TERM
+python3 -c "
+import http.server
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.end_headers()
+    def log_message(self, *a): pass
+http.server.HTTPServer(('127.0.0.1', {port}), H).serve_forever()" &
+wait $!
+""")
+    _stub(bin_dir, "vllm", f"""n=$(grep -c '^engine' {log})
+echo "engine $*" >> {log}
+[ "$n" -eq 0 ] && exit 3
+trap 'echo engine-stopped >> {log}; exit 0' TERM
+sleep 60 & wait $!
+""")
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "MODEL": "/models/m", "WEIGHT_ARGS": "--dtype bf16",
+           "ENGINE_ARGS": "--port 8000", "PRELOAD_ARGS": "--weight-cache-idle-timeout-s 30",
+           "SOCKET_DIR": str(tmp_path / "sock"), "HEALTH_PORT": str(port)}
+    p = subprocess.Popen(["/bin/sh", str(EX / "kubernetes" / "supervise.sh")], env=env, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and (not log.exists() or log.read_text().count("engine ") < 2):
+            time.sleep(0.2)
+        time.sleep(0.5)
+        os.kill(p.pid, signal.SIGTERM)
+        assert p.wait(30) == 0
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+    lines = log.read_text().splitlines()
+    assert lines[0] == (f"daemon preload --model /models/m --dtype bf16 --weight-cache-idle-timeout-s 30 "
+                        f"--weight-cache-socket-dir {tmp_path / 'sock'} --weight-cache-health-port {port}")
+    engines = [ln for ln in lines if ln.startswith("engine ")]
+    assert len(engines) == 2 and engines[0] == engines[1]  # the first exited (3), the same command ran again
+    assert engines[0].startswith("engine serve /models/m --dtype bf16 --port 8000 --load-format ipc_cache")
+    assert lines[-2:] == ["engine-stopped", "daemon-stopped"]  # engine first, then the daemon
+
+
+def _unit(name):
+    c = configparser.ConfigParser(strict=False, interpolation=None)
+    c.read(EX / "systemd" / name)
+    return c
+
+
+def _env_file():
+    return dict(ln.split("=", 1) for ln in (EX / "systemd" / "llama.env").read_text().splitlines()
+                if ln.strip() and not ln.startswith("#"))
+
+
+def test_systemd_units_per_instance_with_one_socket_dir():
+    pre, eng = _unit("vllm-fastload-preload@.service"), _unit("vllm-engine@.service")
+    pre_cmd, eng_cmd = pre["Service"]["ExecStart"], eng["Service"]["ExecStart"]
+    assert "vllm-fastload preload" in pre_cmd and pre["Service"]["KillSignal"] == "SIGTERM"
+    # per instance: the socket dir from the instance name, made by the daemon's unit, named the same by the engine's
+    assert pre["Service"]["RuntimeDirectory"] == "vllm-fastload/%i" and pre["Service"]["RuntimeDirectoryMode"] == "0700"
+    assert "--weight-cache-socket-dir /run/vllm-fastload/%i " in pre_cmd
+    assert json.loads(eng_cmd.split("--model-loader-extra-config", 1)[1].strip().strip("'"))["socket_dir"] == \
+        "/run/vllm-fastload/%i"
+    assert "--weight-cache-health-port ${HEALTH_PORT}" in pre_cmd
+    # separate argument variables: weights on both sides, each side's own flags only on its side
+    assert "$WEIGHT_ARGS $PRELOAD_ARGS" in pre_cmd and "ENGINE_ARGS" not in pre_cmd
+    assert "$WEIGHT_ARGS $ENGINE_ARGS" in eng_cmd and "PRELOAD_ARGS" not in eng_cmd
+    env = _env_file()
+    assert set(env) == {"MODEL", "WEIGHT_ARGS", "PRELOAD_ARGS", "HEALTH_PORT", "ENGINE_ARGS"}
+    assert "--port" in env["ENGINE_ARGS"] and "--port" not in env["WEIGHT_ARGS"] + env["PRELOAD_ARGS"]
     # fds for two servers of --weight-cache-max-connections plus the daemon's own (systemd's default is 1024)
-    max_conn = int(pre["Service"]["ExecStart"].split("--weight-cache-max-connections")[1].split()[0])
+    max_conn = int(pre_cmd.split("--weight-cache-max-connections")[1].split()[0])
     assert int(pre["Service"]["LimitNOFILE"]) >= 2 * max_conn + 64 and int(pre["Service"]["LimitNOFILE"]) > 1024
     assert pre["Service"]["PrivateTmp"] == "yes" and pre["Service"]["UMask"] == "0077"
     assert "vllm-fastload-preload@%i.service" in eng["Unit"]["After"]
-    assert "--load-format ipc_cache" in eng["Service"]["ExecStart"]
+    assert "--load-format ipc_cache" in eng_cmd
+
+
+def test_systemd_units_verify(tmp_path):
+    """systemd's own checker on instances of both templates (binaries and the env file pointed at stand-ins)."""
+    import shutil
+
+    if shutil.which("systemd-analyze") is None:
+        pytest.skip("systemd-analyze is not installed here")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for exe in ("vllm-fastload", "vllm"):
+        _stub(bin_dir, exe, "exit 0\n")
+    (tmp_path / "llama.env").write_text((EX / "systemd" / "llama.env").read_text())
+    for template, instance in (("vllm-fastload-preload@.service", "vllm-fastload-preload@llama.service"),
+                               ("vllm-engine@.service", "vllm-engine@llama.service")):
+        text = (EX / "systemd" / template).read_text().replace("/opt/vllm/bin/", f"{bin_dir}/")
+        text = text.replace("/etc/vllm-fastload/%i.env", str(tmp_path / "llama.env"))
+        (tmp_path / instance).write_text(text)
+    r = subprocess.run(["systemd-analyze", "verify", "--man=no", str(tmp_path / "vllm-fastload-preload@llama.service"),
+                        str(tmp_path / "vllm-engine@llama.service")], capture_output=True, text=True)
+    problems = [ln for ln in (r.stdout + r.stderr).splitlines()
+                if ln.strip() and "llama.service" in ln and "network-online.target" not in ln]
+    assert r.returncode == 0 and not problems, r.stdout + r.stderr
 
 
 def test_scripts_compile():

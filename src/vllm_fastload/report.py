@@ -26,7 +26,9 @@ class LoadReport:
     ``load_format``: the format asked for; ``format_used``: what actually loaded (``auto`` after a fallback);
     ``bytes``: tensor bytes delivered to the model; ``wall_s``: seconds inside the loader's ``load_weights``;
     ``read_wait_s``: seconds the consumer waited for the reader (storage bound when close to ``wall_s``);
-    ``consume_s``: seconds in the model's ``weight_loader`` calls; ``fallback_reason``: None when no fallback.
+    ``consume_s``: seconds in the model's ``weight_loader`` calls; ``fallback_reason``: None when no fallback;
+    ``weights_phase_s``: when set (``ipc_cache``), the seconds comparable to a disk loader's weight loading, which
+    the line leads with (``wall_s`` also counts model construction and re-processing there).
     """
 
     load_format: str
@@ -43,6 +45,7 @@ class LoadReport:
     verb: str = "loaded"
     note: str = ""
     finished_at: float = 0.0
+    weights_phase_s: Optional[float] = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -57,9 +60,14 @@ class LoadReport:
                 f"fastload: {self.load_format} fell back to load format {self.format_used!r} "
                 f"({self.fallback_reason}); weights from {self.source} loaded in {self.wall_s:.2f} s"
             )
+        what = f"fastload: {self.load_format} {self.verb} {self.tensors} tensors ({self.bytes / 2**30:.2f} GiB) from"
+        if self.weights_phase_s is not None:  # lead with the span comparable to a disk load, then the whole
+            wp = self.weights_phase_s
+            rate = self.bytes / wp / 1e9 if wp > 0 else 0.0
+            return (f"{what} {self.source}: weights phase {wp:.3f} s ({rate:.2f} GB/s), {self.wall_s:.2f} s in all, "
+                    f"fingerprint {self.fingerprint}" + (f", {self.note}" if self.note else ""))
         return (
-            f"fastload: {self.load_format} {self.verb} {self.tensors} tensors ({self.bytes / 2**30:.2f} GiB) from "
-            f"{self.source} in {self.wall_s:.2f} s ({self.gb_per_s:.2f} GB/s), fingerprint {self.fingerprint}"
+            f"{what} {self.source} in {self.wall_s:.2f} s ({self.gb_per_s:.2f} GB/s), fingerprint {self.fingerprint}"
             + (f", {self.note}" if self.note else "")
         )
 

@@ -200,7 +200,7 @@ class PreloadDaemon(ManagedProcess):
 #: vLLM's line after the model is loaded, e.g. "Model loading took 0.25 GiB memory and 1.23 seconds".
 MODEL_LOADING = re.compile(r"Model loading took .*? and ([0-9.]+) seconds")
 #: Our report line (runai_streamer "loaded", ipc_cache "mapped").
-FASTLOAD_LINE = re.compile(r"fastload: \S+ (?:loaded|mapped) \d+ tensors .*? in ([0-9.]+) s")
+FASTLOAD_LINE = re.compile(r"fastload: \S+ (?:loaded|mapped) \d+ tensors .*?(?: in|: weights phase) ([0-9.]+) s")
 #: vLLM default loader's line.
 DEFAULT_LINE = re.compile(r"Loading weights took ([0-9.]+) seconds")
 

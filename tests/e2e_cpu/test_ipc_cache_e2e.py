@@ -59,7 +59,8 @@ def daemon_status(sock_dir):
 
 def test_daemon_logs_health_metrics_and_socket_modes(daemon, sock_dir):
     log = daemon.log()
-    for needle in ("starting 1 daemon(s)", "rank 0 exported", "serving on", "fastload: ready"):
+    for needle in ("starting 1 daemon(s)", "rank 0 exported", "serving on", "fastload: ready",
+                   f"health and metrics on http://127.0.0.1:{daemon.health_port}/health"):
         assert needle in log
     st = daemon_status(sock_dir)
     assert st["state"] == "ready" and st["clients"] == 0 and st["tensors"] > 200 and st["bytes"] > 2.5e8
@@ -92,10 +93,12 @@ def test_zero_copy_matches_default_and_restart_maps_again(demo_model, sock_dir, 
             assert "no disk read" in log
             assert "Loading weights took" not in log and "runai_streamer loaded" not in log
             r = report(e2e_logs, run)
-            assert r["fallback_reason"] is None and r["note"].startswith("no disk read (weights phase ")
+            assert r["fallback_reason"] is None and r["note"].startswith("no disk read (re-processing ")
             assert r["tensors"] == st["tensors"] and r["extra"]["weights_phase_s"] < r["wall_s"]
     code, text = daemon.http("/metrics")
-    assert 'vllm_fastload_attaches_total{rank="0"} 2.0' in text
+    assert 'vllm_fastload_attaches_total{rank="0"} 2.0' in text and "vllm_fastload_attaches_total counter" in text
+    log = daemon.log()
+    assert log.count("attached in zero_copy mode") == 2 and log.count("(zero_copy mode) detached") == 2
 
 
 def test_engine_survives_daemon_sigkill_and_next_start_falls_back(demo_model, sock_dir, e2e_logs, daemon,

@@ -668,3 +668,15 @@ def test_a_second_daemon_gets_the_lock_message_before_the_health_port_error(tmp_
                f"(`vllm-fastload status`) or another server uses it; pass another --weight-cache-health-port" in err
     finally:
         busy.close()
+
+
+def test_metrics_types_counters_and_gauges():
+    """Prometheus counters where the value only grows (attaches, refused engines), gauges for levels."""
+    st = {"state": "ready", "tensors": 3, "bytes": 10, "clients": 1, "attaches": 2, "fingerprint_mismatches": 1,
+          "load_seconds": 1.5, "fingerprint_short": "ab", "model": "/m"}
+    text = metrics_text([st, None]).decode()
+    assert "# TYPE vllm_fastload_attaches_total counter" in text and 'vllm_fastload_attaches_total{rank="0"} 2.0' in text
+    assert "# TYPE vllm_fastload_fallbacks_seen_total counter" in text
+    for gauge in ("tensors", "bytes", "attached_clients", "load_seconds", "ready"):
+        assert f"# TYPE vllm_fastload_{gauge} gauge" in text
+    assert 'vllm_fastload_ready{rank="1"} 0.0' in text and 'vllm_fastload_tensors{rank="1"}' not in text

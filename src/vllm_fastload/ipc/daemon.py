@@ -345,8 +345,12 @@ class RankServer:
                 pass
         finally:
             with st.lock:
-                st.clients.pop(c.cid, None)
+                was = st.clients.pop(c.cid, None)
                 self._active -= 1
+                left = len(st.clients)
+            if was is not None:
+                logger.info("fastload: client %d (pid %d, %s mode) detached; %d engine(s) attached", c.cid, c.pid, was,
+                            left)
             conn.close()
 
     def _serve_one(self, conn: socket.socket, c: _Client) -> bool:
@@ -397,6 +401,8 @@ class RankServer:
                 st.clients[c.cid] = msg.mode
                 st.attaches += 1
                 n = len(st.clients)
+            logger.info("fastload: client %d (pid %d, uid %d) attached in %s mode; %d engine(s) attached", c.cid, c.pid,
+                        c.uid, msg.mode, n)
             protocol.send(conn, {"type": "attached", "clients": n})
         elif isinstance(msg, messages.Release):
             if c.mode != "copy":
@@ -612,29 +618,44 @@ def serve_rank(vllm_config: Any, local_rank: int, rank: int, world_size: int, in
 
 
 # --- health and metrics (main process) ------------------------------------------------------------------
+#: Prometheus metrics of the health port: (name, type, help, status key). Counters only ever grow while the daemon
+#: runs (prometheus_client appends ``_total`` to a counter's name in the exposition).
+METRICS = (
+    ("tensors", "gauge", "tensors exported", "tensors"),
+    ("bytes", "gauge", "bytes of weights held", "bytes"),
+    ("attached_clients", "gauge", "engines attached now", "clients"),
+    ("attaches", "counter", "attaches since start", "attaches"),
+    ("fallbacks_seen", "counter", "engines refused with a fingerprint mismatch since start (they fell back)",
+     "fingerprint_mismatches"),
+    ("load_seconds", "gauge", "seconds the rank took to load and export", "load_seconds"),
+)
+
+
 def metrics_text(statuses: list[Optional[dict]]) -> bytes:
-    """Prometheus exposition of the ranks' statuses (prometheus_client)."""
-    from prometheus_client import CollectorRegistry, Gauge, Info, generate_latest
+    """Prometheus exposition of the ranks' statuses (prometheus_client; one sample per rank, label ``rank``):
+    :data:`METRICS`, ``vllm_fastload_ready`` (1 when the rank serves) and ``vllm_fastload_fingerprint`` (info)."""
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
+
+    class Snapshot:
+        def collect(self):
+            ready = GaugeMetricFamily("vllm_fastload_ready", "1 when the rank serves", labels=["rank"])
+            info = InfoMetricFamily("vllm_fastload_fingerprint", "fingerprint of the cached weights", labels=["rank"])
+            fams = {name: (CounterMetricFamily if kind == "counter" else GaugeMetricFamily)(
+                f"vllm_fastload_{name}", text, labels=["rank"]) for name, kind, text, _ in METRICS}
+            for r, st in enumerate(statuses):
+                ready.add_metric([str(r)], 1 if st and st.get("state") == "ready" else 0)
+                if not st:
+                    continue
+                for name, _, _, key in METRICS:
+                    fams[name].add_metric([str(r)], st[key])
+                info.add_metric([str(r)], {"short": st.get("fingerprint_short") or "", "model": str(st["model"])})
+            yield ready
+            yield from fams.values()
+            yield info
 
     reg = CollectorRegistry()
-    g = {k: Gauge(f"vllm_fastload_{k}", h, ["rank"], registry=reg) for k, h in (
-        ("tensors", "tensors exported"), ("bytes", "bytes held in shared memory"),
-        ("attached_clients", "clients attached now"), ("attaches_total", "attaches since start"),
-        ("fallbacks_seen_total", "clients refused with a fingerprint mismatch (they fell back)"),
-        ("load_seconds", "seconds the rank took to load and export"), ("ready", "1 when the rank serves"))}
-    info = Info("vllm_fastload_fingerprint", "fingerprint of the cached weights", ["rank"], registry=reg)
-    for r, st in enumerate(statuses):
-        lab = str(r)
-        g["ready"].labels(lab).set(1 if st and st.get("state") == "ready" else 0)
-        if not st:
-            continue
-        g["tensors"].labels(lab).set(st["tensors"])
-        g["bytes"].labels(lab).set(st["bytes"])
-        g["attached_clients"].labels(lab).set(st["clients"])
-        g["attaches_total"].labels(lab).set(st["attaches"])
-        g["fallbacks_seen_total"].labels(lab).set(st["fingerprint_mismatches"])
-        g["load_seconds"].labels(lab).set(st["load_seconds"])
-        info.labels(lab).info({"short": st.get("fingerprint_short") or "", "model": str(st["model"])})
+    reg.register(Snapshot())
     return generate_latest(reg)
 
 
@@ -743,6 +764,8 @@ def start_health_server(host: str, port: int, sockets: list[str], limits: Limits
             "--weight-cache-health-port" if e.errno == errno.EADDRINUSE else "check --weight-cache-health-host"
         raise FastloadError(f"cannot serve health on {host}:{port} ({e.strerror or e}): {hint}") from None
     threading.Thread(target=srv.serve_forever, daemon=True).start()
+    logger.info("fastload: health and metrics on http://%s:%d/health and /metrics (at most %d connections)", host,
+                srv.server_address[1], limits.max_connections)
     return srv
 
 

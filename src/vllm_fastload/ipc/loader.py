@@ -275,8 +275,8 @@ class IpcCacheLoader(BaseModelLoader):
         n_re = len(man.get("reprocess", []))
         report = LoadReport(load_format=LOAD_FORMAT, source=path, verb="mapped", tensors=len(man["tensors"]),
                             bytes=nbytes, wall_s=time.perf_counter() - t0, fingerprint=fp.short(),
-                            note=f"no disk read (weights phase {phases['weights_phase_s']:.3f} s, re-processing "
-                                 f"{n_re} module(s) {phases['reprocess_s']:.3f} s)",
+                            weights_phase_s=phases["weights_phase_s"],
+                            note=f"no disk read (re-processing {n_re} module(s) {phases['reprocess_s']:.3f} s)",
                             shards=len(plan.files))
         report.extra.update(mode=mode, reprocessed_modules=n_re, **phases)
         return model.eval(), report

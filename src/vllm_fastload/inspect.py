@@ -109,6 +109,10 @@ def no_shards_problem(source: str) -> str:
             f"pass the model directory")
 
 
+#: How the problem of engine args vLLM refuses starts (the shard report stands; only the fingerprint failed).
+FINGERPRINT_PROBLEM = "fingerprint not computed"
+
+
 def inspect(source: str, engine_args: Optional[list[str]] = None, with_fingerprint: bool = True) -> dict[str, Any]:
     """The whole report (JSON-ready). Raises :class:`~vllm_fastload.errors.StorageError` when ``source`` cannot
     be listed and :class:`~vllm_fastload.errors.CheckpointError` for an index naming a missing shard."""
@@ -133,7 +137,7 @@ def inspect(source: str, engine_args: Optional[list[str]] = None, with_fingerpri
         try:
             out["fingerprint"] = fingerprint_for(source, engine_args or [])
         except Exception as e:  # noqa: BLE001 - the shard report stands; the fingerprint part fails alone
-            out["problems"].append(f"fingerprint not computed: {one_line(e)} (the shard report above is complete; "
+            out["problems"].append(f"{FINGERPRINT_PROBLEM}: {one_line(e)} (the shard report above is complete; "
                                    f"fix the engine args, or pass --no-fingerprint)")
     return out
 
@@ -170,7 +174,9 @@ def render(rep: dict[str, Any]) -> str:
     for w in rep.get("warnings", []):
         lines.append(f"  warning: {w}")
     for p in rep["problems"]:
-        if not any(p == s.get("problem") for s in rep["shards"]):
+        if p.startswith(FINGERPRINT_PROBLEM):  # about the engine args, not a shard: not indented under them
+            lines.append(f"PROBLEM (engine args): {p}")
+        elif not any(p == s.get("problem") for s in rep["shards"]):
             lines.append(f"  PROBLEM: {p}")
     sg = rep["suggested"]
     if sg:

@@ -36,3 +36,34 @@ def test_status_exit_codes_are_the_same_with_json(tmp_path, capsys):
     assert cli.main(["status", "--weight-cache-socket-dir", str(d)]) == 1
     assert cli.main(["status", "--weight-cache-socket-dir", str(d), "--json"]) == 1
     assert capsys.readouterr().out.splitlines()[-1] == "[]"
+
+
+def test_preload_without_a_model_refuses_in_one_line(capsys, monkeypatch):
+    """Without a model vLLM would take its default one and try the hub five times: refuse before that."""
+    import vllm_fastload.ipc.daemon as daemon
+
+    monkeypatch.setattr(daemon, "main", lambda argv: pytest.fail("the daemon must not start"))
+    assert cli.main(["preload", "--tensor-parallel-size", "2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["vllm-fastload preload: error: no model: pass it first (`vllm-fastload preload /models/llama ...`) "
+                   "or as --model, with the engine args the engine will use"]
+
+
+def test_preload_help_leads_with_the_daemon_flags(capsys):
+    assert cli.main(["preload", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: vllm-fastload preload MODEL")
+    for flag in ("--weight-cache-socket-dir", "--weight-cache-health-port", "--weight-cache-max-connections"):
+        assert flag in out
+    assert "--help=all" in out and len(out.splitlines()) < 60
+
+
+def test_preload_unknown_flag_is_a_short_error(capsys):
+    pytest.importorskip("vllm")
+    with pytest.raises(SystemExit) as e:
+        cli.main(["preload", "/models/m", "--bogus-flag"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2
+    assert err[-2:] == ["vllm-fastload preload: error: unrecognized arguments: --bogus-flag",
+                        "(`vllm-fastload preload --help` lists the daemon's flags, `--help=all` vLLM's engine args)"]
+    assert not any(line.startswith("usage:") for line in err)

@@ -119,6 +119,6 @@ def test_bad_engine_args_fail_the_fingerprint_alone_in_one_line(demo_model, caps
     assert main(["inspect", str(demo_model), "--tensor-parallel-size", "2"]) == 1
     out = capsys.readouterr().out
     assert "model.safetensors: 272 tensors" in out
-    assert ("PROBLEM: fingerprint not computed: ValidationError: Total number of attention heads (9) must be "
+    assert ("PROBLEM (engine args): fingerprint not computed: ValidationError: Total number of attention heads (9) must be "
             "divisible by tensor parallel size (2).") in out
     assert len(out.splitlines()) == 4  # source, shard, problem, suggestion: no vLLM log lines in the report

@@ -854,6 +854,13 @@ def main(argv: list[str]) -> int:
                                     description="Keep post-processed weights resident for --load-format ipc_cache.")
     add_daemon_flags(parser)
     parser = EngineArgs.add_cli_args(parser)
+
+    def short_error(message: str) -> None:  # argparse's default prints ~250 lines of usage before the message
+        print(f"vllm-fastload preload: error: {message}\n(`vllm-fastload preload --help` lists the daemon's flags, "
+              f"`--help=all` vLLM's engine args)", file=sys.stderr)
+        sys.exit(2)
+
+    parser.error = short_error
     args = parser.parse_args(argv)
     # Socket names carry the device identity (a GPU UUID): check the path length and the directory before vLLM's
     # config setup, so a bad --weight-cache-socket-dir fails at once (a too-long one leaves nothing behind).

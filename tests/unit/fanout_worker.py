@@ -76,7 +76,7 @@ def main() -> int:
     group = SimpleNamespace(ranks=blocks[mine], world_size=tp, rank_in_group=blocks[mine].index(rank),
                             cpu_group=made[mine], device_group=data[mine])
     fanout.host_identity = lambda: a["hosts"][rank]
-    headers = [read_header(p) for p in a["files"]]
+    headers = [read_header(p) for p in a.get("files_of", {}).get(str(rank), a["files"])]
     fan, why = fanout.plan(a.get("distributed", True), device, a.get("timeout", 20.0), tp=group)
     out = {"why": why, "fan": None, "tensors": {}}
     if fan is not None:

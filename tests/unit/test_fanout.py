@@ -136,3 +136,13 @@ def test_consumer_that_stops_fails_the_others(tmp_path, zoo):
     res = _run(tmp_path, files, world=2, tp=2, hosts=["h", "h"], mode="stop", faulty_rank=0)
     assert "error" not in res[0]  # it stopped on its own
     assert "FanoutError" in res[1]["error"] and "weight_loader stopped consuming" in res[1]["error"], res[1]
+
+
+def test_ranks_that_see_different_checkpoints_fail_before_any_broadcast(tmp_path, zoo):
+    """A broadcast whose size the receiver did not plan is undefined behaviour in NCCL: ranks whose headers differ
+    (files rewritten during the load, different mounts) must all refuse, naming the ranks, before the first round."""
+    files, _ = zoo
+    res = run_ranks(tmp_path, files, 2, 2, ["h", "h"], distributed=True, files_of={"1": files[:1]})
+    for r in res:
+        assert r["error"].startswith("FanoutError: ") and "rank groups [[0], [1]]" in r["error"], r
+        assert r["fan"]["rounds"] == 0 and r["tensors"] == {}

@@ -161,6 +161,7 @@ class Fanout:
         exhausted = False
         error: Optional[BaseException] = None
         try:
+            self._same_plan(entries, owner)
             for e, o in zip(entries, owner):
                 if o < 0:
                     yield e.key[1], torch.empty(e.shape, dtype=e.dtype, device=device)
@@ -214,6 +215,24 @@ class Fanout:
             if close is not None:
                 close()
 
+    def _same_plan(self, entries: Sequence[Entry], owner: Sequence[int]) -> None:
+        """Every rank must plan the same tensors (names, dtypes, shapes, readers): a broadcast of a size the
+        receiver did not expect is undefined behaviour in NCCL. Compares a digest of the plan across the group
+        (one exchange); raises :class:`FanoutError` on every rank naming the ranks that differ."""
+        import hashlib
+
+        plan = repr([(e.key, str(e.dtype), tuple(e.shape), e.nbytes, o) for e, o in zip(entries, owner)])
+        digests = self._share_error(hashlib.sha256(plan.encode()).hexdigest())
+        if len(set(digests)) > 1:
+            groups: dict = {}
+            for r, d in zip(self.ranks, digests):
+                groups.setdefault(d, []).append(r)
+            raise FanoutError(
+                f"fastload: runai_streamer fan-out over ranks {list(self.ranks)}: the ranks read different "
+                f"checkpoints (rank groups {sorted(groups.values())} saw different safetensors headers); were the "
+                f"files rewritten during the load, or do the ranks see different paths? Make every rank of a host "
+                f"see the same files, or set \"distributed\": false.")
+
     def _exchange(self, code: int, slots: list, mine: Any) -> list[int]:
         import torch.distributed as dist
 
@@ -224,6 +243,7 @@ class Fanout:
         return [int(s.item()) for s in slots]
 
     def _share_error(self, text: Optional[str]) -> list:
+        """Every rank's ``text`` (an error message, a digest, None), in group order."""
         import torch.distributed as dist
 
         texts: list = [None] * len(self.ranks)

@@ -132,7 +132,7 @@ class StreamerConfig(_LoaderConfig):
         "memory_limit": "bytes as an integer >= -1 (-1 = unlimited, 0 = the largest tensor) or a string like '16GiB'",
         "chunk_bytesize": "bytes as an integer > 0 or a string like '8MiB'",
         "distributed": "\"auto\" (the default), true or false (JSON bool)",
-        "distributed_timeout_s": "seconds (number > 0) a rank of a fan-out waits for the others",
+        "distributed_timeout_s": "seconds (a number from 0.1 to 86400) a rank of a fan-out waits for the others",
         "fs_strategy": "one of auto, runai, io_uring_direct, io_uring_buffered, libaio_direct, sync_buffered",
         "pinned_slot_bytes": "bytes as an integer >= 4096 or a string like '64MiB'",
         "pinned_slots": "an integer from 2 to 64",
@@ -161,7 +161,7 @@ class StreamerConfig(_LoaderConfig):
         "without P2P; false: every rank reads the whole checkpoint.",
     )
     distributed_timeout_s: float = Field(
-        300.0, gt=0, description="Fan-out: seconds a rank waits for the others' next tensor before it fails the "
+        300.0, ge=0.1, le=86400.0, description="Fan-out: seconds a rank waits for the others' next tensor before it fails the "
         "load (a rank that stopped answering).",
     )
     fs_strategy: Literal["auto", "runai", "io_uring_direct", "io_uring_buffered", "libaio_direct", "sync_buffered"] = Field(

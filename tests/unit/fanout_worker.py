@@ -77,9 +77,11 @@ def main() -> int:
                             cpu_group=made[mine], device_group=data[mine])
     fanout.host_identity = lambda: a["hosts"][rank]
     headers = [read_header(p) for p in a.get("files_of", {}).get(str(rank), a["files"])]
-    fan, why = fanout.plan(a.get("distributed", True), device, a.get("timeout", 20.0), tp=group)
+    fan, why = fanout.plan(a.get("distributed", True), device, a.get("timeout", 20.0), tp=group, headers=headers)
     out = {"why": why, "fan": None, "tensors": {}}
     if fan is not None:
+        if a.get("run_files_of", {}).get(str(rank)):  # headers that change after the plan (a safety-net test)
+            headers = [read_header(p) for p in a["run_files_of"][str(rank)]]
         entries = fanout.entries_of(headers)
         owner = fan.owners(entries)
         only = {e.key for e, o in zip(entries, owner) if o == fan.me}

@@ -123,3 +123,11 @@ def test_distributed_refuses_other_values(value):
 
     with pytest.raises(ConfigError, match="key 'distributed'.*Allowed: \"auto\""):
         StreamerConfig.from_extra({"distributed": value})
+
+
+@pytest.mark.parametrize("value", [float("inf"), 1e300, 2**70, 1e-9, 0.05, 0, -1, float("nan")])
+def test_distributed_timeout_out_of_range_is_refused_at_validation(value):
+    """Huge values overflowed timedelta inside the fan-out and tiny ones made gloo time out at once: refused
+    when the extra-config is read, naming the key."""
+    with pytest.raises(ConfigError, match="key 'distributed_timeout_s'.*from 0.1 to 86400"):
+        StreamerConfig.from_extra({"distributed_timeout_s": value})

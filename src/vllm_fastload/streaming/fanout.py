@@ -134,8 +134,9 @@ class Fanout:
     the tensors are broadcast over: NCCL for CUDA tensors, gloo for CPU ones). ``own_groups``: process groups this
     object created and destroys in :meth:`close`."""
 
-    def __init__(self, ranks: Sequence[int], me: int, sync_group: Any, data_group: Any, own_groups: Sequence = ()):
-        self.ranks, self.me = tuple(ranks), me
+    def __init__(self, ranks: Sequence[int], me: int, sync_group: Any, data_group: Any, own_groups: Sequence = (),
+                 timeout_s: Optional[float] = None):
+        self.ranks, self.me, self.timeout_s = tuple(ranks), me, timeout_s
         self.sync_group, self.data_group = sync_group, data_group
         self._own = list(own_groups)
         self.stats = FanoutStats(ranks=self.ranks)
@@ -238,16 +239,31 @@ class Fanout:
 
         mine.fill_(code)
         t = time.perf_counter()
-        dist.all_gather(slots, mine, group=self.sync_group)
+        try:
+            dist.all_gather(slots, mine, group=self.sync_group)
+        except RuntimeError as e:
+            raise self._silent(e) from e
         self.stats.sync_s += time.perf_counter() - t
         return [int(s.item()) for s in slots]
+
+    def _silent(self, e: BaseException) -> "FanoutError":
+        """A collective of the group failed: a rank died, or did not answer within the sync group's timeout."""
+        first = next((ln for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
+        return FanoutError(
+            f"fastload: runai_streamer fan-out over ranks {list(self.ranks)}: another rank stopped answering "
+            f"(it died, or its next tensor took longer than distributed_timeout_s={self.timeout_s} s); torch.distributed "
+            f"said: {first[:300]}. The failed rank's own log has the cause; raise distributed_timeout_s for slow "
+            f"storage, or set \"distributed\": false.")
 
     def _share_error(self, text: Optional[str]) -> list:
         """Every rank's ``text`` (an error message, a digest, None), in group order."""
         import torch.distributed as dist
 
         texts: list = [None] * len(self.ranks)
-        dist.all_gather_object(texts, text, group=self.sync_group)
+        try:
+            dist.all_gather_object(texts, text, group=self.sync_group)
+        except RuntimeError as e:
+            raise self._silent(e) from e
         return texts
 
     def _raise_failed(self, codes: list[int], error: Optional[BaseException]) -> None:
@@ -283,8 +299,18 @@ def entries_of(headers: Sequence[Any]) -> list[Entry]:
             for i, h in enumerate(headers) for t in sorted(h.tensors.values(), key=lambda t: (t.begin, t.name))]
 
 
+def checkpoint_digest(headers: Sequence[Any]) -> str:
+    """What must be equal on every rank of a fan-out group for the same bytes to be meant: each shard's path,
+    header hash and file identity (size, mtime, device, inode or ETag), as sha256 hex. Two copies of one model in
+    different files differ here (safe: those ranks read per rank)."""
+    import hashlib
+
+    facts = [(h.path, h.header_sha256, repr(getattr(h, "identity", None))) for h in headers]
+    return hashlib.sha256(repr(facts).encode()).hexdigest()
+
+
 def plan(distributed: Any, device: Any, timeout_s: float, reader_off: Optional[str] = None,
-         tp: Any = None) -> tuple[Optional[Fanout], Optional[str]]:
+         tp: Any = None, headers: Sequence[Any] = ()) -> tuple[Optional[Fanout], Optional[str]]:
     """Decide, together with the other ranks of vLLM's TP group, whether this load fans out.
 
     ``distributed``: the extra-config value (``"auto"``, True, False); ``device``: the model's device;
@@ -316,17 +342,23 @@ def plan(distributed: Any, device: Any, timeout_s: float, reader_off: Optional[s
     import torch
     import torch.distributed as dist
 
-    me = (host_identity(), device.index if device.type == "cuda" else -1)
+    me = (host_identity(), device.index if device.type == "cuda" else -1, checkpoint_digest(headers))
     everyone: list = [None] * tp.world_size
     dist.all_gather_object(everyone, me, group=tp.cpu_group)
-    groups = fanout_groups(list(tp.ranks), [h for h, _ in everyone])
+    groups = fanout_groups(list(tp.ranks), [h for h, _, _ in everyone])
     rank = tp.ranks[tp.rank_in_group]
     mine = next(g for g in groups if rank in g)
     if len(mine) == 1:
         why = f"no other rank of the TP group {list(tp.ranks)} on this host"
         # the other hosts' groups still fan out; this rank reads alone
         return None, why
-    members = [everyone[list(tp.ranks).index(r)][1] for r in mine]
+    at = {r: everyone[list(tp.ranks).index(r)] for r in mine}
+    if len({at[r][2] for r in mine}) > 1:
+        # e.g. one model copy per container on a shared hostname, a symlink flipped during start-up: the bytes
+        # one rank reads are not the ones another rank would load, so each rank reads its own files
+        return None, (f"the ranks {list(mine)} of this host see different checkpoint files (paths, header hashes "
+                      f"or file identities differ)")
+    members = [at[r][1] for r in mine]
     if device.type == "cuda":
         blind = [d for d in members if d != device.index and not (0 <= d < torch.cuda.device_count()
                                                                   and torch.cuda.can_device_access_peer(device.index, d))]
@@ -346,4 +378,4 @@ def plan(distributed: Any, device: Any, timeout_s: float, reader_off: Optional[s
     else:
         data = dist.new_group(list(mine), backend=dist.get_backend(tp.device_group), use_local_synchronization=True)
         own.append(data)
-    return Fanout(mine, mine.index(rank), sync, data, own), None
+    return Fanout(mine, mine.index(rank), sync, data, own, timeout_s=timeout_s), None

@@ -209,7 +209,7 @@ class RunaiStreamerLoader(BaseModelLoader):
             logger.info("fastload: %s not in %s, not loaded: %s", LOAD_FORMAT, plan.index, ", ".join(plan.ignored))
         self._total = ckpt.tensor_count
         report.extra["prepare_s"] = round(time.perf_counter() - t0, 4)  # shards, headers, fingerprint, strategy
-        fan = self._fanout(device, why_not_direct)
+        fan = self._fanout(device, why_not_direct, headers)
 
         def stream() -> Iterator[tuple[str, Any]]:
             # runai reads its settings from the environment when a stream starts: set them for this load only.
@@ -303,14 +303,15 @@ class RunaiStreamerLoader(BaseModelLoader):
         report.extra.update(pinned_alloc_s=round(future.alloc_s, 4), pinned_alloc_wait_s=round(waited, 4))
         return arena
 
-    def _fanout(self, device: Any, why_not_direct: str | None) -> Any:
+    def _fanout(self, device: Any, why_not_direct: str | None, headers: list) -> Any:
         """The fan-out of this load (``streaming.fanout.plan``, decided with the other ranks of the TP group), or
         None: then this rank reads the whole checkpoint, logged at INFO with the reason when the TP group has
         other ranks. Every rank of the TP group calls this (the config, device type and headers agree)."""
         from . import fanout
 
         reader_off = why_not_direct if device.type == "cuda" else None
-        fan, why = fanout.plan(self.config.distributed, device, self.config.distributed_timeout_s, reader_off)
+        fan, why = fanout.plan(self.config.distributed, device, self.config.distributed_timeout_s, reader_off,
+                               headers=headers)
         if why:
             logger.info("fastload: %s reads the whole checkpoint on this rank (no fan-out): %s", LOAD_FORMAT, why)
         return fan

@@ -62,21 +62,19 @@ def _stub(bin_dir, name, body):
     p.chmod(0o755)
 
 
-def test_supervisor_restarts_the_engine_and_stops_both_on_sigterm(tmp_path):
-    """supervise.sh with stand-ins for vllm-fastload and vllm: it waits for the daemon's /health, restarts an
-    engine that exited, and on SIGTERM stops the engine, then the daemon."""
+def _supervisor(tmp_path, daemon_dies_after=None, engine_ignores_term=False):
+    """Start supervise.sh with stand-ins for vllm-fastload (a /health server) and vllm (the first run exits 3, later
+    ones run until SIGTERM, or ignore it). Returns (process, log path, health port)."""
     import os
-    import signal
     import socket
-    import time
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     bin_dir, log = tmp_path / "bin", tmp_path / "calls.log"
     bin_dir.mkdir()
+    life = f"sleep {daemon_dies_after}; kill $PY; echo daemon-died >> {log}; exit 9" if daemon_dies_after else "wait $PY"
     _stub(bin_dir, "vllm-fastload", f"""echo "daemon $*" >> {log}
-trap 'echo daemon-stopped >> {log}; exit 0' TERM
 python3 -c "
 import http.server
 class H(http.server.BaseHTTPRequestHandler):
@@ -84,36 +82,87 @@ class H(http.server.BaseHTTPRequestHandler):
         self.send_response(200); self.end_headers()
     def log_message(self, *a): pass
 http.server.HTTPServer(('127.0.0.1', {port}), H).serve_forever()" &
-wait $!
+PY=$!
+trap 'kill $PY; echo daemon-stopped >> {log}; exit 0' TERM
+{life}
 """)
+    on_term = "echo engine-ignores-term >> " + str(log) if engine_ignores_term else f"echo engine-stopped >> {log}; exit 0"
     _stub(bin_dir, "vllm", f"""n=$(grep -c '^engine' {log})
 echo "engine $*" >> {log}
 [ "$n" -eq 0 ] && exit 3
-trap 'echo engine-stopped >> {log}; exit 0' TERM
-sleep 60 & wait $!
+trap '{on_term}' TERM
+while :; do sleep 1; done
 """)
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "MODEL": "/models/m", "WEIGHT_ARGS": "--dtype bf16",
-           "ENGINE_ARGS": "--port 8000", "PRELOAD_ARGS": "--weight-cache-idle-timeout-s 30",
-           "SOCKET_DIR": str(tmp_path / "sock"), "HEALTH_PORT": str(port)}
-    p = subprocess.Popen(["/bin/sh", str(EX / "kubernetes" / "supervise.sh")], env=env, start_new_session=True)
+           "ENGINE_ARGS": "--port 8000 *", "PRELOAD_ARGS": "--weight-cache-idle-timeout-s 30",
+           "SOCKET_DIR": str(tmp_path / "sock"), "HEALTH_PORT": str(port), "STOP_GRACE_S": "2"}
+    p = subprocess.Popen(["/bin/sh", str(EX / "kubernetes" / "supervise.sh")], env=env, start_new_session=True,
+                         cwd=tmp_path, stderr=subprocess.PIPE, text=True)
+    return p, log, port
+
+
+def _wait_for(log, text, count=1, timeout=60):
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if log.exists() and log.read_text().count(text) >= count:
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"{text!r} x{count} not in {log.read_text() if log.exists() else '(no log)'}")
+
+
+def _finish(p, timeout=30):
+    import os
+    import signal
+
     try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and (not log.exists() or log.read_text().count("engine ") < 2):
-            time.sleep(0.2)
-        time.sleep(0.5)
-        os.kill(p.pid, signal.SIGTERM)
-        assert p.wait(30) == 0
+        code = p.wait(timeout)
+        return code, p.stderr.read()
     finally:
         if p.poll() is None:
             os.killpg(p.pid, signal.SIGKILL)
             p.wait()
+
+
+def test_supervisor_restarts_the_engine_and_stops_both_on_sigterm(tmp_path):
+    """supervise.sh waits for the daemon's /health, restarts an engine that exited (the same command: args split on
+    spaces, no globbing of the '*'), and on SIGTERM stops the engine, then the daemon, exit 0."""
+    import os
+    import signal
+
+    p, log, port = _supervisor(tmp_path)
+    _wait_for(log, "engine ", 2)
+    os.kill(p.pid, signal.SIGTERM)
+    code, err = _finish(p)
+    assert code == 0, err
     lines = log.read_text().splitlines()
     assert lines[0] == (f"daemon preload --model /models/m --dtype bf16 --weight-cache-idle-timeout-s 30 "
                         f"--weight-cache-socket-dir {tmp_path / 'sock'} --weight-cache-health-port {port}")
     engines = [ln for ln in lines if ln.startswith("engine ")]
     assert len(engines) == 2 and engines[0] == engines[1]  # the first exited (3), the same command ran again
-    assert engines[0].startswith("engine serve /models/m --dtype bf16 --port 8000 --load-format ipc_cache")
+    assert engines[0].startswith("engine serve /models/m --dtype bf16 --port 8000 * --load-format ipc_cache")
     assert lines[-2:] == ["engine-stopped", "daemon-stopped"]  # engine first, then the daemon
+    assert "engine exited (3); restarting it against the running daemon in 2 s" in err
+
+
+def test_supervisor_exits_when_the_daemon_dies_under_a_running_engine(tmp_path):
+    p, log, _ = _supervisor(tmp_path, daemon_dies_after=6)
+    code, err = _finish(p, timeout=60)
+    assert code == 1 and "preload daemon exited (9) while the engine ran; stopping the engine" in err, err
+    assert log.read_text().splitlines()[-1] == "engine-stopped"
+
+
+def test_supervisor_kills_an_engine_that_ignores_sigterm(tmp_path):
+    import os
+    import signal
+
+    p, log, _ = _supervisor(tmp_path, engine_ignores_term=True)
+    _wait_for(log, "engine ", 2)
+    os.kill(p.pid, signal.SIGTERM)
+    code, err = _finish(p)
+    assert code == 0 and "ignored SIGTERM for 2 s: SIGKILL" in err, err
+    assert log.read_text().splitlines()[-2:] == ["engine-ignores-term", "daemon-stopped"]
 
 
 def _unit(name):

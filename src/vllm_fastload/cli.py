@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from . import __version__
@@ -47,7 +48,13 @@ def main(argv: list[str] | None = None) -> int:
         if any(a in ("-h", "--help") for a in rest):  # the daemon's own flags first, without importing vLLM
             return _preload_help()
         asks_help = any(a.split("=", 1)[0] in ("-h", "--help") for a in rest)
-        if not asks_help and not any(a == "--model" or a.startswith("--model=") for a in rest):
+        model = _model_arg(rest)
+        if not asks_help and model is not None and (model.startswith(("/", "./", "../", "~")) and
+                                                    not os.path.isdir(os.path.expanduser(model))):
+            print(f"vllm-fastload preload: error: model directory {model} does not exist (or is not a directory): "
+                  f"pass the directory holding config.json and the *.safetensors", file=sys.stderr)
+            return 2
+        if not asks_help and not model:
             # vLLM would pick its default model and try to download it from the hub
             print("vllm-fastload preload: error: no model: pass it first (`vllm-fastload preload /models/llama ...`) "
                   "or as --model, with the engine args the engine will use", file=sys.stderr)
@@ -61,7 +68,10 @@ def main(argv: list[str] | None = None) -> int:
     if rest and args.cmd != "inspect":
         p.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.cmd == "inspect":
-        import os
+        if not args.source.strip():
+            print("vllm-fastload inspect: error: the source is empty: pass a model directory or an s3:// / gs:// / "
+                  "az:// prefix", file=sys.stderr)
+            return 2
 
         # vLLM's INFO lines (engine config) would land in the middle of the report on stdout; warnings still
         # reach stderr through logging's last-resort handler
@@ -90,6 +100,16 @@ def main(argv: list[str] | None = None) -> int:
         print(build_model(args.out))
         return 0
     return 1
+
+
+def _model_arg(argv: list[str]) -> str | None:
+    """The value of ``--model`` in ``argv`` (``""`` when given empty), or None when absent."""
+    for i, a in enumerate(argv):
+        if a == "--model":
+            return argv[i + 1] if i + 1 < len(argv) else ""
+        if a.startswith("--model="):
+            return a.split("=", 1)[1]
+    return None
 
 
 def _preload_help() -> int:
@@ -127,9 +147,9 @@ def _status(args: argparse.Namespace) -> int:
         rows.append(st or {"socket": str(sock), "state": "not answering (stale socket?)"})
     if args.json:
         print(json.dumps(rows, indent=2))
-        return 0 if rows else 1  # the same exit codes as the text form
+        return 0 if any("device" in r for r in rows) else 1  # the same exit codes as the text form
     if not rows:
-        print(f"no preload daemons in {d}")
+        print(f"no preload daemons in {d}" + ("" if d.exists() else " (the directory does not exist)"))
         return 1
     for r in rows:
         if "device" not in r:
@@ -138,7 +158,7 @@ def _status(args: argparse.Namespace) -> int:
         print(f"{r['device']}: {r['state']}, model {r['model']}, fingerprint {r['fingerprint_short']}, "
               f"{r['tensors']} tensors, {r['bytes'] / 2**30:.2f} GiB, {r['clients']} client(s) {r['client_modes']}, "
               f"uptime {r['uptime_s']:.0f} s, socket {r['socket']}")
-    return 0
+    return 0 if any("device" in r for r in rows) else 1  # only stale sockets: no daemon found
 
 
 if __name__ == "__main__":

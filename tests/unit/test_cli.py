@@ -14,14 +14,16 @@ def test_bare_command_lists_every_subcommand(capsys):
         assert words in line, line
 
 
-def test_preload_takes_the_model_positionally(monkeypatch):
+def test_preload_takes_the_model_positionally(monkeypatch, tmp_path):
     seen = []
     import vllm_fastload.ipc.daemon as daemon
 
+    m = str(tmp_path)
     monkeypatch.setattr(daemon, "main", lambda argv: seen.append(argv) or 0)
-    assert cli.main(["preload", "/models/llama", "--tensor-parallel-size", "2"]) == 0
-    assert cli.main(["preload", "--model", "/models/llama"]) == 0
-    assert seen == [["--model", "/models/llama", "--tensor-parallel-size", "2"], ["--model", "/models/llama"]]
+    assert cli.main(["preload", m, "--tensor-parallel-size", "2"]) == 0
+    assert cli.main(["preload", "--model", m]) == 0
+    assert cli.main(["preload", "org/hub-model"]) == 0  # not a local path: vLLM resolves it
+    assert seen == [["--model", m, "--tensor-parallel-size", "2"], ["--model", m], ["--model", "org/hub-model"]]
 
 
 def test_unknown_subcommand_is_a_usage_error(capsys):
@@ -58,12 +60,45 @@ def test_preload_help_leads_with_the_daemon_flags(capsys):
     assert "--help=all" in out and len(out.splitlines()) < 60
 
 
-def test_preload_unknown_flag_is_a_short_error(capsys):
+def test_preload_unknown_flag_is_a_short_error(capsys, tmp_path):
     pytest.importorskip("vllm")
     with pytest.raises(SystemExit) as e:
-        cli.main(["preload", "/models/m", "--bogus-flag"])
+        cli.main(["preload", str(tmp_path), "--bogus-flag"])
     err = capsys.readouterr().err.strip().splitlines()
     assert e.value.code == 2
     assert err[-2:] == ["vllm-fastload preload: error: unrecognized arguments: --bogus-flag",
                         "(`vllm-fastload preload --help` lists the daemon's flags, `--help=all` vLLM's engine args)"]
     assert not any(line.startswith("usage:") for line in err)
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["preload", "--model="], "no model"),
+    (["preload", "--model", ""], "no model"),
+    (["preload", "/no/such/model", "--dtype", "float32"], "model directory /no/such/model does not exist"),
+])
+def test_preload_refuses_an_empty_or_missing_model_in_one_line(argv, says, capsys, monkeypatch):
+    import vllm_fastload.ipc.daemon as daemon
+
+    monkeypatch.setattr(daemon, "main", lambda argv: pytest.fail("the daemon must not start"))
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and says in err[0]
+
+
+def test_inspect_refuses_an_empty_source(capsys):
+    assert cli.main(["inspect", ""]) == 2
+    assert "the source is empty" in capsys.readouterr().err
+
+
+def test_status_with_only_stale_sockets_is_no_daemon(tmp_path, capsys):
+    import socket
+
+    d = tmp_path / "sock"
+    d.mkdir(mode=0o700)
+    s = socket.socket(socket.AF_UNIX)
+    s.bind(str(d / "cpu-x-r0.sock"))  # bound, never listening: a stale socket
+    s.close()
+    assert cli.main(["status", "--weight-cache-socket-dir", str(d)]) == 1
+    assert "not answering (stale socket?)" in capsys.readouterr().out
+    assert cli.main(["status", "--weight-cache-socket-dir", str(tmp_path / "missing")]) == 1
+    assert "(the directory does not exist)" in capsys.readouterr().out

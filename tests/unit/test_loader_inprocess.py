@@ -217,3 +217,20 @@ def test_missing_hf_blob_fails_in_download_model_before_the_model_is_built(tmp_p
     with pytest.raises(CheckpointError, match=r"incomplete or evicted download; download it again \(`hf download "
                                               r"org/m --revision r1`\)"):
         loader.download_model(model_config(snap))
+
+
+def test_missing_local_weights_path_is_an_error_not_a_hub_download():
+    """A reload_weights weights_path (or --model) that is a local path not on disk: vLLM's default loader would
+    take it for a hub repository id and try to download it; refuse naming the path instead."""
+    from types import SimpleNamespace
+
+    import pytest
+
+    from vllm.config import LoadConfig
+
+    from vllm_fastload.errors import CheckpointError
+    from vllm_fastload.streaming.loader import RunaiStreamerLoader
+
+    loader = RunaiStreamerLoader(LoadConfig(load_format="runai_streamer"))
+    with pytest.raises(CheckpointError, match="/no/such/checkpoint does not exist: pass the model directory"):
+        loader._why_not(SimpleNamespace(model="/no/such/checkpoint", model_weights=None))

@@ -368,6 +368,11 @@ class RunaiStreamerLoader(BaseModelLoader):
         reason = missing_backend(source)
         if reason:
             return reason, False
+        if not remote and source.startswith(("/", "./", "../")) and not os.path.exists(source):
+            # a local path that is not there (e.g. a reload_weights weights_path typo): vLLM's default loader would
+            # take it for a hub repository id and try to download it
+            raise CheckpointError(f"{source} does not exist: pass the model directory (the one holding config.json "
+                                  f"and *.safetensors)")
         plan: ShardPlan = model_shards(model_config)
         if not plan.files:
             found = [] if remote else sorted(os.listdir(source))[:8] if os.path.isdir(source) else []

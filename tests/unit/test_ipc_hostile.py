@@ -347,7 +347,8 @@ def test_status_exit_codes_tell_no_daemon_from_cannot_look(tmp_path, capsys):
     empty.mkdir(mode=0o700)
     assert cli_main(["status", "--weight-cache-socket-dir", str(empty)]) == 1
     assert cli_main(["status", "--weight-cache-socket-dir", str(tmp_path / "missing")]) == 1
-    assert capsys.readouterr().out == f"no preload daemons in {empty}\nno preload daemons in {tmp_path / 'missing'}\n"
+    assert capsys.readouterr().out == (f"no preload daemons in {empty}\nno preload daemons in {tmp_path / 'missing'} "
+                                       f"(the directory does not exist)\n")
     with server(empty / "dev-target.sock"):
         assert cli_main(["status", "--weight-cache-socket-dir", str(empty)]) == 0
     assert "dev: ready, model m" in capsys.readouterr().out

@@ -98,10 +98,10 @@ def test_zero_copy_matches_default_and_restart_maps_again(demo_model, sock_dir, 
     code, text = daemon.http("/metrics")
     assert 'vllm_fastload_attaches_total{rank="0"} 2.0' in text and "vllm_fastload_attaches_total counter" in text
     deadline = time.monotonic() + 30  # the daemon sees the second engine's connection close a moment after it exits
-    while daemon.log().count("(zero_copy mode) detached") < 2 and time.monotonic() < deadline:
+    while daemon.log().count(" zero_copy mode) detached") < 2 and time.monotonic() < deadline:
         time.sleep(0.5)
     log = daemon.log()
-    assert log.count("attached in zero_copy mode") == 2 and log.count("(zero_copy mode) detached") == 2
+    assert log.count("attached in zero_copy mode") == 2 and log.count(" zero_copy mode) detached") == 2
 
 
 def test_engine_survives_daemon_sigkill_and_next_start_falls_back(demo_model, sock_dir, e2e_logs, daemon,

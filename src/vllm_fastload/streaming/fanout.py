@@ -207,7 +207,7 @@ class Fanout:
             # the consumer stopped between rounds: the others are about to exchange the next round's codes
             try:
                 self._exchange(FAILED, slots, mine)
-                self._share_error("the model's weight_loader stopped consuming tensors on this rank")
+                self._gather("the model's weight_loader stopped consuming tensors on this rank")
             except Exception:  # noqa: BLE001 - the others are told as well as can be; this rank is unwinding
                 pass
             raise
@@ -223,7 +223,7 @@ class Fanout:
         import hashlib
 
         plan = repr([(e.key, str(e.dtype), tuple(e.shape), e.nbytes, o) for e, o in zip(entries, owner)])
-        digests = self._share_error(hashlib.sha256(plan.encode()).hexdigest())
+        digests = self._gather(hashlib.sha256(plan.encode()).hexdigest())
         if len(set(digests)) > 1:
             groups: dict = {}
             for r, d in zip(self.ranks, digests):
@@ -255,7 +255,7 @@ class Fanout:
             f"said: {first[:300]}. The failed rank's own log has the cause; raise distributed_timeout_s for slow "
             f"storage, or set \"distributed\": false.")
 
-    def _share_error(self, text: Optional[str]) -> list:
+    def _gather(self, text: Optional[str]) -> list:
         """Every rank's ``text`` (an error message, a digest, None), in group order."""
         import torch.distributed as dist
 
@@ -267,7 +267,7 @@ class Fanout:
         return texts
 
     def _raise_failed(self, codes: list[int], error: Optional[BaseException]) -> None:
-        texts = self._share_error(None if error is None else f"{type(error).__name__}: {error}")
+        texts = self._gather(None if error is None else f"{type(error).__name__}: {error}")
         if error is not None:
             raise error
         failed = [i for i, c in enumerate(codes) if c == FAILED]
@@ -305,7 +305,7 @@ def checkpoint_digest(headers: Sequence[Any]) -> str:
     different files differ here (safe: those ranks read per rank)."""
     import hashlib
 
-    facts = [(h.path, h.header_sha256, repr(getattr(h, "identity", None))) for h in headers]
+    facts = [(h.path, h.header_sha256, repr(h.identity)) for h in headers]
     return hashlib.sha256(repr(facts).encode()).hexdigest()
 
 

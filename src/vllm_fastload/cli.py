@@ -25,6 +25,9 @@ def main(argv: list[str] | None = None) -> int:
     ins.add_argument("--json", action="store_true", help="machine-readable output")
     ins.add_argument("--no-fingerprint", action="store_true",
                      help="skip the fingerprint: no vLLM import, no engine-arg parsing (well under a second)")
+    ins.add_argument("--content-digest", action="store_true",
+                     help="read every tensor and print the checkpoint's BLAKE3 content digest (local checkpoints), "
+                          "the value \"expected_content_digest\" pins")
     sub.add_parser("preload", help="start the preload daemon(s): `vllm-fastload preload MODEL <vllm serve args>`",
                    add_help=False)
     st = sub.add_parser("status", help="list the preload daemons in a socket dir",
@@ -80,7 +83,8 @@ def main(argv: list[str] | None = None) -> int:
         from .inspect import inspect, render
 
         try:
-            rep = inspect(args.source, rest, with_fingerprint=not args.no_fingerprint)
+            rep = inspect(args.source, rest, with_fingerprint=not args.no_fingerprint,
+                          content_digest=args.content_digest)
         except (FastloadError, OSError) as e:
             print(f"vllm-fastload inspect: error: {e}", file=sys.stderr)
             return 2
@@ -157,7 +161,8 @@ def _status(args: argparse.Namespace) -> int:
             continue
         print(f"{r['device']}: {r['state']}, model {r['model']}, fingerprint {r['fingerprint_short']}, "
               f"{r['tensors']} tensors, {r['bytes'] / 2**30:.2f} GiB, {r['clients']} client(s) {r['client_modes']}, "
-              f"uptime {r['uptime_s']:.0f} s, socket {r['socket']}")
+              f"uptime {r['uptime_s']:.0f} s, socket {r['socket']}"
+              + (f", content {r['content_digest']}" if r.get("content_digest") else ""))
     return 0 if any("device" in r for r in rows) else 1  # only stale sockets: no daemon found
 
 

@@ -59,6 +59,8 @@ class _LoaderConfig(BaseModel):
     ALLOWED: ClassVar[dict[str, str]] = {
         "fallback": "true or false (JSON bool)",
         "report_path": "a file path (string) where a JSON load report is written",
+        "expected_content_digest": "'blake3:' and 64 lowercase hex digits, as `vllm-fastload inspect --content-digest` "
+        "prints",
     }
 
     fallback: bool = Field(
@@ -69,6 +71,20 @@ class _LoaderConfig(BaseModel):
     report_path: Optional[str] = Field(
         None, description="Write the load report as JSON to this path (overwritten atomically on each load)."
     )
+    expected_content_digest: Optional[str] = Field(
+        None, description="Pin the weights' content: hash every tensor's bytes (BLAKE3, docs/design.md, content "
+        "digest) and refuse weights whose digest differs. runai_streamer: the load fails after the last tensor "
+        "(no fallback: any loader reads the same files). ipc_cache: a daemon's weights are mapped only when the "
+        "daemon hashed them (\"content_hash\": true) to this digest, else the fallback policy applies and the disk "
+        "load is checked the same way.",
+    )
+
+    @field_validator("expected_content_digest", mode="before")
+    @classmethod
+    def _digest(cls, v: Any) -> Any:
+        from .content import valid_digest
+
+        return None if v is None else valid_digest(v)
 
     def __init__(self, **data: Any):
         """Validate ``data`` (keys and values as in ``--model-loader-extra-config``). Raises :class:`ConfigError`
@@ -139,6 +155,7 @@ class StreamerConfig(_LoaderConfig):
         "pinned_reader": "true or false (JSON bool)",
         "pipeline_thread": "true or false (JSON bool)",
         "copy_threads": "an integer from 1 to 128",
+        "content_hash": "true or false (JSON bool)",
     }
 
     concurrency: Optional[int] = Field(
@@ -186,6 +203,16 @@ class StreamerConfig(_LoaderConfig):
     )
     pinned_slots: int = Field(16, ge=2, le=64, description="GPU only: pinned slots (the read ring's depth, >= 2).")
     copy_threads: int = Field(8, gt=0, le=128, description="GPU only: threads copying host slots into pinned memory.")
+    content_hash: bool = Field(
+        False, description="Hash every tensor's bytes while loading (BLAKE3) and report the checkpoint's content "
+        "digest (load report, log line); the preload daemon publishes it to engines that pin "
+        "expected_content_digest. On a GPU every byte is also copied back to the host to be hashed.",
+    )
+
+    @property
+    def hashes_content(self) -> bool:
+        """Whether a load hashes tensor bytes (``content_hash`` or a pinned ``expected_content_digest``)."""
+        return self.content_hash or self.expected_content_digest is not None
 
     @field_validator("distributed_timeout_s", mode="before")
     @classmethod

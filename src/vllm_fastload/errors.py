@@ -33,3 +33,9 @@ class SocketDirError(FastloadError):
 class UntrustedPeer(FastloadError):
     """The process at the other end of a weight-cache socket runs as another user (not this one, not root): its
     manifest and memory are never used; the message names the socket and both uids."""
+
+
+class ContentMismatch(FastloadError):
+    """The bytes a load read hash to another content digest than the one pinned with ``expected_content_digest``
+    (:mod:`vllm_fastload.content`); the message names the source and both digests. Not a fallback case: any loader
+    would read the same files."""

@@ -10,7 +10,7 @@ Nothing falls back silently.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Optional
 
 from .log import logger
 from .errors import FallbackRefused, FastloadError
@@ -20,12 +20,15 @@ from .errors import FallbackRefused, FastloadError
 FALLBACK_FORMAT = "auto"
 
 
-def fall_back(load_format: str, reason: str, allow: bool, load_config: Any, *, possible: bool = True) -> Any:
+def fall_back(load_format: str, reason: str, allow: bool, load_config: Any, *, possible: bool = True,
+              expected_content_digest: Optional[str] = None, source: str = "") -> Any:
     """Apply the policy and return vLLM's ``DefaultModelLoader`` for ``load_config`` (format ``auto``).
 
     ``allow`` is the loader's ``fallback`` setting. ``possible=False`` means the default loader cannot read this
     checkpoint either (e.g. object storage): then a :class:`FastloadError` is raised whatever ``allow`` says.
-    Raises :class:`FallbackRefused` when ``allow`` is false.
+    Raises :class:`FallbackRefused` when ``allow`` is false. With ``expected_content_digest`` (the loader's pin)
+    the returned loader hashes what it reads from ``source`` and its load raises
+    :class:`~vllm_fastload.errors.ContentMismatch` when the bytes differ (:func:`vllm_fastload.content.pin_loader`).
     """
     if not possible:
         raise FastloadError(
@@ -41,7 +44,12 @@ def fall_back(load_format: str, reason: str, allow: bool, load_config: Any, *, p
         "fastload: %s cannot serve this load: %s. Falling back to vLLM's default loader (load format %r).",
         load_format, reason, FALLBACK_FORMAT,
     )
-    return default_loader(load_config)
+    loader = default_loader(load_config)
+    if expected_content_digest is not None:
+        from .content import pin_loader
+
+        pin_loader(loader, expected_content_digest, source)
+    return loader
 
 
 def default_loader(load_config: Any) -> Any:

@@ -6,7 +6,8 @@ checks the loaders run before reading data (:func:`~vllm_fastload.checkpoint.rea
 names stored in more than one shard (a problem without an index, a warning when the index decides) and shards
 without tensors. Then a suggested
 ``memory_limit`` and ``concurrency`` for ``runai_streamer`` and, when vLLM is installed, the fingerprint the
-loaders compute for the given engine args (TP rank 0).
+loaders compute for the given engine args (TP rank 0). With ``--content-digest``, the checkpoint's content digest
+(every tensor read and hashed), the value ``expected_content_digest`` pins.
 """
 
 from __future__ import annotations
@@ -15,11 +16,13 @@ import contextlib
 import io
 import json
 import os
+import time
 from collections import Counter
 from typing import Any, Optional
 
 from .checkpoint import (DTYPE_BYTES, SafetensorsHeader, no_tensors_problem, read_header, resolve_duplicates,
                          select_shards)
+from .content import checkpoint_digest
 from .errors import CheckpointError, FastloadError
 from .storage import is_object_uri
 
@@ -113,9 +116,13 @@ def no_shards_problem(source: str) -> str:
 FINGERPRINT_PROBLEM = "fingerprint not computed"
 
 
-def inspect(source: str, engine_args: Optional[list[str]] = None, with_fingerprint: bool = True) -> dict[str, Any]:
-    """The whole report (JSON-ready). Raises :class:`~vllm_fastload.errors.StorageError` when ``source`` cannot
-    be listed and :class:`~vllm_fastload.errors.CheckpointError` for an index naming a missing shard."""
+def inspect(source: str, engine_args: Optional[list[str]] = None, with_fingerprint: bool = True,
+            content_digest: bool = False) -> dict[str, Any]:
+    """The whole report (JSON-ready). With ``content_digest`` (local checkpoints only) every tensor is read and
+    the report gains ``content_digest`` (``blake3:<hex>``, :mod:`~vllm_fastload.content`) and
+    ``content_digest_s`` (seconds). Raises :class:`~vllm_fastload.errors.StorageError` when ``source`` cannot
+    be listed and :class:`~vllm_fastload.errors.CheckpointError` for an index naming a missing shard or (with
+    ``content_digest``) an object-storage source."""
     plan = select_shards(source)
     read = [_shard(f) for f in plan.files]
     shards = [s for s, _ in read]
@@ -126,13 +133,19 @@ def inspect(source: str, engine_args: Optional[list[str]] = None, with_fingerpri
     empty = no_tensors_problem(plan, headers) if len(headers) == len(plan.files) else None
     if empty:
         out["problems"].append(empty)
+    checkpoint = None
     try:
-        out["warnings"] = resolve_duplicates(plan, headers).warnings()
+        checkpoint = resolve_duplicates(plan, headers)
+        out["warnings"] = checkpoint.warnings()
     except CheckpointError as e:
         out["problems"].append(str(e))
     if not plan.files:
         out["problems"].append(no_shards_problem(source))
         out["suggested"] = None
+    if content_digest and not out["problems"] and checkpoint is not None:
+        t = time.perf_counter()
+        out["content_digest"] = checkpoint_digest(checkpoint)
+        out["content_digest_s"] = round(time.perf_counter() - t, 3)
     if with_fingerprint and not out["problems"]:
         try:
             out["fingerprint"] = fingerprint_for(source, engine_args or [])
@@ -182,6 +195,9 @@ def render(rep: dict[str, Any]) -> str:
     if sg:
         lines.append(f"suggested runai_streamer extra-config: {sg['extra_config']}  "
                      f"(memory_limit {sg['memory_limit_gib']} GiB)")
+    if rep.get("content_digest"):
+        lines.append(f"content digest {rep['content_digest']} ({rep['content_digest_s']} s; pin it with "
+                     f"\"expected_content_digest\")")
     fp = rep.get("fingerprint")
     if fp:
         f = fp["fields"]

@@ -28,7 +28,8 @@ class LoadReport:
     ``read_wait_s``: seconds the consumer waited for the reader (storage bound when close to ``wall_s``);
     ``consume_s``: seconds in the model's ``weight_loader`` calls; ``fallback_reason``: None when no fallback;
     ``weights_phase_s``: when set (``ipc_cache``), the seconds comparable to a disk loader's weight loading, which
-    the line leads with (``wall_s`` also counts model construction and re-processing there).
+    the line leads with (``wall_s`` also counts model construction and re-processing there);
+    ``content_digest``: the checkpoint's BLAKE3 content digest when the load hashed it (:mod:`~vllm_fastload.content`).
     """
 
     load_format: str
@@ -46,6 +47,7 @@ class LoadReport:
     note: str = ""
     finished_at: float = 0.0
     weights_phase_s: Optional[float] = None
+    content_digest: Optional[str] = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -54,7 +56,11 @@ class LoadReport:
         return self.bytes / self.wall_s / 1e9 if self.wall_s > 0 else 0.0
 
     def line(self) -> str:
-        """The one-line summary logged at INFO."""
+        """The one-line summary logged at INFO (with the content digest when the load hashed one)."""
+        text = self._line()
+        return text + f", content {self.content_digest}" if self.content_digest else text
+
+    def _line(self) -> str:
         if self.fallback_reason is not None:
             return (
                 f"fastload: {self.load_format} fell back to load format {self.format_used!r} "

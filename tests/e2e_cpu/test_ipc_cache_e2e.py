@@ -43,7 +43,9 @@ def sock_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def daemon(demo_model, sock_dir, e2e_logs):
-    d = PreloadDaemon(str(demo_model), sock_dir, log_path=e2e_logs / "preload.log", health_port=free_port())
+    # hashes its load (issue 15, item 7): the second engine below pins the digest
+    d = PreloadDaemon(str(demo_model), sock_dir, log_path=e2e_logs / "preload.log", health_port=free_port(),
+                      extra_args=["--model-loader-extra-config", '{"content_hash": true}'])
     try:
         assert d.wait_ready(), d.log()[-3000:]
         yield d
@@ -82,8 +84,13 @@ def test_second_daemon_for_the_same_device_refuses(demo_model, sock_dir, e2e_log
 
 
 def test_zero_copy_matches_default_and_restart_maps_again(demo_model, sock_dir, e2e_logs, daemon, reference_ids):
-    for run in ("zc-1", "zc-2"):  # the second start is an engine restart
-        with engine(demo_model, sock_dir, e2e_logs, run) as srv:
+    from vllm_fastload.checkpoint import read_checkpoint, select_shards
+    from vllm_fastload.content import checkpoint_digest
+
+    digest = checkpoint_digest(read_checkpoint(select_shards(str(demo_model))))
+    assert daemon_status(sock_dir)["content_digest"] == digest and f"content {digest}" in daemon.log()
+    for run, pin in (("zc-1", {}), ("zc-2", {"expected_content_digest": digest})):  # the second: a restart, pinned
+        with engine(demo_model, sock_dir, e2e_logs, run, **pin) as srv:
             assert srv.wait_ready(), srv.log()[-3000:]
             assert ids_of(srv) == reference_ids
             log = srv.log()

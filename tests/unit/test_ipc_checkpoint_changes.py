@@ -56,3 +56,63 @@ def test_a_duplicate_name_fails_the_engine_instead_of_falling_back(setup, monkey
                                               r".*/overlay.safetensors\)"):
         ipc_loader(srv.path).load_model(vllm_config, model_config)
     assert calls == []
+
+
+def _pinned_stub(monkeypatch):
+    """A default loader that, like vLLM's, streams through ``self.get_all_weights`` (from the model's file)."""
+    from safetensors.torch import load_file
+
+    stub = types.SimpleNamespace(load_config=types.SimpleNamespace(load_format="auto"))
+    stub.get_all_weights = lambda mc, m: iter(load_file(os.path.join(mc.model, "model.safetensors")).items())
+    stub.load_model = lambda **kw: [n for n, _ in stub.get_all_weights(kw["model_config"], None)]
+    monkeypatch.setattr("vllm_fastload.fallback.default_loader", lambda load_config: stub)
+
+
+@pytest.mark.parametrize("daemon_digest", [None, "other", "pinned"])
+def test_a_pinned_engine_maps_only_a_daemon_that_hashed_the_pinned_bytes(setup, monkeypatch, warnings_logged,
+                                                                        daemon_digest):
+    """Issue 15, item 7: ``expected_content_digest`` on the engine. A daemon without a digest or with another one
+    is not mapped (the warning names the daemon, both digests or the missing ``content_hash``); the disk load that
+    follows is checked against the pin too."""
+    from vllm_fastload.checkpoint import read_checkpoint, select_shards
+    from vllm_fastload.content import checkpoint_digest
+
+    srv, model_config, vllm_config = setup
+    _pinned_stub(monkeypatch)
+    parallel(monkeypatch, 1, 0)
+    pinned = checkpoint_digest(read_checkpoint(select_shards(model_config.model)))
+    other = "blake3:" + "3" * 64
+    if daemon_digest is not None:
+        srv.state.manifest["content_digest"] = pinned if daemon_digest == "pinned" else other
+    if daemon_digest == "pinned":  # past the content check, the next step (the checksum samples) runs
+
+        class Passed(Exception):
+            pass
+
+        def passed(*a, **k):
+            raise Passed
+
+        monkeypatch.setattr("vllm_fastload.ipc.layout.sample_checksums", passed)
+        with pytest.raises(Passed):
+            ipc_loader(srv.path, expected_content_digest=pinned).load_model(vllm_config, model_config)
+        assert [w for w in warnings_logged if "content" in w] == []
+        return
+    out = ipc_loader(srv.path, expected_content_digest=pinned).load_model(vllm_config, model_config)
+    content = [w for w in warnings_logged if "content" in w]
+    assert out == ["w"]  # the disk load ran and its bytes matched the pin
+    [msg] = content
+    if daemon_digest is None:
+        assert f"the daemon at {srv.path} did not hash its weights" in msg and '"content_hash": true' in msg
+    else:
+        assert f"holds weights with content digest {other}, but expected_content_digest is {pinned}" in msg
+
+
+def test_a_pinned_engine_whose_disk_bytes_differ_fails_after_the_fallback(setup, monkeypatch):
+    from vllm_fastload.errors import ContentMismatch
+
+    srv, model_config, vllm_config = setup
+    _pinned_stub(monkeypatch)
+    parallel(monkeypatch, 1, 0)
+    wrong = "blake3:" + "4" * 64
+    with pytest.raises(ContentMismatch, match=f"expected_content_digest is {wrong}"):
+        ipc_loader(srv.path, expected_content_digest=wrong).load_model(vllm_config, model_config)

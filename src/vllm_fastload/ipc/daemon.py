@@ -64,6 +64,7 @@ class RankState:
         with self.lock:
             return {"type": "status", "model": self.model, "device": self.device, "socket": self.socket,
                     "fingerprint": self.fingerprint, "fingerprint_short": self.manifest.get("fingerprint_short"),
+                    "content_digest": self.manifest.get("content_digest"),
                     "tensors": len(self.manifest.get("tensors", {})), "bytes": self.nbytes if not self.released else 0,
                     "state": "loading" if self.loading else "released" if self.released else "ready",
                     "clients": len(self.clients),
@@ -128,6 +129,7 @@ def build_and_export(vllm_config: Any, local_rank: int, rank: int, world_size: i
                 model = initialize_model(vllm_config=vllm_config, model_config=mc)
             constructed = object_states(model)  # what the engine's skeleton will start from
             loader.load_weights(model, mc)
+            content_digest = getattr(loader, "content_digest", None)  # our runai_streamer with content_hash
             finish_online_quantization(model, mc)
             snap = snapshot(model)
             process_weights_after_loading(model, mc, device)
@@ -159,7 +161,7 @@ def build_and_export(vllm_config: Any, local_rank: int, rank: int, world_size: i
     manifest = {"type": "manifest", "version": protocol.PROTOCOL_VERSION, "fingerprint": fp.to_dict(),
                 "fingerprint_short": fp.short(), "segments": [meta],
                 "tensors": entries, "aliases": exp.aliases, "reprocess": exp.reprocess, "attrs": exp.attrs,
-                "object_attrs": exp.object_attrs}
+                "object_attrs": exp.object_attrs, "content_digest": content_digest}
     by_dtype: dict[str, int] = {}
     for e in entries.values():
         by_dtype[e["dtype"]] = by_dtype.get(e["dtype"], 0) + int(e["nbytes"])

@@ -16,6 +16,7 @@ import gc
 import time
 from typing import Any, Iterator
 
+from ..checkpoint import weights_source
 from ..config import IpcCacheConfig
 from ..errors import CheckpointError, FastloadError
 from ..fallback import default_loader, fall_back
@@ -156,7 +157,9 @@ class IpcCacheLoader(BaseModelLoader):
             reason = str(e)
         except (ValueError, KeyError, TypeError, OSError) as e:  # malformed manifest or mapping failure
             reason = f"the daemon's manifest or memory is unusable ({type(e).__name__}: {e})"
-        loader = fall_back(LOAD_FORMAT, reason, self.config.fallback, self.load_config)
+        loader = fall_back(LOAD_FORMAT, reason, self.config.fallback, self.load_config,
+                           expected_content_digest=self.config.expected_content_digest,
+                           source=weights_source(model_config))
         model = loader.load_model(vllm_config=vllm_config, model_config=model_config, prefix=prefix)
         # the weights of a fallback come from the model's files, not from the daemon
         report = LoadReport(load_format=LOAD_FORMAT, source=str(model_config.model),
@@ -164,6 +167,24 @@ class IpcCacheLoader(BaseModelLoader):
                             fallback_reason=reason, wall_s=time.perf_counter() - t0)
         report.emit(self.config.report_path)
         return model
+
+    def _check_content(self, manifest: dict, path: str) -> None:
+        """With ``expected_content_digest``: the daemon must have hashed its load to that digest (raises
+        :class:`~.client.CacheUnavailable` with the reason, which the fallback policy logs)."""
+        from .client import CacheUnavailable
+
+        expected = self.config.expected_content_digest
+        if expected is None:
+            return
+        got = manifest.get("content_digest")
+        if got is None:
+            raise CacheUnavailable(f"expected_content_digest is set but the daemon at {path} did not hash its "
+                                   f"weights: start `vllm-fastload preload` with --model-loader-extra-config "
+                                   f"'{{\"content_hash\": true}}' (or the same expected_content_digest)")
+        if got != expected:
+            raise CacheUnavailable(f"the daemon at {path} holds weights with content digest {got}, but "
+                                   f"expected_content_digest is {expected}: restart `vllm-fastload preload` on the "
+                                   f"pinned checkpoint")
 
     def _map(self, vllm_config: Any, model_config: Any, prefix: str, path: str, t0: float) -> tuple[Any, LoadReport]:
         import torch
@@ -203,6 +224,7 @@ class IpcCacheLoader(BaseModelLoader):
         registered: list = []
         try:
             man = lease.manifest
+            self._check_content(man, path)
             entries = man["tensors"]
             buf = lease.segment.buf
             # Verify before building anything: a corrupt daemon must not leave a half-built model behind.

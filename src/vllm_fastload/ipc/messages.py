@@ -149,6 +149,7 @@ class Manifest(_Reply):
     reprocess: list[str] = []
     attrs: dict[str, dict[str, Any]] = {}
     object_attrs: dict[str, dict[str, Any]] = {}
+    content_digest: Optional[str] = None  # set when the daemon hashed its load (``content_hash``)
 
 
 class Error(_Reply):
@@ -182,6 +183,7 @@ class StatusReply(_Reply):
     socket: str
     fingerprint: dict[str, Any]
     fingerprint_short: Optional[str] = None
+    content_digest: Optional[str] = None
     tensors: int
     bytes: int
     state: Literal["loading", "released", "ready"]

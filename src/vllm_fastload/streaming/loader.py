@@ -29,6 +29,7 @@ from ..checkpoint import ShardPlan, model_shards, read_checkpoint, weights_sourc
 from ..config import StreamerConfig
 from ..errors import CheckpointError, ConfigError
 from ..fallback import default_loader, fall_back
+from ..content import Hashing
 from ..fingerprint import from_vllm
 from ..log import logger
 from ..report import LoadReport
@@ -137,13 +138,16 @@ class RunaiStreamerLoader(BaseModelLoader):
         report = LoadReport(load_format=LOAD_FORMAT, source=weights_source(model_config))
         reason, possible = self._why_not(model_config)
         if reason:
-            loader = fall_back(LOAD_FORMAT, reason, self.config.fallback, self.load_config, possible=possible)
+            loader = fall_back(LOAD_FORMAT, reason, self.config.fallback, self.load_config, possible=possible,
+                               **self._pin(model_config))
             loader.load_weights(model, model_config)
             self._fell_back(report, loader, reason, t0)
             return
         tensors = self._tensors(model, model_config, report, t0)  # validates the checkpoint before the model
-        loaded = model.load_weights(tensors)
+        hashing = self._hashing()
+        loaded = model.load_weights(hashing.wrap(tensors) if hashing else tensors)
         self._finish(report, t0)
+        self._check_content(hashing, report, model_config)
         t_check = time.perf_counter()
         self._check_all_loaded(model, model_config, loaded)
         report.extra["check_s"] = round(time.perf_counter() - t_check, 4)
@@ -160,13 +164,35 @@ class RunaiStreamerLoader(BaseModelLoader):
         report = LoadReport(load_format=LOAD_FORMAT, source=weights_source(model_config))
         reason, possible = self._why_not(model_config)
         if reason:
-            loader = fall_back(LOAD_FORMAT, reason, self.config.fallback, self.load_config, possible=possible)
+            loader = fall_back(LOAD_FORMAT, reason, self.config.fallback, self.load_config, possible=possible,
+                               **self._pin(model_config))
             yield from loader.get_all_weights(model_config, model)
             self._fell_back(report, loader, reason, t0)
             return
-        yield from self._tensors(model, model_config, report, t0)
+        hashing = self._hashing()
+        tensors = self._tensors(model, model_config, report, t0)
+        yield from hashing.wrap(tensors) if hashing else tensors
         self._finish(report, t0)
+        self._check_content(hashing, report, model_config)
         report.emit(self.config.report_path)
+
+    def _pin(self, model_config: Any) -> dict[str, Any]:
+        """The content pin handed to the fallback policy, so a fallback load is checked the same way."""
+        return {"expected_content_digest": self.config.expected_content_digest,
+                "source": weights_source(model_config)}
+
+    def _hashing(self) -> Hashing | None:
+        """A content hasher for this load when ``content_hash`` or ``expected_content_digest`` asks for one."""
+        self.content_digest = None
+        return Hashing() if self.config.hashes_content else None
+
+    def _check_content(self, hashing: Hashing | None, report: LoadReport, model_config: Any) -> None:
+        """Record the content digest (report, :attr:`content_digest` for the preload daemon) and enforce
+        ``expected_content_digest`` (raises :class:`~vllm_fastload.errors.ContentMismatch`)."""
+        if hashing is None:
+            return
+        self.content_digest = report.content_digest = hashing.digest
+        hashing.check(self.config.expected_content_digest, weights_source(model_config))
 
     def _fell_back(self, report: LoadReport, loader: Any, reason: str, t0: float) -> None:
         report.format_used, report.fallback_reason = loader.load_config.load_format, reason

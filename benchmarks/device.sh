@@ -6,6 +6,7 @@
 #   bash benchmarks/device.sh ipcprobe [GiB]  # legacy CUDA IPC vs VMM fds -> $OUT/ipc-probe.md
 #   bash benchmarks/device.sh bench [TP]   # 16 GB 8B-shaped model: auto, built-in runai, ours, the peers -> $OUT/
 #   bash benchmarks/device.sh pinprobe     # no staging needed: page-locking vs model construction (pin_probe.py)
+#   bash benchmarks/device.sh content      # content digest cost on the 16 GB model: inspect, ours hashed, daemon -> $OUT/
 set -uo pipefail
 if [ "${1:-}" = pinprobe ]; then
   PYTHONPATH=$PWD/src python3 benchmarks/pin_probe.py; exit $?
@@ -37,6 +38,18 @@ case "${1:-tests}" in
       tests/gpu/test_ipc_cache_gpu.py ${2:+-k "$2"} 2>&1 | tee "$OUT/ipc-tests.log"; exit ${PIPESTATUS[0]} ;;
   ipcprobe)
     python3 benchmarks/ipc_probe.py --gib ${2:-4} 2>&1 | tee "$OUT/ipc-probe.md"; exit ${PIPESTATUS[0]} ;;
+  content)
+    # what "content_hash": true costs (issue 15, item 7): the GPU test, inspect --content-digest (warm page cache),
+    # ours with and without hashing and the preload daemon's start with and without hashing, in one call
+    M=/root/models/llama3-8b-shape
+    python3 -m pytest -v -rs --tb=short tests/gpu/test_content_gpu.py 2>&1 | tee "$OUT/content-tests.log"
+    python3 benchmarks/make_model.py $M --shape 8b >/dev/null; cat $M/*.safetensors > /dev/null
+    for i in 1 2; do python3 -m vllm_fastload.cli inspect $M --no-fingerprint --content-digest --json \
+      > "$OUT/inspect-$i.json"; done
+    python3 benchmarks/load_bench.py --model $M --tp 1 --loaders runai_fastload,runai_fastload_hashed,ipc_zero_copy \
+      --out "$OUT/bench-content-plain" 2>&1 | tee "$OUT/bench-content-plain.log"
+    python3 benchmarks/load_bench.py --model $M --tp 1 --loaders ipc_zero_copy --daemon-extra '{"content_hash": true}' \
+      --out "$OUT/bench-content-daemon" 2>&1 | tee "$OUT/bench-content-daemon.log"; exit ${PIPESTATUS[0]} ;;
   bench)
     python3 benchmarks/load_bench.py --model /root/models/llama3-8b-shape --make 8b --tp "${2:-1}" \
       --extra "${EXTRA:-{\}}" --loaders "${LOADERS:-auto,runai_builtin,runai_fastload,instanttensor,instanttensor_buffered,fastsafetensors,ipc_zero_copy,ipc_copy}" --out "$OUT/bench-tp${2:-1}" 2>&1 | tee "$OUT/bench-tp${2:-1}.log"; exit ${PIPESTATUS[0]} ;;

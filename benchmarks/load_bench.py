@@ -32,6 +32,8 @@ LOADERS = {
     "runai_fastload": ("runai_streamer", {}),
     # ours with `pinned_reader: false`: runai reads into pageable memory, tensors are copied through a pinned ring
     "runai_fastload_ring": ("runai_streamer", {}),
+    # ours with `content_hash: true`: every tensor's bytes hashed (BLAKE3) while loading
+    "runai_fastload_hashed": ("runai_streamer", {}),
     # ipc_cache needs a `vllm-fastload preload` daemon for the same model/TP; started by main() when asked for.
     # ipc_copy releases the daemon's memory, so it must come last.
     "ipc_zero_copy": ("ipc_cache", {}),
@@ -100,6 +102,8 @@ def run_one(name: str, model: str, tp: int, gmu: float, report: Path, extra: dic
         ex["report_path"] = str(report)
     if name == "runai_fastload_ring":
         ex["pinned_reader"] = False
+    if name == "runai_fastload_hashed":
+        ex["content_hash"] = True
     if name.startswith("ipc_"):
         ex = {"socket_dir": SOCKET_DIR[0], "mode": name[4:], "report_path": str(report), "fallback": False}
     args = {"model": model, "load_format": fmt, "tp": tp, "gmu": gmu, "extra": ex}
@@ -116,7 +120,7 @@ def run_one(name: str, model: str, tp: int, gmu: float, report: Path, extra: dic
     res.update(json.loads(log.split("BENCH_RESULT ", 1)[1].splitlines()[0]))
     if report.exists() and name != "auto":
         r = json.loads(report.read_text())
-        res["report"] = {k: r[k] for k in ("bytes", "wall_s", "read_wait_s", "gb_per_s", "extra")}
+        res["report"] = {k: r.get(k) for k in ("bytes", "wall_s", "read_wait_s", "gb_per_s", "content_digest", "extra")}
         if name.startswith("ipc_"):
             res["ipc_weights_s"] = r["extra"].get("weights_phase_s")
     res["log_tail"] = "\n".join(l for l in log.splitlines() if "fastload" in l or "took" in l)[-2000:]
@@ -236,6 +240,8 @@ def main() -> int:
                     help="comma-separated; peers whose package is not importable are skipped with a note")
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--extra", default="{}", help="extra-config JSON for runai_fastload")
+    ap.add_argument("--daemon-extra", default=None,
+                    help="extra-config JSON of the preload daemon (its runai_streamer load), e.g. '{\"content_hash\": true}'")
     ap.add_argument("--out", type=Path, default=Path("bench-out"))
     a = ap.parse_args()
     if a.make:
@@ -286,12 +292,14 @@ def start_daemon(a: argparse.Namespace, results: dict):
     SOCKET_DIR.append(str(sock))
     a.out.mkdir(parents=True, exist_ok=True)
     t = time.perf_counter()
-    daemon = PreloadDaemon(str(a.model), sock, ["--tensor-parallel-size", str(a.tp), "--max-model-len", "1024"],
-                           log_path=a.out / "preload.log")
+    args = ["--tensor-parallel-size", str(a.tp), "--max-model-len", "1024"]
+    if a.daemon_extra:
+        args += ["--model-loader-extra-config", a.daemon_extra]
+    daemon = PreloadDaemon(str(a.model), sock, args, log_path=a.out / "preload.log")
     if not daemon.wait_ready():
         daemon.stop()
         raise RuntimeError("preload daemon exited:\n" + daemon.log()[-4000:])
-    results["daemon"] = {"ready_s": time.perf_counter() - t, "gpu_used_bytes": gpu_used()}
+    results["daemon"] = {"ready_s": time.perf_counter() - t, "gpu_used_bytes": gpu_used(), "extra": a.daemon_extra}
     return daemon
 
 

@@ -16,7 +16,7 @@ import torch
 from tests.conftest import write_zoo
 from vllm_fastload.checkpoint import read_header
 from vllm_fastload.streaming import direct
-from vllm_fastload.streaming.pipeline import StageTimes
+from vllm_fastload.streaming.timing import StageTimes
 
 
 class FakeEvent:

@@ -46,7 +46,7 @@ from typing import Any, Optional
 import torch
 
 from ..checkpoint import SafetensorsHeader
-from .pipeline import StageTimes, next_timed
+from .timing import StageTimes, next_timed
 
 #: Slots of the arena beyond runai's ring depth: a released slot can wait for its copies while runai refills.
 SPARE_SLOTS = 2
@@ -203,9 +203,8 @@ class PinnedSlots:
             with self._lock:
                 index, ev = self.pending[fits[0]]
                 del self.pending[fits[0]]
-            t = time.perf_counter()
-            ev.synchronize()
-            self.times.slot_wait_s += time.perf_counter() - t
+            with self.times.clock("slot_wait_s"):
+                ev.synchronize()
             return index
         buf = pinned_empty(size)
         with self._lock:
@@ -345,6 +344,7 @@ def stream_tensors(headers: list[SafetensorsHeader], device: torch.device, piece
 
     from ..storage import scoped_environ
 
+    times.measures("slot_wait_s", "h2d_s")
     dtypes = torch_dtypes()
     info = {(i, t.name): t for i, h in enumerate(headers) for t in h.tensors.values()}
     chunks, where, empty = plan_pieces(headers, piece_bytes, only)
@@ -393,13 +393,7 @@ def stream_tensors(headers: list[SafetensorsHeader], device: torch.device, piece
                 n = src.numel()
                 end = None
                 if use_pinned:
-                    with torch.cuda.stream(copy_stream):
-                        start = torch.cuda.Event(enable_timing=True)
-                        end = torch.cuda.Event(enable_timing=True)
-                        start.record()
-                        dst[off:off + n].copy_(src, non_blocking=True)
-                        end.record()
-                    times._events.append((start, end))
+                    end = times.h2d_copy(dst[off:off + n], src, copy_stream)
                 else:
                     dst[off:off + n].copy_(src)
                 times.bytes += n
@@ -416,5 +410,4 @@ def stream_tensors(headers: list[SafetensorsHeader], device: torch.device, piece
             slots.close()
             if stats is not None:
                 stats["pinned_extra_bytes"] = slots.extra_bytes
-    times.h2d_s = sum(s.elapsed_time(e) for s, e in times._events) / 1e3
-    times._events.clear()
+    times.settle_h2d()

@@ -220,7 +220,7 @@ class RunaiStreamerLoader(BaseModelLoader):
                     elif device.type == "cuda":
                         yield from self._gpu_tensors(plan, headers, device, report, why_not_direct)
                     else:
-                        yield from self._timed(self._progress(self._stream(plan, headers)), report)
+                        yield from self._cpu_tensors(plan, headers, report)
                 finally:
                     if fan is not None:
                         fan.close()
@@ -259,7 +259,8 @@ class RunaiStreamerLoader(BaseModelLoader):
         memory and each tensor is copied through a pinned ring (``streaming.pipeline``), logged with the reason
         when ``pinned_reader`` asked for the former. Both: async H2D on a side stream."""
         from .direct import release_pinned_cache, stream_to_device
-        from .pipeline import H2DPipeline, StageTimes
+        from .pipeline import H2DPipeline
+        from .timing import StageTimes
 
         cfg = self.config
         if why_not is None:
@@ -285,11 +286,9 @@ class RunaiStreamerLoader(BaseModelLoader):
                              copy_threads=cfg.copy_threads, threaded=cfg.pipeline_thread) as pipe:
                 yield from pipe.run(self._progress(self._stream(plan, headers, owned=False)))
             t = pipe.times
-            report.extra.update(memcpy_s=round(t.memcpy_s, 4), consumer_wait_s=round(t.consumer_wait_s, 4),
-                                pinned_ring_bytes=cfg.pinned_slot_bytes * cfg.pinned_slots)
+            report.extra["pinned_ring_bytes"] = cfg.pinned_slot_bytes * cfg.pinned_slots
         report.extra["read_ring_pinned"] = why_not is None
-        report.tensors, report.bytes, report.read_wait_s = t.tensors, t.bytes, t.read_wait_s
-        report.extra.update(slot_wait_s=round(t.slot_wait_s, 4), h2d_s=round(t.h2d_s, 4))
+        t.feed(report)
 
     def _take_arena(self, device: Any, report: LoadReport) -> Any:
         """The pinned arena :meth:`_start_pinning` prepared for ``device`` (its seconds go to the report), or None
@@ -322,7 +321,7 @@ class RunaiStreamerLoader(BaseModelLoader):
         owned slots on CPU) and gets the rest from the other ranks of its host (``streaming.fanout``)."""
         from .direct import release_pinned_cache, stream_tensors
         from .fanout import entries_of
-        from .pipeline import StageTimes
+        from .timing import StageTimes
 
         cfg = self.config
         entries = entries_of(headers)
@@ -339,10 +338,10 @@ class RunaiStreamerLoader(BaseModelLoader):
             it.close()
             release_pinned_cache()
         s = fan.stats
+        t.feed(report)
+        # this rank read only its share (t counts that); the model got every tensor of the checkpoint
         report.tensors, report.bytes = len(entries), sum(e.nbytes for e in entries)
-        report.read_wait_s = t.read_wait_s
-        report.extra.update(stats, fanout=s.to_dict(), read_ring_pinned=device.type == "cuda",
-                            slot_wait_s=round(t.slot_wait_s, 4), h2d_s=round(t.h2d_s, 4))
+        report.extra.update(stats, fanout=s.to_dict(), read_ring_pinned=device.type == "cuda")
         logger.info("fastload: %s fan-out over ranks %s of this host: this rank read %d tensors (%.2f GiB) and "
                     "received %d (%.2f GiB) in %d rounds (exchange %.3f s, largest round %.2f GiB)", LOAD_FORMAT,
                     list(s.ranks), s.tensors_read, s.read_bytes / 2**30, s.tensors_received,
@@ -394,7 +393,7 @@ class RunaiStreamerLoader(BaseModelLoader):
                 import torch
 
                 from .direct import stream_tensors
-                from .pipeline import StageTimes
+                from .timing import StageTimes
 
                 cfg = self.config
                 for (_, name), t in stream_tensors(headers, torch.device("cpu"), cfg.pinned_slot_bytes,
@@ -429,19 +428,21 @@ class RunaiStreamerLoader(BaseModelLoader):
         return iter(tqdm(it, total=getattr(self, "_total", None), desc="fastload: streaming tensors", unit="tensor",
                          mininterval=1.0))
 
-    @staticmethod
-    def _timed(it: Iterator[tuple[str, Any]], report: LoadReport) -> Iterator[tuple[str, Any]]:
-        """Pass tensors through, counting tensors/bytes and the seconds spent waiting for the reader."""
-        from .pipeline import next_timed
+    def _cpu_tensors(self, plan: ShardPlan, headers: list, report: LoadReport) -> Iterator[tuple[str, Any]]:
+        """CPU path: runai's tensors straight to the model, counting tensors, bytes and the seconds spent waiting
+        for the reader into ``report``."""
+        from .timing import StageTimes, next_timed
 
+        it, t = self._progress(self._stream(plan, headers)), StageTimes()
         while True:
             item, waited = next_timed(it)
-            report.read_wait_s += waited
+            t.read_wait_s += waited
             if item is None:
-                return
-            report.tensors += 1
-            report.bytes += item[1].numel() * item[1].element_size()
+                break
+            t.tensors += 1
+            t.bytes += item[1].numel() * item[1].element_size()
             yield item
+        t.feed(report)
 
     def _check_all_loaded(self, model: Any, model_config: Any, loaded: Any) -> None:
         """Raise when a parameter was not in the checkpoint, with vLLM's own check (as the default loader)."""

@@ -28,42 +28,13 @@ from __future__ import annotations
 
 import queue
 import threading
-import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-
-def next_timed(it: Iterator[Any]) -> tuple[Any, float]:
-    """``(next item or None at the end, seconds spent waiting for it)``."""
-    t = time.perf_counter()
-    try:
-        item = next(it)
-    except StopIteration:
-        item = None
-    return item, time.perf_counter() - t
-
-
-@dataclass
-class StageTimes:
-    """Seconds per stage of one load (see :class:`~vllm_fastload.report.LoadReport`).
-
-    ``read_wait_s``: waiting for the reader; ``memcpy_s``: host copies into pinned slots; ``slot_wait_s``: waiting
-    for a slot's previous H2D copy (PCIe bound when large); ``h2d_s``: GPU time of the H2D copies (events);
-    ``consumer_wait_s``: the consumer waiting for the producer thread; ``bytes``: bytes copied to the device.
-    """
-
-    read_wait_s: float = 0.0
-    memcpy_s: float = 0.0
-    slot_wait_s: float = 0.0
-    h2d_s: float = 0.0
-    consumer_wait_s: float = 0.0
-    bytes: int = 0
-    tensors: int = 0
-    _events: list = field(default_factory=list, repr=False)
+from .timing import StageTimes, next_timed
 
 
 class H2DPipeline:
@@ -89,7 +60,7 @@ class H2DPipeline:
         self.copy_threads = copy_threads
         self.lookahead = max(1, lookahead)
         self.threaded = threaded
-        self.times = StageTimes()
+        self.times = StageTimes().measures("slot_wait_s", "h2d_s", "memcpy_s", "consumer_wait_s")
 
     # -- ring -------------------------------------------------------------------------------------------
     def _acquire(self) -> tuple[int, torch.Tensor]:
@@ -97,20 +68,18 @@ class H2DPipeline:
         self.next_slot = (i + 1) % self.slots
         ev = self.slot_events[i]
         if ev is not None:
-            t = time.perf_counter()
-            ev.synchronize()
-            self.times.slot_wait_s += time.perf_counter() - t
+            with self.times.clock("slot_wait_s"):
+                ev.synchronize()
         return i, self.ring[i * self.slot_bytes:(i + 1) * self.slot_bytes]
 
     def _memcpy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         n = src.numel()
-        t = time.perf_counter()
-        if self.pool is None or n < 8 * 2**20:
-            dst[:n].copy_(src)
-        else:
-            step = -(-n // self.copy_threads)
-            list(self.pool.map(lambda o: dst[o:o + step].copy_(src[o:o + step]), range(0, n, step)))
-        self.times.memcpy_s += time.perf_counter() - t
+        with self.times.clock("memcpy_s"):
+            if self.pool is None or n < 8 * 2**20:
+                dst[:n].copy_(src)
+            else:
+                step = -(-n // self.copy_threads)
+                list(self.pool.map(lambda o: dst[o:o + step].copy_(src[o:o + step]), range(0, n, step)))
 
     def to_device(self, src: torch.Tensor, consumer: Any = None) -> tuple[torch.Tensor, Any]:
         """Start copying host tensor ``src`` to the device. Returns ``(device tensor, event)``: the consumer must
@@ -132,14 +101,8 @@ class H2DPipeline:
             n = min(self.slot_bytes, nbytes - off)
             i, slot = self._acquire()
             self._memcpy(slot, flat[off:off + n])
-            with torch.cuda.stream(self.copy_stream):
-                start = torch.cuda.Event(enable_timing=True)
-                end = torch.cuda.Event(enable_timing=True)
-                start.record()
-                dst[off:off + n].copy_(slot[:n], non_blocking=True)
-                end.record()
+            end = self.times.h2d_copy(dst[off:off + n], slot[:n], self.copy_stream)
             self.slot_events[i] = end
-            self.times._events.append((start, end))
         self.times.bytes += nbytes
         self.times.tensors += 1
         return dst.view(src.dtype).view(src.shape), end
@@ -189,9 +152,8 @@ class H2DPipeline:
         worker.start()
         try:
             while True:
-                t = time.perf_counter()
-                item = handoff.get()
-                self.times.consumer_wait_s += time.perf_counter() - t
+                with self.times.clock("consumer_wait_s"):
+                    item = handoff.get()
                 if item is end_mark:
                     break
                 name, dst, event = item
@@ -220,8 +182,7 @@ class H2DPipeline:
     def close(self) -> StageTimes:
         """Wait for all copies, sum the H2D GPU time, free the ring and the copy threads. Returns the timings."""
         self.copy_stream.synchronize()
-        self.times.h2d_s = sum(s.elapsed_time(e) for s, e in self.times._events) / 1e3
-        self.times._events.clear()
+        self.times.settle_h2d()
         self.slot_events = [None] * self.slots
         self.ring = None
         if self.pool is not None:

@@ -63,7 +63,7 @@ def test_held_tensor_keeps_its_values_under_a_tight_ring():
     weight = torch.randn(256, 64, generator=g)
     filler = torch.randn(2**18, generator=g)
     scale = torch.randn(1, generator=g)
-    with H2DPipeline(torch.device("cuda"), slot_bytes=4096, slots=2, copy_threads=1, threaded=True) as pipe:
+    with H2DPipeline(torch.device("cuda"), pinned_slot_bytes=4096, pinned_slots=2, copy_threads=1, pipeline_thread=True) as pipe:
         out = dict(pipe.run(iter([("w", weight.clone()), ("filler", filler.clone()), ("scale", scale.clone())])))
     torch.cuda.synchronize()
     assert torch.equal(out["w"].cpu(), weight)
@@ -73,5 +73,5 @@ def test_held_tensor_keeps_its_values_under_a_tight_ring():
 
 
 def test_pipeline_refuses_a_one_slot_ring():
-    with pytest.raises(ValueError, match="slots >= 2"):
-        H2DPipeline(torch.device("cuda"), slot_bytes=4096, slots=1)
+    with pytest.raises(ValueError, match="pinned_slots >= 2"):
+        H2DPipeline(torch.device("cuda"), pinned_slot_bytes=4096, pinned_slots=1)

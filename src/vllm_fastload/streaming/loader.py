@@ -192,12 +192,13 @@ class RunaiStreamerLoader(BaseModelLoader):
         headers = list(ckpt.headers)
         self._skips_copies = bool(ckpt.duplicates)
         largest = max((h.largest for h in headers if h.largest), key=lambda t: t.nbytes, default=None)
-        mem = self.config.memory_limit
+        memory_limit = self.config.memory_limit
         device = _model_device(model)
         why_not_direct = self._reads_into_pinned(device, headers)
-        if largest is not None and mem is not None and 0 < mem < largest.nbytes and why_not_direct is not None:
+        if (largest is not None and memory_limit is not None and 0 < memory_limit < largest.nbytes
+                and why_not_direct is not None):
             raise ConfigError(
-                f"--model-loader-extra-config: memory_limit {mem} bytes is below the largest tensor "
+                f"--model-loader-extra-config: memory_limit {memory_limit} bytes is below the largest tensor "
                 f"{largest.name!r} ({largest.nbytes} bytes, {largest.nbytes / 2**20:.1f} MiB) in {source}; set "
                 f"memory_limit >= {largest.nbytes}, 0 (= the largest tensor) or -1 (unlimited)."
             )
@@ -253,8 +254,8 @@ class RunaiStreamerLoader(BaseModelLoader):
         return env
 
     def _gpu_tensors(self, plan: ShardPlan, headers: list, device: Any, report: LoadReport,
-                     why_not: str | None) -> Iterator[tuple[str, Any]]:
-        """GPU path. ``why_not`` is None (:meth:`_reads_into_pinned`): runai reads tensor pieces straight into a
+                     why_not_direct: str | None) -> Iterator[tuple[str, Any]]:
+        """GPU path. ``why_not_direct`` is None (:meth:`_reads_into_pinned`): runai reads tensor pieces straight into a
         recycled pinned arena and the GPU copies them out (``streaming.direct``); else runai reads into pageable
         memory and each tensor is copied through a pinned ring (``streaming.pipeline``), logged with the reason
         when ``pinned_reader`` asked for the former. Both: async H2D on a side stream."""
@@ -263,7 +264,7 @@ class RunaiStreamerLoader(BaseModelLoader):
         from .timing import StageTimes
 
         cfg = self.config
-        if why_not is None:
+        if why_not_direct is None:
             arena = self._take_arena(device, report)
             t, stats = StageTimes(), {}
             it = stream_to_device(headers, device, cfg.pinned_slot_bytes, cfg.pinned_slots, t, arena, stats)
@@ -279,15 +280,15 @@ class RunaiStreamerLoader(BaseModelLoader):
             if cfg.pinned_reader:
                 from .direct import INTERNALS_CHANGED
 
-                level = logging.WARNING if why_not.startswith(INTERNALS_CHANGED) else logging.INFO
+                level = logging.WARNING if why_not_direct.startswith(INTERNALS_CHANGED) else logging.INFO
                 logger.log(level, "fastload: copying through the pinned ring instead of reading into pinned memory: "
-                           "%s", why_not)
-            with H2DPipeline(device, slot_bytes=cfg.pinned_slot_bytes, slots=cfg.pinned_slots,
-                             copy_threads=cfg.copy_threads, threaded=cfg.pipeline_thread) as pipe:
+                           "%s", why_not_direct)
+            with H2DPipeline(device, pinned_slot_bytes=cfg.pinned_slot_bytes, pinned_slots=cfg.pinned_slots,
+                             copy_threads=cfg.copy_threads, pipeline_thread=cfg.pipeline_thread) as pipe:
                 yield from pipe.run(self._progress(self._stream(plan, headers, owned=False)))
             t = pipe.times
             report.extra["pinned_ring_bytes"] = cfg.pinned_slot_bytes * cfg.pinned_slots
-        report.extra["read_ring_pinned"] = why_not is None
+        report.extra["read_ring_pinned"] = why_not_direct is None
         t.feed(report)
 
     def _take_arena(self, device: Any, report: LoadReport) -> Any:

@@ -6,7 +6,7 @@ Data flow per tensor (``H2DPipeline.run``)::
     fresh device tensor; event per slot (slot i is reused only after its copy finished); one event per tensor
     that the consuming stream waits on before the model's ``weight_loader`` narrows it on the GPU.
 
-* The ring is ``slots`` x ``slot_bytes`` of pinned (page-locked) host memory, allocated once per load and
+* The ring is ``pinned_slots`` x ``pinned_slot_bytes`` of pinned (page-locked) host memory, allocated once per load and
   released at the end. A tensor larger than a slot is copied in slot-sized pieces into its device tensor, so
   the largest tensor never has to fit one slot.
 * Every yielded tensor is its own device allocation (never a view into a reused buffer); it stays valid for as
@@ -14,7 +14,7 @@ Data flow per tensor (``H2DPipeline.run``)::
   consumer stream, as PyTorch's CUDA semantics notes prescribe for cross-stream use.
 * The host memcpy into the slot is split across ``copy_threads`` threads (``Tensor.copy_`` releases the GIL),
   since vLLM workers often run with ``OMP_NUM_THREADS=1``.
-* With ``threaded=True``, :meth:`H2DPipeline.run` drives reader, memcpy and copy issue from a producer thread,
+* With ``pipeline_thread=True``, :meth:`H2DPipeline.run` drives reader, memcpy and copy issue from a producer thread,
   so they overlap with the consumer's ``weight_loader`` calls (measured slower on the H200, see
   docs/benchmarks.md; off by default); at most ``lookahead`` finished tensors wait in the hand-over queue, so
   transient device memory is bounded by about ``(lookahead + 2)`` x the largest tensor.
@@ -40,37 +40,39 @@ from .timing import StageTimes, next_timed
 class H2DPipeline:
     """Copy host tensors to ``device`` through a pinned ring (see module docstring).
 
-    ``slot_bytes`` (bytes per slot, > 0) and ``slots`` (>= 2) bound the pinned memory to ``slot_bytes * slots``.
+    ``pinned_slot_bytes`` (bytes per slot, > 0) and ``pinned_slots`` (>= 2) bound the pinned memory to
+    ``pinned_slot_bytes * pinned_slots`` bytes.
     Use as a context manager; :meth:`close` waits for outstanding copies and frees the ring.
     """
 
-    def __init__(self, device: torch.device, slot_bytes: int = 64 * 2**20, slots: int = 4, copy_threads: int = 8,
-                 lookahead: int = 2, threaded: bool = False):
-        if slot_bytes <= 0 or slots < 2:
-            raise ValueError(f"pinned ring needs slot_bytes > 0 and slots >= 2, got {slot_bytes} x {slots}")
+    def __init__(self, device: torch.device, pinned_slot_bytes: int = 64 * 2**20, pinned_slots: int = 4,
+                 copy_threads: int = 8, lookahead: int = 2, pipeline_thread: bool = False):
+        if pinned_slot_bytes <= 0 or pinned_slots < 2:
+            raise ValueError(f"pinned ring needs pinned_slot_bytes > 0 and pinned_slots >= 2, got "
+                             f"{pinned_slot_bytes} x {pinned_slots}")
         self.device = torch.device(device)
         if self.device.index is None:
             self.device = torch.device(self.device.type, torch.cuda.current_device())
-        self.slot_bytes, self.slots = slot_bytes, slots
-        self.ring = torch.empty(slot_bytes * slots, dtype=torch.uint8, pin_memory=True)
-        self.slot_events: list[Any] = [None] * slots
+        self.pinned_slot_bytes, self.pinned_slots = pinned_slot_bytes, pinned_slots
+        self.ring = torch.empty(pinned_slot_bytes * pinned_slots, dtype=torch.uint8, pin_memory=True)
+        self.slot_events: list[Any] = [None] * pinned_slots
         self.next_slot = 0
         self.copy_stream = torch.cuda.Stream(device=self.device)
         self.pool = ThreadPoolExecutor(copy_threads) if copy_threads > 1 else None
         self.copy_threads = copy_threads
         self.lookahead = max(1, lookahead)
-        self.threaded = threaded
+        self.pipeline_thread = pipeline_thread
         self.times = StageTimes().measures("slot_wait_s", "h2d_s", "memcpy_s", "consumer_wait_s")
 
     # -- ring -------------------------------------------------------------------------------------------
     def _acquire(self) -> tuple[int, torch.Tensor]:
         i = self.next_slot
-        self.next_slot = (i + 1) % self.slots
+        self.next_slot = (i + 1) % self.pinned_slots
         ev = self.slot_events[i]
         if ev is not None:
             with self.times.clock("slot_wait_s"):
                 ev.synchronize()
-        return i, self.ring[i * self.slot_bytes:(i + 1) * self.slot_bytes]
+        return i, self.ring[i * self.pinned_slot_bytes:(i + 1) * self.pinned_slot_bytes]
 
     def _memcpy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         n = src.numel()
@@ -97,8 +99,8 @@ class H2DPipeline:
             dst = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         dst.record_stream(consumer)
         end = None
-        for off in range(0, nbytes, self.slot_bytes):
-            n = min(self.slot_bytes, nbytes - off)
+        for off in range(0, nbytes, self.pinned_slot_bytes):
+            n = min(self.pinned_slot_bytes, nbytes - off)
             i, slot = self._acquire()
             self._memcpy(slot, flat[off:off + n])
             end = self.times.h2d_copy(dst[off:off + n], slot[:n], self.copy_stream)
@@ -115,7 +117,7 @@ class H2DPipeline:
         Errors of the reader or the copy are re-raised here; closing this generator stops the producer.
         """
         consumer = torch.cuda.current_stream(self.device)
-        if not self.threaded:
+        if not self.pipeline_thread:
             yield from self._run_inline(named, consumer)
             return
         handoff: queue.Queue = queue.Queue(maxsize=self.lookahead)
@@ -167,7 +169,7 @@ class H2DPipeline:
             raise errors[0]
 
     def _run_inline(self, named: Iterator[tuple[str, torch.Tensor]], consumer: Any) -> Iterator[tuple[str, torch.Tensor]]:
-        """``threaded=False``: reader, memcpy and copy issue run in the consumer's thread between its
+        """``pipeline_thread=False``: reader, memcpy and copy issue run in the consumer's thread between its
         ``weight_loader`` calls; the copies themselves still run asynchronously on the copy stream."""
         while True:
             item, waited = next_timed(named)
@@ -183,7 +185,7 @@ class H2DPipeline:
         """Wait for all copies, sum the H2D GPU time, free the ring and the copy threads. Returns the timings."""
         self.copy_stream.synchronize()
         self.times.settle_h2d()
-        self.slot_events = [None] * self.slots
+        self.slot_events = [None] * self.pinned_slots
         self.ring = None
         if self.pool is not None:
             self.pool.shutdown()

@@ -2,8 +2,8 @@
 
 Every model is strict: unknown keys, wrong types (``"16"`` for an int, ``true`` for a size) and out-of-range
 values raise :class:`~vllm_fastload.errors.ConfigError` naming the key, the value and the allowed form.
-Validation has no side effects; :meth:`StreamerConfig.runai_env` returns the environment variables to set,
-and the loader applies them only after validation succeeded.
+Validation has no side effects: :mod:`vllm_fastload.streaming.runai_env` turns a validated config into
+runai-model-streamer's environment variables, which the loader applies for the load only.
 """
 
 from __future__ import annotations
@@ -206,17 +206,6 @@ class StreamerConfig(_LoaderConfig):
     @classmethod
     def _chunk(cls, v: Any) -> Any:
         return None if v is None else parse_bytes(v, key="chunk_bytesize", minimum=1)
-
-    def runai_env(self) -> dict[str, str]:
-        """The runai-model-streamer environment variables this config sets (name -> value)."""
-        env: dict[str, str] = {}
-        if self.concurrency is not None:
-            env["RUNAI_STREAMER_CONCURRENCY"] = str(self.concurrency)
-        if self.memory_limit is not None:
-            env["RUNAI_STREAMER_MEMORY_LIMIT"] = str(self.memory_limit)
-        if self.chunk_bytesize is not None:
-            env["RUNAI_STREAMER_CHUNK_BYTESIZE"] = str(self.chunk_bytesize)
-        return env
 
     def warn_if_above_cgroup(self, cgroup_root: Path = Path("/sys/fs/cgroup")) -> Optional[str]:
         """Log (and return) a WARNING when ``memory_limit`` exceeds the container's cgroup memory limit.

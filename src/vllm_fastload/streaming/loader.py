@@ -19,7 +19,6 @@ directory (``model_config.model``) and keeps the URI in ``model_config.model_wei
 
 from __future__ import annotations
 
-import logging
 import os
 import time
 from collections.abc import Iterator
@@ -28,7 +27,7 @@ from typing import Any
 from ..checkpoint import ShardPlan, model_shards, read_checkpoint, weights_source
 from ..config import StreamerConfig
 from ..errors import CheckpointError, ConfigError
-from ..fallback import default_loader, fall_back
+from ..fallback import default_loader, fall_back, step_down
 from ..fingerprint import from_vllm
 from ..log import logger
 from ..report import LoadReport
@@ -242,9 +241,8 @@ class RunaiStreamerLoader(BaseModelLoader):
             if cfg.pinned_reader:
                 from .direct import INTERNALS_CHANGED
 
-                level = logging.WARNING if why_not_direct.startswith(INTERNALS_CHANGED) else logging.INFO
-                logger.log(level, "fastload: copying through the pinned ring instead of reading into pinned memory: "
-                           "%s", why_not_direct)
+                step_down("copying through the pinned ring instead of reading into pinned memory", why_not_direct,
+                          broken=why_not_direct.startswith(INTERNALS_CHANGED))
             with H2DPipeline(device, pinned_slot_bytes=cfg.pinned_slot_bytes, pinned_slots=cfg.pinned_slots,
                              copy_threads=cfg.copy_threads, pipeline_thread=cfg.pipeline_thread) as pipe:
                 yield from pipe.run(self._progress(self._stream(plan, headers, owned=False)))
@@ -275,7 +273,7 @@ class RunaiStreamerLoader(BaseModelLoader):
         fan, why = fanout.plan(self.config.distributed, device, self.config.distributed_timeout_s, reader_off,
                                headers=headers)
         if why:
-            logger.info("fastload: %s reads the whole checkpoint on this rank (no fan-out): %s", LOAD_FORMAT, why)
+            step_down(f"{LOAD_FORMAT} reads the whole checkpoint on this rank (no fan-out)", why)
         return fan
 
     def _fanned_out_tensors(self, plan: ShardPlan, headers: list, device: Any, report: LoadReport,

@@ -21,7 +21,7 @@ from .errors import ConfigError
 _BYTESIZE = TypeAdapter(ByteSize)
 
 
-def parse_bytes(value: Union[int, str], *, key: str, minimum: int) -> int:
+def parse_bytes(value: Union[int, str], *, minimum: int) -> int:
     """Parse a byte count: an int, or a string such as ``"16GiB"``, ``"512MB"``, ``"1048576"``.
 
     Units follow pydantic's ``ByteSize`` (KB = 1000, KiB = 1024, ...). Returns bytes (int).
@@ -195,17 +195,17 @@ class StreamerConfig(_LoaderConfig):
     @field_validator("memory_limit", mode="before")
     @classmethod
     def _memory_limit(cls, v: Any) -> Any:
-        return None if v is None else parse_bytes(v, key="memory_limit", minimum=-1)
+        return None if v is None else parse_bytes(v, minimum=-1)
 
     @field_validator("pinned_slot_bytes", mode="before")
     @classmethod
     def _slot(cls, v: Any) -> Any:
-        return parse_bytes(v, key="pinned_slot_bytes", minimum=4096)
+        return parse_bytes(v, minimum=4096)
 
     @field_validator("chunk_bytesize", mode="before")
     @classmethod
     def _chunk(cls, v: Any) -> Any:
-        return None if v is None else parse_bytes(v, key="chunk_bytesize", minimum=1)
+        return None if v is None else parse_bytes(v, minimum=1)
 
     def warn_if_above_cgroup(self, cgroup_root: Path = Path("/sys/fs/cgroup")) -> Optional[str]:
         """Log (and return) a WARNING when ``memory_limit`` exceeds the container's cgroup memory limit.

@@ -68,11 +68,11 @@ def test_validation_does_not_touch_environment(monkeypatch):
 
 
 def test_parse_bytes():
-    assert parse_bytes("1KiB", key="k", minimum=0) == 1024
-    assert parse_bytes("1KB", key="k", minimum=0) == 1000
-    assert parse_bytes(" 42 ", key="k", minimum=0) == 42
+    assert parse_bytes("1KiB", minimum=0) == 1024
+    assert parse_bytes("1KB", minimum=0) == 1000
+    assert parse_bytes(" 42 ", minimum=0) == 42
     with pytest.raises(ValueError):
-        parse_bytes(1.5, key="k", minimum=0)
+        parse_bytes(1.5, minimum=0)
 
 
 def test_cgroup_warning(tmp_path, caplog):

@@ -40,7 +40,7 @@ from __future__ import annotations
 import socket
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Optional
 
@@ -109,7 +109,6 @@ class FanoutStats:
     peak_round_bytes: int = 0
     tensors_read: int = 0
     tensors_received: int = 0
-    extra: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return {"ranks": list(self.ranks), "rounds": self.rounds, "read_bytes": self.read_bytes,

@@ -39,7 +39,7 @@ try:  # vLLM is an optional dependency of the package, required to use the loade
 except ImportError:  # pragma: no cover - exercised only without vLLM
     BaseModelLoader = object  # type: ignore[assignment,misc]
 
-LOAD_FORMAT = "runai_streamer"
+LOAD_FORMAT = StreamerConfig.LOAD_FORMAT
 
 
 def _model_device(model: Any) -> Any:

@@ -182,7 +182,7 @@ class StreamerConfig(_LoaderConfig):
     )
     pipeline_thread: bool = Field(
         False, description="GPU only, experimental: read, memcpy and copy issue in a producer thread, overlapped with "
-        "weight_loader calls (docs/benchmarks.md compares it)."
+        "weight_loader calls; off by default because its memcpy competes with runai's reader threads for the CPUs."
     )
     pinned_slots: int = Field(16, ge=2, le=64, description="GPU only: pinned slots (the read ring's depth, >= 2).")
     copy_threads: int = Field(8, gt=0, le=128, description="GPU only: threads copying host slots into pinned memory.")

@@ -256,9 +256,11 @@ def release_pinned_cache() -> None:
 
 
 def arena_bytes(pinned_slot_bytes: int, pinned_slots: int) -> int:
-    """Bytes of the pinned arena for ``pinned_slots + SPARE_SLOTS`` slots, rounded up to a power of two: PyTorch's pinned
-    allocator, which the arena came from when this was measured, rounds every request so (``CachingHostAllocator``);
-    the rounding becomes more spare slots (31 of 32 MiB by default, the configuration measured on the H200)."""
+    """Bytes of the pinned arena for ``pinned_slots + SPARE_SLOTS`` slots, rounded up to a power of two.
+
+    PyTorch's pinned allocator, which serves the arena where registration is refused (:mod:`.hostmem`), rounds
+    every request so (``CachingHostAllocator``): asking for the rounded size turns what it would waste into spare
+    slots (with the defaults, 1 GiB holds 31 slots where 18 are needed)."""
     need = (pinned_slots + SPARE_SLOTS) * arena_slot_bytes(pinned_slot_bytes)
     return 1 << (need - 1).bit_length()
 

@@ -15,8 +15,8 @@ Data flow per tensor (``H2DPipeline.run``)::
 * The host memcpy into the slot is split across ``copy_threads`` threads (``Tensor.copy_`` releases the GIL),
   since vLLM workers often run with ``OMP_NUM_THREADS=1``.
 * With ``pipeline_thread=True``, :meth:`H2DPipeline.run` drives reader, memcpy and copy issue from a producer thread,
-  so they overlap with the consumer's ``weight_loader`` calls (measured slower on the H200, see
-  docs/benchmarks.md; off by default); at most ``lookahead`` finished tensors wait in the hand-over queue, so
+  so they overlap with the consumer's ``weight_loader`` calls. Off by default: the producer's memcpy competes with
+  runai's reader threads for the CPUs, which costs more than the overlap gains (docs/benchmarks.md); at most ``lookahead`` finished tensors wait in the hand-over queue, so
   transient device memory is bounded by about ``(lookahead + 2)`` x the largest tensor.
 
 PyTorch facts used (docs "CUDA semantics", "Tensor.record_stream"): ``non_blocking=True`` host-to-device

@@ -321,7 +321,8 @@ class ArenaFuture:
 def stream_to_device(headers: list[SafetensorsHeader], device: torch.device, pinned_slot_bytes: int, pinned_slots: int,
                      times: StageTimes, arena: Optional[torch.Tensor] = None,
                      stats: Optional[dict] = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(name, device tensor)`` for every tensor of ``headers``: :func:`stream_tensors` by name."""
+    """Yield ``(name, tensor on device)`` for every tensor of ``headers``, in the order their last piece arrives:
+    :func:`stream_tensors` through pinned slots (same arguments, units and errors), keyed by name alone."""
     for (_, name), tensor in stream_tensors(headers, device, pinned_slot_bytes, pinned_slots, times, arena, stats,
                                             pinned=True):
         yield name, tensor

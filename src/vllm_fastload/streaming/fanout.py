@@ -111,6 +111,8 @@ class FanoutStats:
     tensors_received: int = 0
 
     def to_dict(self) -> dict:
+        """The fields as a JSON-ready dict (``ranks`` a list, ``sync_s`` rounded to 0.1 ms): the load report's
+        ``extra["fanout"]``."""
         return {"ranks": list(self.ranks), "rounds": self.rounds, "read_bytes": self.read_bytes,
                 "received_bytes": self.received_bytes, "sync_s": round(self.sync_s, 4),
                 "peak_round_bytes": self.peak_round_bytes, "tensors_read": self.tensors_read,

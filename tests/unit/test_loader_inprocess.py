@@ -73,6 +73,9 @@ def test_streams_every_tensor_bit_exact_and_reports(tmp_path):
     r = json.loads((tmp_path / "r.json").read_text())
     assert r["tensors"] == 5 and r["bytes"] == sum(v.numel() * v.element_size() for v in ts.values())
     assert r["fallback_reason"] is None and r["shards"] == 2 and len(r["fingerprint"]) == 12
+    # the CPU path has no pinned slots, H2D copies or producer thread: none of those stages is reported
+    assert not {"slot_wait_s", "h2d_s", "memcpy_s", "consumer_wait_s"} & set(r["extra"])
+    assert r["read_wait_s"] > 0 and r["consume_s"] >= 0
 
 
 def test_missing_parameter_is_an_error(tmp_path):

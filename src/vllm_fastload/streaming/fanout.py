@@ -22,8 +22,8 @@ only the 8-byte exchange synchronizes the CPUs once per round. Rounds end when e
 
 Failure: a rank whose stream raises announces -2; the group then exchanges the error texts and every rank
 raises (:class:`FanoutError` on the others, naming the failed rank and its message). A rank that dies or stops
-answering makes the others' exchange fail within ``distributed_timeout_s`` (the gloo group's timeout). The round's tensors
-are yielded only after all of its broadcasts were issued, so a consumer that stops iterating (its own error)
+answering makes the others' exchange fail within ``distributed_timeout_s`` (the gloo group's timeout). The round's
+tensors are yielded only after all of its broadcasts were issued, so a consumer that stops iterating (its own error)
 stops between rounds and tells the others with -2 as well.
 
 Extra device memory: the tensors of one round (at most one per rank) beyond what per-rank reads hold; the
@@ -252,9 +252,9 @@ class Fanout:
         first = next((ln for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
         return FanoutError(
             f"fastload: runai_streamer fan-out over ranks {list(self.ranks)}: another rank stopped answering "
-            f"(it died, or its next tensor took longer than distributed_timeout_s={self.distributed_timeout_s} s); torch.distributed "
-            f"said: {first[:300]}. The failed rank's own log has the cause; raise distributed_timeout_s for slow "
-            f"storage, or set \"distributed\": false.")
+            f"(it died, or its next tensor took longer than distributed_timeout_s={self.distributed_timeout_s} s); "
+            f"torch.distributed said: {first[:300]}. The failed rank's own log has the cause; raise "
+            f"distributed_timeout_s for slow storage, or set \"distributed\": false.")
 
     def _gather(self, text: Optional[str]) -> list:
         """Every rank's ``text`` (an error message, a digest, None), in group order."""

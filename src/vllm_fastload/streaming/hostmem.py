@@ -9,8 +9,8 @@ construction; page-locked that way it would instead hold up every CUDA call of t
 (``benchmarks/pin_probe.py`` shows it; docs/benchmarks.md has the figures). :func:`page_locked` therefore maps
 anonymous memory, asks for transparent huge pages (``madvise(MADV_HUGEPAGE)``: fewer pages to fault in and to
 register), faults every page in from the calling thread (no CUDA call) and only then registers the range with
-``cudaHostRegister``, the one short step that needs the driver. CUDA documents registered memory as page-locked like ``cudaHostAlloc``'s ("CUDA Runtime API",
-``cudaHostRegister``): asynchronous copies from it need no staging.
+``cudaHostRegister``, the one short step that needs the driver. CUDA documents registered memory as page-locked
+like ``cudaHostAlloc``'s ("CUDA Runtime API", ``cudaHostRegister``): asynchronous copies from it need no staging.
 """
 
 from __future__ import annotations

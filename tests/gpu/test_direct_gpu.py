@@ -17,7 +17,7 @@ from tests.conftest import write_zoo  # noqa: E402
 from vllm_fastload.checkpoint import read_header  # noqa: E402
 from vllm_fastload.streaming import direct  # noqa: E402
 from vllm_fastload.streaming.hostmem import page_locked  # noqa: E402
-from vllm_fastload.streaming.pipeline import StageTimes  # noqa: E402
+from vllm_fastload.streaming.timing import StageTimes  # noqa: E402
 
 
 @pytest.mark.parametrize("piece", [4096, 5000, 2**20])

@@ -33,14 +33,14 @@ class CollectOnGpu(torch.nn.Module):
         return None
 
 
-@pytest.mark.parametrize("slot_bytes, pinned_reader, thread", [
+@pytest.mark.parametrize("pinned_slot_bytes, pinned_reader, pipeline_thread", [
     (4096, False, False), (64 * 2**20, False, False), (4096, False, True),  # copy through the pinned ring
     (4096, True, False), (5000, True, False), (64 * 2**20, True, False)])  # read into pinned slots, in pieces
-def test_zoo_bit_exact_on_gpu(tmp_path, slot_bytes, pinned_reader, thread):
+def test_zoo_bit_exact_on_gpu(tmp_path, pinned_slot_bytes, pinned_reader, pipeline_thread):
     expected = write_zoo(tmp_path / "model.safetensors")
     m = CollectOnGpu()
-    extra = {"pinned_slot_bytes": slot_bytes, "pinned_slots": 2, "report_path": str(tmp_path / "r.json"),
-             "pinned_reader": pinned_reader, "pipeline_thread": thread}
+    extra = {"pinned_slot_bytes": pinned_slot_bytes, "pinned_slots": 2, "report_path": str(tmp_path / "r.json"),
+             "pinned_reader": pinned_reader, "pipeline_thread": pipeline_thread}
     RunaiStreamerLoader(LoadConfig(load_format="runai_streamer", model_loader_extra_config=extra)).load_weights(
         m, model_config(tmp_path))
     torch.cuda.synchronize()
@@ -53,6 +53,10 @@ def test_zoo_bit_exact_on_gpu(tmp_path, slot_bytes, pinned_reader, thread):
 
     extra = json.loads((tmp_path / "r.json").read_text())["extra"]
     assert extra["read_ring_pinned"] is pinned_reader
+    # the stages of each path, as StageTimes.feed reports them: the ring's host memcpy and hand-over only there
+    assert {"slot_wait_s", "h2d_s"} <= set(extra)
+    ring_only = {"memcpy_s", "consumer_wait_s"}
+    assert ring_only & set(extra) == (set() if pinned_reader else ring_only)
     if pinned_reader:  # runai's ring was recycled within the arena: no pinned memory beyond it
         assert extra["pinned_extra_bytes"] == 0 and extra["pinned_bytes"] > 0
 
@@ -63,7 +67,8 @@ def test_held_tensor_keeps_its_values_under_a_tight_ring():
     weight = torch.randn(256, 64, generator=g)
     filler = torch.randn(2**18, generator=g)
     scale = torch.randn(1, generator=g)
-    with H2DPipeline(torch.device("cuda"), slot_bytes=4096, slots=2, copy_threads=1, threaded=True) as pipe:
+    with H2DPipeline(torch.device("cuda"), pinned_slot_bytes=4096, pinned_slots=2, copy_threads=1,
+                     pipeline_thread=True) as pipe:
         out = dict(pipe.run(iter([("w", weight.clone()), ("filler", filler.clone()), ("scale", scale.clone())])))
     torch.cuda.synchronize()
     assert torch.equal(out["w"].cpu(), weight)
@@ -73,5 +78,5 @@ def test_held_tensor_keeps_its_values_under_a_tight_ring():
 
 
 def test_pipeline_refuses_a_one_slot_ring():
-    with pytest.raises(ValueError, match="slots >= 2"):
-        H2DPipeline(torch.device("cuda"), slot_bytes=4096, slots=1)
+    with pytest.raises(ValueError, match="pinned_slots >= 2"):
+        H2DPipeline(torch.device("cuda"), pinned_slot_bytes=4096, pinned_slots=1)

@@ -57,7 +57,7 @@ def main() -> int:
 
     from vllm_fastload.checkpoint import read_header
     from vllm_fastload.streaming import direct, fanout
-    from vllm_fastload.streaming.pipeline import StageTimes
+    from vllm_fastload.streaming.timing import StageTimes
 
     rank, world = a["rank"], a["world"]
     device = torch.device(a.get("device", "cpu"))

@@ -4,18 +4,19 @@ import pytest
 
 from vllm_fastload.config import StreamerConfig, cgroup_memory_max, parse_bytes
 from vllm_fastload.errors import ConfigError
+from vllm_fastload.streaming.runai_env import config_env
 
 
 def test_defaults():
     c = StreamerConfig.from_extra(None)
     assert c.fallback is True and c.report_path is None and c.concurrency is None
-    assert c.runai_env() == {}
+    assert config_env(c) == {}
 
 
 def test_valid_values_and_env():
     c = StreamerConfig.from_extra({"concurrency": 8, "memory_limit": "16GiB", "chunk_bytesize": "8MiB"})
     assert c.memory_limit == 16 * 2**30
-    assert c.runai_env() == {
+    assert config_env(c) == {
         "RUNAI_STREAMER_CONCURRENCY": "8",
         "RUNAI_STREAMER_MEMORY_LIMIT": str(16 * 2**30),
         "RUNAI_STREAMER_CHUNK_BYTESIZE": str(8 * 2**20),
@@ -67,11 +68,11 @@ def test_validation_does_not_touch_environment(monkeypatch):
 
 
 def test_parse_bytes():
-    assert parse_bytes("1KiB", key="k", minimum=0) == 1024
-    assert parse_bytes("1KB", key="k", minimum=0) == 1000
-    assert parse_bytes(" 42 ", key="k", minimum=0) == 42
+    assert parse_bytes("1KiB", minimum=0) == 1024
+    assert parse_bytes("1KB", minimum=0) == 1000
+    assert parse_bytes(" 42 ", minimum=0) == 42
     with pytest.raises(ValueError):
-        parse_bytes(1.5, key="k", minimum=0)
+        parse_bytes(1.5, minimum=0)
 
 
 def test_cgroup_warning(tmp_path, caplog):

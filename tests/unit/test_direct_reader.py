@@ -16,7 +16,7 @@ import torch
 from tests.conftest import write_zoo
 from vllm_fastload.checkpoint import read_header
 from vllm_fastload.streaming import direct
-from vllm_fastload.streaming.pipeline import StageTimes
+from vllm_fastload.streaming.timing import StageTimes
 
 
 class FakeEvent:
@@ -220,7 +220,7 @@ def test_plan_pieces_cover_every_byte_once(tmp_path):
     assert max(sizes) == 1000 and sum(sizes) == sum(t.nbytes for t in h.tensors.values())
     assert offsets[0] == 8 + h.header_len
     assert all(a + n == b for a, n, b in zip(offsets, sizes, offsets[1:]))  # contiguous, in file order
-    with pytest.raises(ValueError, match="piece_bytes"):
+    with pytest.raises(ValueError, match="pinned_slot_bytes"):
         direct.plan_pieces([h], 0)
 
 

@@ -370,7 +370,7 @@ def test_the_engine_fallback_reason_names_the_socket_dir_and_its_setting(tmp_pat
     class Stop(Exception):
         pass
 
-    def fake_fall_back(fmt, reason, allowed, load_config):
+    def fake_fall_back(fmt, reason, allowed, load_config, **pin):
         reasons.append(reason)
         raise Stop
 

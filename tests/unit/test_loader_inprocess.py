@@ -73,6 +73,9 @@ def test_streams_every_tensor_bit_exact_and_reports(tmp_path):
     r = json.loads((tmp_path / "r.json").read_text())
     assert r["tensors"] == 5 and r["bytes"] == sum(v.numel() * v.element_size() for v in ts.values())
     assert r["fallback_reason"] is None and r["shards"] == 2 and len(r["fingerprint"]) == 12
+    # the CPU path has no pinned slots, H2D copies or producer thread: none of those stages is reported
+    assert not {"slot_wait_s", "h2d_s", "memcpy_s", "consumer_wait_s"} & set(r["extra"])
+    assert r["read_wait_s"] > 0 and r["consume_s"] >= 0
 
 
 def test_missing_parameter_is_an_error(tmp_path):
@@ -113,13 +116,13 @@ def test_page_cache_readers_are_shared_among_the_ranks_of_a_host(tmp_path, monke
     whole checkpoint at TP > 1)."""
     from vllm.distributed import parallel_state
 
-    from vllm_fastload.streaming import loader as streaming_loader
+    from vllm_fastload.streaming import runai_env
 
     write_safetensors(tmp_path / "model.safetensors", tensors())
     monkeypatch.delenv("RUNAI_STREAMER_CONCURRENCY", raising=False)
     monkeypatch.delenv("RUNAI_STREAMER_FS_STRATEGY", raising=False)
-    monkeypatch.setattr(streaming_loader.os, "cpu_count", lambda: 32)
-    assert streaming_loader._ranks_on_this_host() == 1  # no distributed state: a load outside an engine
+    monkeypatch.setattr(runai_env.os, "cpu_count", lambda: 32)
+    assert runai_env._ranks_on_this_host() == 1  # no distributed state: a load outside an engine
     run(tmp_path, report=tmp_path / "one.json")
     assert json.loads((tmp_path / "one.json").read_text())["extra"]["concurrency"] == 32
     # 4 ranks on 2 nodes: 2 on this host, 16 readers each

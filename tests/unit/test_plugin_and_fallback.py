@@ -76,3 +76,16 @@ def test_loader_classes_satisfy_the_installed_base_model_loader(name):
             assert p in ours.parameters or any(
                 q.kind in (q.VAR_POSITIONAL, q.VAR_KEYWORD) for q in ours.parameters.values()), (meth, p)
     assert isinstance(cls(LoadConfig(load_format=name)), BaseModelLoader)  # __init__ with defaults works
+
+
+@pytest.mark.parametrize("broken, level", [(True, logging.WARNING), (False, logging.INFO)])
+def test_step_down_is_never_silent(caplog, broken, level):
+    """A fast path's own slower path (the pinned ring instead of direct reads): logged with the reason, loudly
+    when something it relies on broke."""
+    from vllm_fastload.fallback import step_down
+
+    with caplog.at_level(logging.INFO, logger="vllm.fastload"):
+        step_down("copying through the pinned ring instead of reading into pinned memory", "why", broken=broken)
+    rec = caplog.records[-1]
+    assert rec.levelno == level
+    assert rec.getMessage() == "fastload: copying through the pinned ring instead of reading into pinned memory: why"

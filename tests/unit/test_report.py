@@ -21,3 +21,16 @@ def test_fallback_line():
     r = LoadReport(load_format="runai_streamer", source="/m", format_used="auto", wall_s=1.0,
                    fallback_reason="no *.safetensors files in /m")
     assert "fell back to load format 'auto' (no *.safetensors files in /m)" in r.line()
+
+
+def test_stage_times_feed_the_report():
+    """StageTimes hands every figure over by name: report fields set, declared stages into extra (rounded),
+    stages the path does not have left out."""
+    from vllm_fastload.streaming.timing import StageTimes
+
+    t = StageTimes(read_wait_s=0.5, bytes=4096, tensors=3).measures("slot_wait_s", "h2d_s")
+    t.slot_wait_s += 0.123456
+    r = LoadReport(load_format="runai_streamer", source="/m")
+    t.feed(r)
+    assert (r.read_wait_s, r.bytes, r.tensors) == (0.5, 4096, 3)
+    assert r.extra == {"slot_wait_s": 0.1235, "h2d_s": 0.0}  # no memcpy_s / consumer_wait_s: not this path's

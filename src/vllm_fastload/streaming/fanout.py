@@ -22,8 +22,8 @@ only the 8-byte exchange synchronizes the CPUs once per round. Rounds end when e
 
 Failure: a rank whose stream raises announces -2; the group then exchanges the error texts and every rank
 raises (:class:`FanoutError` on the others, naming the failed rank and its message). A rank that dies or stops
-answering makes the others' exchange fail within ``timeout_s`` (the gloo group's timeout). The round's tensors
-are yielded only after all of its broadcasts were issued, so a consumer that stops iterating (its own error)
+answering makes the others' exchange fail within ``distributed_timeout_s`` (the gloo group's timeout). The round's
+tensors are yielded only after all of its broadcasts were issued, so a consumer that stops iterating (its own error)
 stops between rounds and tells the others with -2 as well.
 
 Extra device memory: the tensors of one round (at most one per rank) beyond what per-rank reads hold; the
@@ -40,7 +40,7 @@ from __future__ import annotations
 import socket
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Optional
 
@@ -109,9 +109,10 @@ class FanoutStats:
     peak_round_bytes: int = 0
     tensors_read: int = 0
     tensors_received: int = 0
-    extra: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
+        """The fields as a JSON-ready dict (``ranks`` a list, ``sync_s`` rounded to 0.1 ms): the load report's
+        ``extra["fanout"]``."""
         return {"ranks": list(self.ranks), "rounds": self.rounds, "read_bytes": self.read_bytes,
                 "received_bytes": self.received_bytes, "sync_s": round(self.sync_s, 4),
                 "peak_round_bytes": self.peak_round_bytes, "tensors_read": self.tensors_read,
@@ -135,8 +136,8 @@ class Fanout:
     object created and destroys in :meth:`close`."""
 
     def __init__(self, ranks: Sequence[int], me: int, sync_group: Any, data_group: Any, own_groups: Sequence = (),
-                 timeout_s: Optional[float] = None):
-        self.ranks, self.me, self.timeout_s = tuple(ranks), me, timeout_s
+                 distributed_timeout_s: Optional[float] = None):
+        self.ranks, self.me, self.distributed_timeout_s = tuple(ranks), me, distributed_timeout_s
         self.sync_group, self.data_group = sync_group, data_group
         self._own = list(own_groups)
         self.stats = FanoutStats(ranks=self.ranks)
@@ -251,9 +252,9 @@ class Fanout:
         first = next((ln for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
         return FanoutError(
             f"fastload: runai_streamer fan-out over ranks {list(self.ranks)}: another rank stopped answering "
-            f"(it died, or its next tensor took longer than distributed_timeout_s={self.timeout_s} s); torch.distributed "
-            f"said: {first[:300]}. The failed rank's own log has the cause; raise distributed_timeout_s for slow "
-            f"storage, or set \"distributed\": false.")
+            f"(it died, or its next tensor took longer than distributed_timeout_s={self.distributed_timeout_s} s); "
+            f"torch.distributed said: {first[:300]}. The failed rank's own log has the cause; raise "
+            f"distributed_timeout_s for slow storage, or set \"distributed\": false.")
 
     def _gather(self, text: Optional[str]) -> list:
         """Every rank's ``text`` (an error message, a digest, None), in group order."""
@@ -309,7 +310,7 @@ def checkpoint_digest(headers: Sequence[Any]) -> str:
     return hashlib.sha256(repr(facts).encode()).hexdigest()
 
 
-def plan(distributed: Any, device: Any, timeout_s: float, reader_off: Optional[str] = None,
+def plan(distributed: Any, device: Any, distributed_timeout_s: float, reader_off: Optional[str] = None,
          tp: Any = None, headers: Sequence[Any] = ()) -> tuple[Optional[Fanout], Optional[str]]:
     """Decide, together with the other ranks of vLLM's TP group, whether this load fans out.
 
@@ -369,7 +370,7 @@ def plan(distributed: Any, device: Any, timeout_s: float, reader_off: Optional[s
         if no_p2p and distributed == "auto":
             pairs = ", ".join(f"cuda:{a}->cuda:{b}" for a, b in no_p2p)
             return None, f"no peer access (P2P) between the GPUs of this host's ranks ({pairs})"
-    timeout = timedelta(seconds=timeout_s)
+    timeout = timedelta(seconds=distributed_timeout_s)
     own = []
     sync = dist.new_group(list(mine), backend="gloo", timeout=timeout, use_local_synchronization=True)
     own.append(sync)
@@ -378,4 +379,4 @@ def plan(distributed: Any, device: Any, timeout_s: float, reader_off: Optional[s
     else:
         data = dist.new_group(list(mine), backend=dist.get_backend(tp.device_group), use_local_synchronization=True)
         own.append(data)
-    return Fanout(mine, mine.index(rank), sync, data, own, timeout_s=timeout_s), None
+    return Fanout(mine, mine.index(rank), sync, data, own, distributed_timeout_s=distributed_timeout_s), None

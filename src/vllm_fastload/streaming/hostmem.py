@@ -4,14 +4,13 @@ PyTorch's pinned allocator (``torch.empty(..., pin_memory=True)``) page-locks wi
 the CUDA driver busy for the whole page-locking (PyTorch added ``cudaHostRegister`` as an allocator option "to
 avoid large lock wait time with cudaHostAlloc", pytorch/pytorch#108488; that option,
 ``PYTORCH_CUDA_ALLOC_CONF=pinned_use_cuda_host_register:True``, is process-wide and read once, so a loader plugin
-cannot use it for one buffer): on the H200 machine, building an 8B model's parameters with
-``torch.empty(..., device="cuda")`` took 0.008-0.011 s alone and 0.46-0.58 s while a thread page-locked 1 GiB that
-way (``benchmarks/pin_probe.py``, docs/benchmarks.md), so the read arena's allocation, started on a thread to
-overlap vLLM's model construction, only delayed it. :func:`page_locked` instead maps anonymous memory, asks for
-transparent huge pages (``madvise(MADV_HUGEPAGE)``), faults every page in from the calling thread (no CUDA call)
-and only then registers the range with ``cudaHostRegister`` (0.02 s per GiB there, against 0.35-0.42 s for
-``cudaHostAlloc``). CUDA documents registered memory as page-locked like ``cudaHostAlloc``'s ("CUDA Runtime API",
-``cudaHostRegister``): asynchronous copies from it need no staging.
+cannot use it for one buffer). The read arena is allocated on a thread so that it overlaps vLLM's model
+construction; page-locked that way it would instead hold up every CUDA call of the construction until it is done
+(``benchmarks/pin_probe.py`` shows it; docs/benchmarks.md has the figures). :func:`page_locked` therefore maps
+anonymous memory, asks for transparent huge pages (``madvise(MADV_HUGEPAGE)``: fewer pages to fault in and to
+register), faults every page in from the calling thread (no CUDA call) and only then registers the range with
+``cudaHostRegister``, the one short step that needs the driver. CUDA documents registered memory as page-locked
+like ``cudaHostAlloc``'s ("CUDA Runtime API", ``cudaHostRegister``): asynchronous copies from it need no staging.
 """
 
 from __future__ import annotations

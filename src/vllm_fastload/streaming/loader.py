@@ -6,7 +6,7 @@ Flow of :meth:`RunaiStreamerLoader.load_weights`:
    no safetensors (e.g. only ``.bin``) -> the fallback policy;
 2. read and validate every shard's safetensors header (before any tensor is read: a malformed file fails
    the load before the model is touched), compute the :class:`~vllm_fastload.fingerprint.Fingerprint`;
-3. check ``memory_limit`` against the largest tensor, apply the runai environment variables;
+3. check ``memory_limit`` against the largest tensor, apply runai's environment (:mod:`.runai_env`);
 4. stream all shards with ``runai_model_streamer.SafetensorsStreamer`` (owned tensors, so no defensive
    clone as vLLM's built-in loader makes) into ``model.load_weights``; on CPU the tensors go straight to the
    model's ``weight_loader``;
@@ -19,7 +19,6 @@ directory (``model_config.model``) and keeps the URI in ``model_config.model_wei
 
 from __future__ import annotations
 
-import logging
 import os
 import time
 from collections.abc import Iterator
@@ -28,33 +27,20 @@ from typing import Any
 from ..checkpoint import ShardPlan, model_shards, read_checkpoint, weights_source
 from ..config import StreamerConfig
 from ..errors import CheckpointError, ConfigError
-from ..fallback import default_loader, fall_back
 from ..content import Hashing
+from ..fallback import default_loader, fall_back, step_down
 from ..fingerprint import from_vllm
 from ..log import logger
 from ..report import LoadReport
-from ..storage import endpoint_env, is_object_uri, scoped_environ, missing_backend, page_cache_fraction, storage_error
+from ..storage import is_object_uri, scoped_environ, missing_backend, storage_error
+from . import runai_env
 
 try:  # vLLM is an optional dependency of the package, required to use the loader.
     from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 except ImportError:  # pragma: no cover - exercised only without vLLM
     BaseModelLoader = object  # type: ignore[assignment,misc]
 
-LOAD_FORMAT = "runai_streamer"
-#: runai filesystem strategy used when the checkpoint is in the page cache: plain buffered reads by a thread pool
-#: (reader probe on the H200 host: 38 GB/s with 32 threads; on the 2-core CI machine the fastest too).
-BUFFERED_STRATEGIES = "sync_buffered"
-
-
-def _ranks_on_this_host() -> int:
-    """Ranks of this engine on this host: vLLM's world size over its node count
-    (``vllm.distributed.parallel_state``); 1 when the distributed state is not set up (a load outside an engine)."""
-    try:
-        from vllm.distributed.parallel_state import get_node_count, get_world_group
-
-        return max(1, get_world_group().world_size // max(1, get_node_count()))
-    except (ImportError, AssertionError, AttributeError):
-        return 1
+LOAD_FORMAT = StreamerConfig.LOAD_FORMAT
 
 
 def _model_device(model: Any) -> Any:
@@ -218,17 +204,18 @@ class RunaiStreamerLoader(BaseModelLoader):
         headers = list(ckpt.headers)
         self._skips_copies = bool(ckpt.duplicates)
         largest = max((h.largest for h in headers if h.largest), key=lambda t: t.nbytes, default=None)
-        mem = self.config.memory_limit
+        memory_limit = self.config.memory_limit
         device = _model_device(model)
         why_not_direct = self._reads_into_pinned(device, headers)
-        if largest is not None and mem is not None and 0 < mem < largest.nbytes and why_not_direct is not None:
+        if (largest is not None and memory_limit is not None and 0 < memory_limit < largest.nbytes
+                and why_not_direct is not None):
             raise ConfigError(
-                f"--model-loader-extra-config: memory_limit {mem} bytes is below the largest tensor "
+                f"--model-loader-extra-config: memory_limit {memory_limit} bytes is below the largest tensor "
                 f"{largest.name!r} ({largest.nbytes} bytes, {largest.nbytes / 2**20:.1f} MiB) in {source}; set "
                 f"memory_limit >= {largest.nbytes}, 0 (= the largest tensor) or -1 (unlimited)."
             )
         self.config.warn_if_above_cgroup()
-        env = {**self.config.runai_env(), **endpoint_env(), **self._fs_strategy_env(plan, report)}
+        env = runai_env.load_env(self.config, plan.files, report)
         fingerprint = from_vllm(model_config, headers)
         report.fingerprint, report.shards = fingerprint.short(), len(plan.files)
         if plan.ignored:
@@ -246,49 +233,25 @@ class RunaiStreamerLoader(BaseModelLoader):
                     elif device.type == "cuda":
                         yield from self._gpu_tensors(plan, headers, device, report, why_not_direct)
                     else:
-                        yield from self._timed(self._progress(self._stream(plan, headers)), report)
+                        yield from self._cpu_tensors(plan, headers, report)
                 finally:
                     if fan is not None:
                         fan.close()
 
         return stream()
 
-    def _fs_strategy_env(self, plan: ShardPlan, report: LoadReport) -> dict[str, str]:
-        """``RUNAI_STREAMER_FS_STRATEGY`` from ``fs_strategy`` (see config), as an env update. ``auto``: buffered
-        reads when >= 90% of the shards' pages are in the page cache (O_DIRECT would re-read them from the device),
-        else runai's default; a value the user put in the environment wins over ``auto``."""
-        choice = self.config.fs_strategy
-        if choice == "auto":
-            frac = page_cache_fraction(list(plan.files))
-            report.extra["page_cache_fraction"] = None if frac is None else round(frac, 3)
-            if "RUNAI_STREAMER_FS_STRATEGY" in os.environ or frac is None or frac < 0.9:
-                choice = "runai"
-            else:
-                choice = BUFFERED_STRATEGIES
-        env = {} if choice == "runai" else {"RUNAI_STREAMER_FS_STRATEGY": choice}
-        if (self.config.fs_strategy == "auto" and choice != "runai" and self.config.concurrency is None
-                and "RUNAI_STREAMER_CONCURRENCY" not in os.environ):
-            # Reading from the page cache is CPU work: one reader per CPU, up to 32 (runai's default of 16
-            # oversubscribes small machines: 0.70 s vs 0.25 s for SmolLM2 on 2 cores), shared among the ranks of
-            # this host, which all read the whole checkpoint at TP > 1 (H200 x2, 32 CPUs, TP=2: 0.92 s with 32
-            # readers per rank, 0.69 s with 16; docs/benchmarks.md).
-            env["RUNAI_STREAMER_CONCURRENCY"] = str(max(1, min(32, (os.cpu_count() or 16) // _ranks_on_this_host())))
-            report.extra["concurrency"] = int(env["RUNAI_STREAMER_CONCURRENCY"])
-        report.extra["fs_strategy"] = env.get("RUNAI_STREAMER_FS_STRATEGY",
-                                              os.environ.get("RUNAI_STREAMER_FS_STRATEGY", "runai default"))
-        return env
-
     def _gpu_tensors(self, plan: ShardPlan, headers: list, device: Any, report: LoadReport,
-                     why_not: str | None) -> Iterator[tuple[str, Any]]:
-        """GPU path. ``why_not`` is None (:meth:`_reads_into_pinned`): runai reads tensor pieces straight into a
+                     why_not_direct: str | None) -> Iterator[tuple[str, Any]]:
+        """GPU path. ``why_not_direct`` is None (:meth:`_reads_into_pinned`): runai reads tensor pieces straight into a
         recycled pinned arena and the GPU copies them out (``streaming.direct``); else runai reads into pageable
         memory and each tensor is copied through a pinned ring (``streaming.pipeline``), logged with the reason
         when ``pinned_reader`` asked for the former. Both: async H2D on a side stream."""
         from .direct import release_pinned_cache, stream_to_device
-        from .pipeline import H2DPipeline, StageTimes
+        from .pipeline import H2DPipeline
+        from .timing import StageTimes
 
         cfg = self.config
-        if why_not is None:
+        if why_not_direct is None:
             arena = self._take_arena(device, report)
             t, stats = StageTimes(), {}
             it = stream_to_device(headers, device, cfg.pinned_slot_bytes, cfg.pinned_slots, t, arena, stats)
@@ -304,18 +267,15 @@ class RunaiStreamerLoader(BaseModelLoader):
             if cfg.pinned_reader:
                 from .direct import INTERNALS_CHANGED
 
-                level = logging.WARNING if why_not.startswith(INTERNALS_CHANGED) else logging.INFO
-                logger.log(level, "fastload: copying through the pinned ring instead of reading into pinned memory: "
-                           "%s", why_not)
-            with H2DPipeline(device, slot_bytes=cfg.pinned_slot_bytes, slots=cfg.pinned_slots,
-                             copy_threads=cfg.copy_threads, threaded=cfg.pipeline_thread) as pipe:
+                step_down("copying through the pinned ring instead of reading into pinned memory", why_not_direct,
+                          broken=why_not_direct.startswith(INTERNALS_CHANGED))
+            with H2DPipeline(device, pinned_slot_bytes=cfg.pinned_slot_bytes, pinned_slots=cfg.pinned_slots,
+                             copy_threads=cfg.copy_threads, pipeline_thread=cfg.pipeline_thread) as pipe:
                 yield from pipe.run(self._progress(self._stream(plan, headers, owned=False)))
             t = pipe.times
-            report.extra.update(memcpy_s=round(t.memcpy_s, 4), consumer_wait_s=round(t.consumer_wait_s, 4),
-                                pinned_ring_bytes=cfg.pinned_slot_bytes * cfg.pinned_slots)
-        report.extra["read_ring_pinned"] = why_not is None
-        report.tensors, report.bytes, report.read_wait_s = t.tensors, t.bytes, t.read_wait_s
-        report.extra.update(slot_wait_s=round(t.slot_wait_s, 4), h2d_s=round(t.h2d_s, 4))
+            report.extra["pinned_ring_bytes"] = cfg.pinned_slot_bytes * cfg.pinned_slots
+        report.extra["read_ring_pinned"] = why_not_direct is None
+        t.feed(report)
 
     def _take_arena(self, device: Any, report: LoadReport) -> Any:
         """The pinned arena :meth:`_start_pinning` prepared for ``device`` (its seconds go to the report), or None
@@ -339,7 +299,7 @@ class RunaiStreamerLoader(BaseModelLoader):
         fan, why = fanout.plan(self.config.distributed, device, self.config.distributed_timeout_s, reader_off,
                                headers=headers)
         if why:
-            logger.info("fastload: %s reads the whole checkpoint on this rank (no fan-out): %s", LOAD_FORMAT, why)
+            step_down(f"{LOAD_FORMAT} reads the whole checkpoint on this rank (no fan-out)", why)
         return fan
 
     def _fanned_out_tensors(self, plan: ShardPlan, headers: list, device: Any, report: LoadReport,
@@ -348,7 +308,7 @@ class RunaiStreamerLoader(BaseModelLoader):
         owned slots on CPU) and gets the rest from the other ranks of its host (``streaming.fanout``)."""
         from .direct import release_pinned_cache, stream_tensors
         from .fanout import entries_of
-        from .pipeline import StageTimes
+        from .timing import StageTimes
 
         cfg = self.config
         entries = entries_of(headers)
@@ -365,10 +325,10 @@ class RunaiStreamerLoader(BaseModelLoader):
             it.close()
             release_pinned_cache()
         s = fan.stats
+        t.feed(report)
+        # this rank read only its share (t counts that); the model got every tensor of the checkpoint
         report.tensors, report.bytes = len(entries), sum(e.nbytes for e in entries)
-        report.read_wait_s = t.read_wait_s
-        report.extra.update(stats, fanout=s.to_dict(), read_ring_pinned=device.type == "cuda",
-                            slot_wait_s=round(t.slot_wait_s, 4), h2d_s=round(t.h2d_s, 4))
+        report.extra.update(stats, fanout=s.to_dict(), read_ring_pinned=device.type == "cuda")
         logger.info("fastload: %s fan-out over ranks %s of this host: this rank read %d tensors (%.2f GiB) and "
                     "received %d (%.2f GiB) in %d rounds (exchange %.3f s, largest round %.2f GiB)", LOAD_FORMAT,
                     list(s.ranks), s.tensors_read, s.read_bytes / 2**30, s.tensors_received,
@@ -420,7 +380,7 @@ class RunaiStreamerLoader(BaseModelLoader):
                 import torch
 
                 from .direct import stream_tensors
-                from .pipeline import StageTimes
+                from .timing import StageTimes
 
                 cfg = self.config
                 for (_, name), t in stream_tensors(headers, torch.device("cpu"), cfg.pinned_slot_bytes,
@@ -455,19 +415,21 @@ class RunaiStreamerLoader(BaseModelLoader):
         return iter(tqdm(it, total=getattr(self, "_total", None), desc="fastload: streaming tensors", unit="tensor",
                          mininterval=1.0))
 
-    @staticmethod
-    def _timed(it: Iterator[tuple[str, Any]], report: LoadReport) -> Iterator[tuple[str, Any]]:
-        """Pass tensors through, counting tensors/bytes and the seconds spent waiting for the reader."""
-        from .pipeline import next_timed
+    def _cpu_tensors(self, plan: ShardPlan, headers: list, report: LoadReport) -> Iterator[tuple[str, Any]]:
+        """CPU path: runai's tensors straight to the model, counting tensors, bytes and the seconds spent waiting
+        for the reader into ``report``."""
+        from .timing import StageTimes, next_timed
 
+        it, t = self._progress(self._stream(plan, headers)), StageTimes()
         while True:
             item, waited = next_timed(it)
-            report.read_wait_s += waited
+            t.read_wait_s += waited
             if item is None:
-                return
-            report.tensors += 1
-            report.bytes += item[1].numel() * item[1].element_size()
+                break
+            t.tensors += 1
+            t.bytes += item[1].numel() * item[1].element_size()
             yield item
+        t.feed(report)
 
     def _check_all_loaded(self, model: Any, model_config: Any, loaded: Any) -> None:
         """Raise when a parameter was not in the checkpoint, with vLLM's own check (as the default loader)."""

@@ -6,7 +6,7 @@ Data flow per tensor (``H2DPipeline.run``)::
     fresh device tensor; event per slot (slot i is reused only after its copy finished); one event per tensor
     that the consuming stream waits on before the model's ``weight_loader`` narrows it on the GPU.
 
-* The ring is ``slots`` x ``slot_bytes`` of pinned (page-locked) host memory, allocated once per load and
+* The ring is ``pinned_slots`` x ``pinned_slot_bytes`` of pinned (page-locked) host memory, allocated once per load and
   released at the end. A tensor larger than a slot is copied in slot-sized pieces into its device tensor, so
   the largest tensor never has to fit one slot.
 * Every yielded tensor is its own device allocation (never a view into a reused buffer); it stays valid for as
@@ -14,10 +14,11 @@ Data flow per tensor (``H2DPipeline.run``)::
   consumer stream, as PyTorch's CUDA semantics notes prescribe for cross-stream use.
 * The host memcpy into the slot is split across ``copy_threads`` threads (``Tensor.copy_`` releases the GIL),
   since vLLM workers often run with ``OMP_NUM_THREADS=1``.
-* With ``threaded=True``, :meth:`H2DPipeline.run` drives reader, memcpy and copy issue from a producer thread,
-  so they overlap with the consumer's ``weight_loader`` calls (measured slower on the H200, see
-  docs/benchmarks.md; off by default); at most ``lookahead`` finished tensors wait in the hand-over queue, so
-  transient device memory is bounded by about ``(lookahead + 2)`` x the largest tensor.
+* With ``pipeline_thread=True``, :meth:`H2DPipeline.run` drives reader, memcpy and copy issue from a producer thread,
+  so they overlap with the consumer's ``weight_loader`` calls. Off by default: the producer's memcpy competes with
+  runai's reader threads for the CPUs, which costs more than the overlap gains (docs/benchmarks.md). At most
+  ``lookahead`` finished tensors wait in the hand-over queue, so transient device memory is bounded by about
+  ``(lookahead + 2)`` x the largest tensor.
 
 PyTorch facts used (docs "CUDA semantics", "Tensor.record_stream"): ``non_blocking=True`` host-to-device
 copies are asynchronous only from pinned memory; a stream must ``wait_event`` before using data produced on
@@ -28,89 +29,60 @@ from __future__ import annotations
 
 import queue
 import threading
-import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-
-def next_timed(it: Iterator[Any]) -> tuple[Any, float]:
-    """``(next item or None at the end, seconds spent waiting for it)``."""
-    t = time.perf_counter()
-    try:
-        item = next(it)
-    except StopIteration:
-        item = None
-    return item, time.perf_counter() - t
-
-
-@dataclass
-class StageTimes:
-    """Seconds per stage of one load (see :class:`~vllm_fastload.report.LoadReport`).
-
-    ``read_wait_s``: waiting for the reader; ``memcpy_s``: host copies into pinned slots; ``slot_wait_s``: waiting
-    for a slot's previous H2D copy (PCIe bound when large); ``h2d_s``: GPU time of the H2D copies (events);
-    ``consumer_wait_s``: the consumer waiting for the producer thread; ``bytes``: bytes copied to the device.
-    """
-
-    read_wait_s: float = 0.0
-    memcpy_s: float = 0.0
-    slot_wait_s: float = 0.0
-    h2d_s: float = 0.0
-    consumer_wait_s: float = 0.0
-    bytes: int = 0
-    tensors: int = 0
-    _events: list = field(default_factory=list, repr=False)
+from .timing import StageTimes, next_timed
 
 
 class H2DPipeline:
     """Copy host tensors to ``device`` through a pinned ring (see module docstring).
 
-    ``slot_bytes`` (bytes per slot, > 0) and ``slots`` (>= 2) bound the pinned memory to ``slot_bytes * slots``.
+    ``pinned_slot_bytes`` (bytes per slot, > 0) and ``pinned_slots`` (>= 2) bound the pinned memory to
+    ``pinned_slot_bytes * pinned_slots`` bytes.
     Use as a context manager; :meth:`close` waits for outstanding copies and frees the ring.
     """
 
-    def __init__(self, device: torch.device, slot_bytes: int = 64 * 2**20, slots: int = 4, copy_threads: int = 8,
-                 lookahead: int = 2, threaded: bool = False):
-        if slot_bytes <= 0 or slots < 2:
-            raise ValueError(f"pinned ring needs slot_bytes > 0 and slots >= 2, got {slot_bytes} x {slots}")
+    def __init__(self, device: torch.device, pinned_slot_bytes: int = 64 * 2**20, pinned_slots: int = 4,
+                 copy_threads: int = 8, lookahead: int = 2, pipeline_thread: bool = False):
+        if pinned_slot_bytes <= 0 or pinned_slots < 2:
+            raise ValueError(f"pinned ring needs pinned_slot_bytes > 0 and pinned_slots >= 2, got "
+                             f"{pinned_slot_bytes} x {pinned_slots}")
         self.device = torch.device(device)
         if self.device.index is None:
             self.device = torch.device(self.device.type, torch.cuda.current_device())
-        self.slot_bytes, self.slots = slot_bytes, slots
-        self.ring = torch.empty(slot_bytes * slots, dtype=torch.uint8, pin_memory=True)
-        self.slot_events: list[Any] = [None] * slots
+        self.pinned_slot_bytes, self.pinned_slots = pinned_slot_bytes, pinned_slots
+        self.ring = torch.empty(pinned_slot_bytes * pinned_slots, dtype=torch.uint8, pin_memory=True)
+        self.slot_events: list[Any] = [None] * pinned_slots
         self.next_slot = 0
         self.copy_stream = torch.cuda.Stream(device=self.device)
         self.pool = ThreadPoolExecutor(copy_threads) if copy_threads > 1 else None
         self.copy_threads = copy_threads
         self.lookahead = max(1, lookahead)
-        self.threaded = threaded
-        self.times = StageTimes()
+        self.pipeline_thread = pipeline_thread
+        self.times = StageTimes().measures("slot_wait_s", "h2d_s", "memcpy_s", "consumer_wait_s")
 
     # -- ring -------------------------------------------------------------------------------------------
     def _acquire(self) -> tuple[int, torch.Tensor]:
         i = self.next_slot
-        self.next_slot = (i + 1) % self.slots
+        self.next_slot = (i + 1) % self.pinned_slots
         ev = self.slot_events[i]
         if ev is not None:
-            t = time.perf_counter()
-            ev.synchronize()
-            self.times.slot_wait_s += time.perf_counter() - t
-        return i, self.ring[i * self.slot_bytes:(i + 1) * self.slot_bytes]
+            with self.times.clock("slot_wait_s"):
+                ev.synchronize()
+        return i, self.ring[i * self.pinned_slot_bytes:(i + 1) * self.pinned_slot_bytes]
 
     def _memcpy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         n = src.numel()
-        t = time.perf_counter()
-        if self.pool is None or n < 8 * 2**20:
-            dst[:n].copy_(src)
-        else:
-            step = -(-n // self.copy_threads)
-            list(self.pool.map(lambda o: dst[o:o + step].copy_(src[o:o + step]), range(0, n, step)))
-        self.times.memcpy_s += time.perf_counter() - t
+        with self.times.clock("memcpy_s"):
+            if self.pool is None or n < 8 * 2**20:
+                dst[:n].copy_(src)
+            else:
+                step = -(-n // self.copy_threads)
+                list(self.pool.map(lambda o: dst[o:o + step].copy_(src[o:o + step]), range(0, n, step)))
 
     def to_device(self, src: torch.Tensor, consumer: Any = None) -> tuple[torch.Tensor, Any]:
         """Start copying host tensor ``src`` to the device. Returns ``(device tensor, event)``: the consumer must
@@ -128,18 +100,12 @@ class H2DPipeline:
             dst = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         dst.record_stream(consumer)
         end = None
-        for off in range(0, nbytes, self.slot_bytes):
-            n = min(self.slot_bytes, nbytes - off)
+        for off in range(0, nbytes, self.pinned_slot_bytes):
+            n = min(self.pinned_slot_bytes, nbytes - off)
             i, slot = self._acquire()
             self._memcpy(slot, flat[off:off + n])
-            with torch.cuda.stream(self.copy_stream):
-                start = torch.cuda.Event(enable_timing=True)
-                end = torch.cuda.Event(enable_timing=True)
-                start.record()
-                dst[off:off + n].copy_(slot[:n], non_blocking=True)
-                end.record()
+            end = self.times.h2d_copy(dst[off:off + n], slot[:n], self.copy_stream)
             self.slot_events[i] = end
-            self.times._events.append((start, end))
         self.times.bytes += nbytes
         self.times.tensors += 1
         return dst.view(src.dtype).view(src.shape), end
@@ -152,7 +118,7 @@ class H2DPipeline:
         Errors of the reader or the copy are re-raised here; closing this generator stops the producer.
         """
         consumer = torch.cuda.current_stream(self.device)
-        if not self.threaded:
+        if not self.pipeline_thread:
             yield from self._run_inline(named, consumer)
             return
         handoff: queue.Queue = queue.Queue(maxsize=self.lookahead)
@@ -189,9 +155,8 @@ class H2DPipeline:
         worker.start()
         try:
             while True:
-                t = time.perf_counter()
-                item = handoff.get()
-                self.times.consumer_wait_s += time.perf_counter() - t
+                with self.times.clock("consumer_wait_s"):
+                    item = handoff.get()
                 if item is end_mark:
                     break
                 name, dst, event = item
@@ -205,7 +170,7 @@ class H2DPipeline:
             raise errors[0]
 
     def _run_inline(self, named: Iterator[tuple[str, torch.Tensor]], consumer: Any) -> Iterator[tuple[str, torch.Tensor]]:
-        """``threaded=False``: reader, memcpy and copy issue run in the consumer's thread between its
+        """``pipeline_thread=False``: reader, memcpy and copy issue run in the consumer's thread between its
         ``weight_loader`` calls; the copies themselves still run asynchronously on the copy stream."""
         while True:
             item, waited = next_timed(named)
@@ -220,9 +185,8 @@ class H2DPipeline:
     def close(self) -> StageTimes:
         """Wait for all copies, sum the H2D GPU time, free the ring and the copy threads. Returns the timings."""
         self.copy_stream.synchronize()
-        self.times.h2d_s = sum(s.elapsed_time(e) for s, e in self.times._events) / 1e3
-        self.times._events.clear()
-        self.slot_events = [None] * self.slots
+        self.times.settle_h2d()
+        self.slot_events = [None] * self.pinned_slots
         self.ring = None
         if self.pool is not None:
             self.pool.shutdown()

@@ -1,0 +1,89 @@
+"""runai-model-streamer's environment: every ``RUNAI_STREAMER_*`` variable this plugin sets is assembled here.
+
+runai takes its settings from environment variables, read when a stream starts. Two sets are made, each applied
+with :func:`~vllm_fastload.storage.scoped_environ` (restored afterwards, so nothing outlives the load):
+
+* :func:`load_env`, the load's settings: the extra-config keys (:func:`config_env`), the object-storage endpoint
+  (:func:`~vllm_fastload.storage.endpoint_env`) and the local read strategy (:func:`fs_strategy_env`). The loader
+  applies them for the whole stream.
+* :func:`ring_env`, the direct path's read ring: its depth and pads must match the pinned arena sized from the
+  same ``pinned_slots`` (:func:`.direct.arena_bytes`), so :func:`.direct.stream_tensors` applies them itself,
+  around the call that builds the ring (the only moment runai reads them), whoever calls it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+from ..storage import endpoint_env, page_cache_fraction
+
+#: runai filesystem strategy used when the checkpoint is in the page cache: plain buffered reads by a thread pool
+#: (``O_DIRECT`` would read again from the device what is already in memory; docs/benchmarks.md compares them).
+BUFFERED_STRATEGY = "sync_buffered"
+#: Pads per runai ring buffer (``RUNAI_STREAMER_MAX_PADS_PER_BUFFER``, default 1024 = 4 MiB per buffer): one is
+#: spent per file boundary inside a buffer (safetensors data sections have no holes), so a few suffice.
+MAX_PADS = 16
+
+
+def config_env(config: Any) -> dict[str, str]:
+    """The variables a :class:`~vllm_fastload.config.StreamerConfig` sets (name -> value): ``concurrency``,
+    ``memory_limit`` (bytes) and ``chunk_bytesize`` (bytes), each only when set."""
+    env: dict[str, str] = {}
+    if config.concurrency is not None:
+        env["RUNAI_STREAMER_CONCURRENCY"] = str(config.concurrency)
+    if config.memory_limit is not None:
+        env["RUNAI_STREAMER_MEMORY_LIMIT"] = str(config.memory_limit)
+    if config.chunk_bytesize is not None:
+        env["RUNAI_STREAMER_CHUNK_BYTESIZE"] = str(config.chunk_bytesize)
+    return env
+
+
+def load_env(config: Any, files: Sequence[str], report: Any) -> dict[str, str]:
+    """Everything one load sets for runai (name -> value): :func:`config_env`, then the object-storage endpoint,
+    then :func:`fs_strategy_env` for ``files`` (the shards; ``report`` gets the strategy's facts). Raises
+    :class:`~vllm_fastload.errors.StorageError` when the S3 endpoints disagree."""
+    return {**config_env(config), **endpoint_env(), **fs_strategy_env(config, files, report)}
+
+
+def ring_env(pinned_slots: int) -> dict[str, str]:
+    """runai's ring for the direct path: ``pinned_slots`` buffers with :data:`MAX_PADS` pads each."""
+    return {"RUNAI_STREAMER_RING_BUFFERS": str(pinned_slots), "RUNAI_STREAMER_MAX_PADS_PER_BUFFER": str(MAX_PADS)}
+
+
+def _ranks_on_this_host() -> int:
+    """Ranks of this engine on this host: vLLM's world size over its node count
+    (``vllm.distributed.parallel_state``); 1 when the distributed state is not set up (a load outside an engine)."""
+    try:
+        from vllm.distributed.parallel_state import get_node_count, get_world_group
+
+        return max(1, get_world_group().world_size // max(1, get_node_count()))
+    except (ImportError, AssertionError, AttributeError):
+        return 1
+
+
+def fs_strategy_env(config: Any, files: Sequence[str], report: Any) -> dict[str, str]:
+    """``RUNAI_STREAMER_FS_STRATEGY`` from ``fs_strategy`` (see config), as an env update. ``auto``: buffered
+    reads when >= 90% of the pages of ``files`` are in the page cache (O_DIRECT would re-read them from the
+    device), else runai's default; a value the user put in the environment wins over ``auto``. ``report.extra``
+    gets ``fs_strategy``, and with ``auto`` ``page_cache_fraction`` (0..1 or None) and the reader count chosen."""
+    fs_strategy = config.fs_strategy
+    if fs_strategy == "auto":
+        frac = page_cache_fraction(list(files))
+        report.extra["page_cache_fraction"] = None if frac is None else round(frac, 3)
+        if "RUNAI_STREAMER_FS_STRATEGY" in os.environ or frac is None or frac < 0.9:
+            fs_strategy = "runai"
+        else:
+            fs_strategy = BUFFERED_STRATEGY
+    env = {} if fs_strategy == "runai" else {"RUNAI_STREAMER_FS_STRATEGY": fs_strategy}
+    if (config.fs_strategy == "auto" and fs_strategy != "runai" and config.concurrency is None
+            and "RUNAI_STREAMER_CONCURRENCY" not in os.environ):
+        # Reading from the page cache is CPU work: one reader per CPU, up to 32, so that runai's default of 16 does
+        # not oversubscribe a small machine; shared among the ranks of this host, which all read the whole
+        # checkpoint at TP > 1 and would otherwise run ranks x readers threads on the same CPUs.
+        env["RUNAI_STREAMER_CONCURRENCY"] = str(max(1, min(32, (os.cpu_count() or 16) // _ranks_on_this_host())))
+        report.extra["concurrency"] = int(env["RUNAI_STREAMER_CONCURRENCY"])
+    report.extra["fs_strategy"] = env.get("RUNAI_STREAMER_FS_STRATEGY",
+                                          os.environ.get("RUNAI_STREAMER_FS_STRATEGY", "runai default"))
+    return env

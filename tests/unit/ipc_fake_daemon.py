@@ -24,7 +24,8 @@ import torch
 
 from vllm_fastload.fingerprint import Fingerprint, ShardFacts
 from vllm_fastload.ipc import protocol
-from vllm_fastload.ipc.daemon import Limits, RankServer, RankState, acquire, start_health_server
+from vllm_fastload.ipc.health import start_health_server
+from vllm_fastload.ipc.server import Limits, RankServer, RankState, acquire
 from vllm_fastload.ipc.shm import pack
 
 

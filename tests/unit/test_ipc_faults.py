@@ -21,7 +21,7 @@ import torch
 from tests.unit.ipc_fake_daemon import fingerprint, make_state, weights
 from vllm_fastload.ipc import protocol
 from vllm_fastload.ipc.client import CacheUnavailable, fetch, status_of
-from vllm_fastload.ipc.daemon import RankServer, acquire
+from vllm_fastload.ipc.server import RankServer, acquire
 from vllm_fastload.ipc.layout import view_at
 from vllm_fastload.servers import ManagedProcess
 

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from tests.unit.ipc_fake_daemon import fingerprint, make_state, weights
 from vllm_fastload.ipc import protocol
 from vllm_fastload.ipc.client import status_of
-from vllm_fastload.ipc.daemon import RankServer, acquire
+from vllm_fastload.ipc.server import RankServer, acquire
 from vllm_fastload.ipc.messages import REPLIES, REQUESTS, MessageError, parse_reply, parse_request
 
 FP = json.loads(json.dumps(fingerprint().to_dict()))

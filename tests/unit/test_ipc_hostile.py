@@ -30,7 +30,8 @@ from vllm_fastload import cli  # noqa: F401 (imported before a child drops to a 
 from vllm_fastload.errors import SocketDirError, UntrustedPeer
 from vllm_fastload.ipc import protocol
 from vllm_fastload.ipc.client import CacheUnavailable, connect, fetch, status_of
-from vllm_fastload.ipc.daemon import RankServer, acquire, metrics_text
+from vllm_fastload.ipc.health import metrics_text
+from vllm_fastload.ipc.server import RankServer, acquire
 from vllm_fastload.ipc.layout import view_at
 from vllm_fastload.ipc.paths import ENGINE_KEY, SocketDir, ensure_socket_dir, socket_dir_spec
 from vllm_fastload.servers import free_port

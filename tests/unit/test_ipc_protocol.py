@@ -12,7 +12,7 @@ import torch
 from vllm_fastload.fingerprint import Fingerprint, ShardFacts
 from vllm_fastload.ipc import protocol
 from vllm_fastload.ipc.client import CacheUnavailable, FingerprintMismatch, fetch, status_of
-from vllm_fastload.ipc.daemon import RankServer, RankState, acquire
+from vllm_fastload.ipc.server import RankServer, RankState, acquire
 from vllm_fastload.ipc.layout import view_at
 from vllm_fastload.ipc.shm import pack
 from vllm_fastload.errors import FastloadError

@@ -325,7 +325,7 @@ def test_daemon_finishes_online_quantization_like_vllms_loader(monkeypatch):
     the meta device)."""
     from vllm.model_executor.model_loader import reload
 
-    from vllm_fastload.ipc.daemon import finish_online_quantization
+    from vllm_fastload.ipc.export import finish_online_quantization
 
     calls = []
     monkeypatch.setattr(reload, "finalize_layerwise_processing", lambda m, c: calls.append((m, c)))

@@ -26,7 +26,7 @@ from tests.unit.ipc_fake_daemon import make_state  # noqa: E402
 from vllm_fastload.errors import FallbackRefused  # noqa: E402
 from vllm_fastload.fingerprint import of_model  # noqa: E402
 from vllm_fastload.ipc.client import status_of  # noqa: E402
-from vllm_fastload.ipc.daemon import RankServer, acquire  # noqa: E402
+from vllm_fastload.ipc.server import RankServer, acquire  # noqa: E402
 from vllm_fastload.ipc.loader import IpcCacheLoader  # noqa: E402
 
 

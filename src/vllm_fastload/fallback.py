@@ -13,7 +13,7 @@ import dataclasses
 from typing import Any
 
 from .log import logger
-from .errors import FallbackRefused, FastloadError
+from .errors import CheckpointError, FallbackRefused, FastloadError
 
 
 #: The load format used when falling back (vLLM's DefaultModelLoader).
@@ -42,6 +42,17 @@ def fall_back(load_format: str, reason: str, allow: bool, load_config: Any, *, p
         load_format, reason, FALLBACK_FORMAT,
     )
     return default_loader(load_config)
+
+
+def fall_back_on(load_format: str, error: FastloadError, allow: bool, load_config: Any) -> Any:
+    """The policy for a fast path that failed with ``error``: :func:`fall_back` with the error's message as the
+    reason, except for a :class:`~vllm_fastload.errors.CheckpointError`, which is raised again: the checkpoint
+    itself is unusable (a malformed shard, a duplicate name without an index), vLLM's default loader would read
+    the same files, and for a duplicate silently serve the last copy read. Raises :class:`FallbackRefused` when
+    ``allow`` is false."""
+    if isinstance(error, CheckpointError):
+        raise error
+    return fall_back(load_format, str(error), allow, load_config)
 
 
 def default_loader(load_config: Any) -> Any:

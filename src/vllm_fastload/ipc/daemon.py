@@ -45,7 +45,7 @@ def serve_rank(vllm_config: Any, local_rank: int, rank: int, world_size: int, in
     except BaseException:
         sdir.close()
         raise
-    state = RankState(fingerprint={}, segment=None, manifest={}, model=vllm_config.model_config.model,
+    state = RankState(fingerprint={}, segment=None, manifest=None, model=vllm_config.model_config.model,
                       device=identity, socket=str(path), load_s=0.0, nbytes=0, loading=True)
     server = RankServer(state, path, sdir, limits.max_connections, limits.idle_timeout_s, limits.attach_timeout_s)
     stopping = threading.Event()
@@ -68,11 +68,11 @@ def serve_rank(vllm_config: Any, local_rank: int, rank: int, world_size: int, in
             return 130
         with state.lock:
             state.segment, state.manifest, state.load_s = segment, manifest, seconds
-            state.fingerprint = manifest["fingerprint"]
-            state.nbytes = sum(e["nbytes"] for e in manifest["tensors"].values())
+            state.fingerprint = manifest.fingerprint
+            state.nbytes = sum(e.nbytes for e in manifest.tensors.values())
             state.loading = False
         state.ready.set()
-        logger.info("fastload: rank %d exported %d tensors (%.2f GiB) in %.2f s", rank, len(manifest["tensors"]),
+        logger.info("fastload: rank %d exported %d tensors (%.2f GiB) in %.2f s", rank, len(manifest.tensors),
                     state.nbytes / 2**30, seconds)
         if ready is not None:
             ready.put((rank, str(path)))

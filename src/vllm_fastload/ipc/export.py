@@ -7,14 +7,17 @@ re-processed modules: :mod:`.state`; where each tensor sits in the segment: :mod
 
 from __future__ import annotations
 
+import dataclasses
 import time
-from typing import Any
+from typing import Any, Optional
 
 from ..errors import FastloadError
 from ..log import logger
 from . import protocol
-from .paths import device_identity
-from .shm import Segment, pack
+from .backends import get_transport
+from .layout import fill, plan, sample_checksums
+from .messages import Manifest, TensorEntry
+from .transport import Segment
 
 
 def finish_online_quantization(model: Any, model_config: Any) -> bool:
@@ -44,8 +47,34 @@ def rank_loader(load_config: Any) -> Any:
     return get_model_loader(load_config)
 
 
-def build_and_export(vllm_config: Any, local_rank: int, rank: int, world_size: int, init_method: str) -> tuple[Segment, dict, float]:
-    """Load this rank's model like the engine does, post-process, pack. Returns (segment, manifest, seconds)."""
+def pack(tensors: dict[str, Any], device: Any = None, kinds: Optional[dict[str, str]] = None
+         ) -> tuple[Segment, dict[str, TensorEntry]]:
+    """Copy ``tensors`` (name -> ``torch.Tensor``) into one new segment of ``device``'s transport (default CPU).
+
+    Returns the segment and, per name, its manifest entry: the :func:`.layout.plan` placement, the checksum
+    sample of the copied bytes and its ``kind`` from ``kinds`` (default ``"param"``). Raises
+    :class:`.transport.NoTransport` for a device without a transport.
+    """
+    import torch
+
+    device = torch.device("cpu") if device is None else device
+    placements, size = plan(tensors)
+    segment = get_transport(device).allocate(size, device)
+    fill(segment.buf, tensors, placements)
+    crcs = sample_checksums(segment.buf, placements)
+    kinds = kinds or {}
+    return segment, {k: TensorEntry(**dataclasses.asdict(p), checksum=crcs[k], kind=kinds.get(k, "param"))
+                     for k, p in placements.items()}
+
+
+def build_and_export(vllm_config: Any, local_rank: int, rank: int, world_size: int, init_method: str
+                     ) -> tuple[Segment, Manifest, float]:
+    """Load this rank's model like the engine does, post-process, pack.
+
+    Returns ``(segment, manifest, seconds)``: the rank's one export buffer, the manifest that describes it and
+    the seconds the whole took. Raises :class:`~vllm_fastload.errors.FastloadError` when a tensor was never
+    loaded (still on the meta device), :class:`.transport.NoTransport` for a device without a transport, and
+    whatever vLLM's loader raises."""
     import torch
     from vllm.config import set_current_vllm_config
     from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
@@ -58,15 +87,15 @@ def build_and_export(vllm_config: Any, local_rank: int, rank: int, world_size: i
 
     t0 = time.perf_counter()
     pc = vllm_config.parallel_config
-    if current_platform.device_type == "cuda":
-        torch.cuda.set_device(local_rank)
+    mc, lc = vllm_config.model_config, vllm_config.load_config
+    device = torch.device(vllm_config.device_config.device if lc.device is None else lc.device)
+    transport = get_transport(device)
+    transport.bind_rank(local_rank)
     init_distributed_environment(world_size=world_size, rank=rank, distributed_init_method=init_method,
                                  local_rank=local_rank, backend=current_platform.dist_backend)
-    mc, lc = vllm_config.model_config, vllm_config.load_config
     with set_current_vllm_config(vllm_config):
         ensure_model_parallel_initialized(pc.tensor_parallel_size, pc.pipeline_parallel_size)
         _, fp = of_model(mc, vllm_config)
-        device = torch.device(vllm_config.device_config.device if lc.device is None else lc.device)
         loader = rank_loader(lc)
         with set_default_torch_dtype(mc.dtype):
             with device:
@@ -83,31 +112,19 @@ def build_and_export(vllm_config: Any, local_rank: int, rank: int, world_size: i
             raise FastloadError(f"{len(unloaded)} tensor(s) were never loaded in the daemon (still on the meta device), "
                                 f"e.g. {unloaded[0]!r}; this checkpoint/quantization is not supported by the preload "
                                 f"daemon yet — serve it with --load-format runai_streamer")
-        if device.type == "cuda":
-            device = torch.device("cuda", torch.cuda.current_device())
-        # One export buffer per rank (one fd, one CUDA allocation): engines open one handle and build every
+        device = transport.resolve(device)
+        # One export buffer per rank (one fd, one device allocation): engines open one handle and build every
         # tensor by offset. Peak memory during the copy is twice the weights; the model is freed right after.
-        segment, entries = pack(tensors, device)
-        for k, (kind, _) in exp.tensors.items():
-            entries[k]["kind"] = kind
+        segment, entries = pack(tensors, device, {k: kind for k, (kind, _) in exp.tensors.items()})
         del model, snap, tensors
         exp.tensors.clear()
-        if device.type == "cuda":
-            import gc
-
-            gc.collect()
-            torch.cuda.synchronize()
-            torch.cuda.empty_cache()
-    meta = segment.meta()
-    if device.type == "cuda":
-        meta["device"] = device_identity("cuda", device.index)
-    manifest = {"type": "manifest", "version": protocol.PROTOCOL_VERSION, "fingerprint": fp.to_dict(),
-                "fingerprint_short": fp.short(), "segments": [meta],
-                "tensors": entries, "aliases": exp.aliases, "reprocess": exp.reprocess, "attrs": exp.attrs,
-                "object_attrs": exp.object_attrs}
+        transport.free_cached(device)
+    manifest = Manifest(type="manifest", version=protocol.PROTOCOL_VERSION, fingerprint=fp.to_dict(),
+                        fingerprint_short=fp.short(), segments=[transport.describe(segment, device)], tensors=entries,
+                        aliases=exp.aliases, reprocess=exp.reprocess, attrs=exp.attrs, object_attrs=exp.object_attrs)
     by_dtype: dict[str, int] = {}
     for e in entries.values():
-        by_dtype[e["dtype"]] = by_dtype.get(e["dtype"], 0) + int(e["nbytes"])
+        by_dtype[e.dtype] = by_dtype.get(e.dtype, 0) + e.nbytes
     logger.info("fastload: rank %d: %d tensors exported as is (bytes by dtype: %s), %d module(s) re-processed by the "
                 "engine: %s", rank, len(entries), ", ".join(f"{d}={n}" for d, n in sorted(by_dtype.items())),
                 len(exp.reprocess), ", ".join(exp.reprocess[:6]) + (" ..." if len(exp.reprocess) > 6 else ""))

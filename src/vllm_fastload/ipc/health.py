@@ -15,6 +15,7 @@ from typing import Any, Optional
 from ..errors import FastloadError
 from ..log import logger
 from .client import status_of
+from .messages import StatusReply
 from .server import Limits, Throttle, accept_backoff
 
 #: Prometheus metrics of the health port: (name, type, help, status key). Counters only ever grow while the daemon
@@ -30,7 +31,7 @@ METRICS = (
 )
 
 
-def metrics_text(statuses: list[Optional[dict]]) -> bytes:
+def metrics_text(statuses: list[Optional[StatusReply]]) -> bytes:
     """Prometheus exposition of the ranks' statuses (prometheus_client; one sample per rank, label ``rank``):
     :data:`METRICS`, ``vllm_fastload_ready`` (1 when the rank serves) and ``vllm_fastload_fingerprint`` (info)."""
     from prometheus_client import CollectorRegistry, generate_latest
@@ -43,12 +44,12 @@ def metrics_text(statuses: list[Optional[dict]]) -> bytes:
             fams = {name: (CounterMetricFamily if kind == "counter" else GaugeMetricFamily)(
                 f"vllm_fastload_{name}", text, labels=["rank"]) for name, kind, text, _ in METRICS}
             for r, st in enumerate(statuses):
-                ready.add_metric([str(r)], 1 if st and st.get("state") == "ready" else 0)
+                ready.add_metric([str(r)], 1 if st and st.state == "ready" else 0)
                 if not st:
                     continue
                 for name, _, _, key in METRICS:
-                    fams[name].add_metric([str(r)], st[key])
-                info.add_metric([str(r)], {"short": st.get("fingerprint_short") or "", "model": str(st["model"])})
+                    fams[name].add_metric([str(r)], getattr(st, key))
+                info.add_metric([str(r)], {"short": st.fingerprint_short or "", "model": st.model})
             yield ready
             yield from fams.values()
             yield info
@@ -136,8 +137,8 @@ def start_health_server(host: str, port: int, sockets: list[str], limits: Limits
         def do_GET(self) -> None:  # noqa: N802
             statuses = [status_of(p) for p in sockets] if sockets else []
             if self.path == "/health":
-                ok = bool(statuses) and all(s and s.get("state") == "ready" for s in statuses)
-                body = json.dumps({"ready": ok, "ranks": [s and s.get("state") for s in statuses]}).encode()
+                ok = bool(statuses) and all(s and s.state == "ready" for s in statuses)
+                body = json.dumps({"ready": ok, "ranks": [s.state if s else None for s in statuses]}).encode()
                 self.send_response(200 if ok else 503)
                 ctype = "application/json"
             elif self.path == "/metrics":

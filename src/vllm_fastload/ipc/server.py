@@ -27,7 +27,7 @@ class RankState:
 
     fingerprint: dict
     segment: Optional[Segment]
-    manifest: dict
+    manifest: Optional[messages.Manifest]
     model: str
     device: str
     socket: str
@@ -42,17 +42,18 @@ class RankState:
     ready: threading.Event = field(default_factory=threading.Event)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def status(self) -> dict:
-        """JSON-ready status (``vllm-fastload status``, ``/metrics``)."""
+    def status(self) -> messages.StatusReply:
+        """The ``status`` reply (``vllm-fastload status``, ``/health``, ``/metrics``)."""
         with self.lock:
-            return {"type": "status", "model": self.model, "device": self.device, "socket": self.socket,
-                    "fingerprint": self.fingerprint, "fingerprint_short": self.manifest.get("fingerprint_short"),
-                    "tensors": len(self.manifest.get("tensors", {})), "bytes": self.nbytes if not self.released else 0,
-                    "state": "loading" if self.loading else "released" if self.released else "ready",
-                    "clients": len(self.clients),
-                    "client_modes": sorted(self.clients.values()), "attaches": self.attaches,
-                    "fingerprint_mismatches": self.mismatches, "load_seconds": round(self.load_s, 3),
-                    "uptime_s": round(time.time() - self.started, 1), "pid": os.getpid()}
+            man = self.manifest
+            return messages.StatusReply(
+                model=self.model, device=self.device, socket=self.socket, fingerprint=self.fingerprint,
+                fingerprint_short=man.fingerprint_short if man else None, tensors=len(man.tensors) if man else 0,
+                bytes=self.nbytes if not self.released else 0,
+                state="loading" if self.loading else "released" if self.released else "ready",
+                clients=len(self.clients), client_modes=sorted(self.clients.values()), attaches=self.attaches,
+                fingerprint_mismatches=self.mismatches, load_seconds=round(self.load_s, 3),
+                uptime_s=round(time.time() - self.started, 1), pid=os.getpid())
 
 
 #: Defaults of the connection limits (flags ``--weight-cache-max-connections``, ``-idle-timeout-s``,
@@ -187,7 +188,7 @@ class RankServer:
                   f"this one is refused: retry later, or raise the limit")
         try:
             conn.settimeout(0.2)
-            protocol.send(conn, {"type": "error", "reason": reason})
+            _reply(conn, messages.Error(reason=reason))
         except OSError:
             pass
         conn.close()
@@ -213,9 +214,9 @@ class RankServer:
                 self._log("peer", logging.WARNING, "fastload: refused a connection from pid %d running as uid %d (not "
                           "the daemon's uid %d, nor root)", c.pid, c.uid, os.getuid())
                 conn.settimeout(1.0)
-                protocol.send(conn, {"type": "error", "reason": f"peer uid {c.uid} is not the daemon's uid "
+                _reply(conn, messages.Error(reason=f"peer uid {c.uid} is not the daemon's uid "
                                      f"{os.getuid()} (or root); run the engine as the same user as "
-                                     f"`vllm-fastload preload`"})
+                                     f"`vllm-fastload preload`"))
                 return
             while self._serve_one(conn, c):
                 pass
@@ -225,8 +226,8 @@ class RankServer:
         except Exception as e:  # noqa: BLE001 - a bug handling one client must not take the daemon down
             logger.exception("fastload: internal error serving client %d (pid %d); closed its connection", c.cid, c.pid)
             try:
-                protocol.send(conn, {"type": "error", "reason": f"internal error in the daemon ({type(e).__name__}: "
-                                     f"{e}); see its log"})
+                _reply(conn, messages.Error(reason=f"internal error in the daemon ({type(e).__name__}: "
+                                     f"{e}); see its log"))
             except OSError:
                 pass
         finally:
@@ -252,8 +253,8 @@ class RankServer:
             self._log("idle", logging.INFO, "fastload: closed client %d (pid %d): no complete frame within %g s %s",
                       c.cid, c.pid, timeout or self.idle_timeout_s, what)
             conn.settimeout(1.0)
-            protocol.send(conn, {"type": "error", "reason": f"no complete frame within {timeout or self.idle_timeout_s:g}"
-                                 f" s {what}; closing the connection"})
+            _reply(conn, messages.Error(reason=f"no complete frame within {timeout or self.idle_timeout_s:g}"
+                                 f" s {what}; closing the connection"))
             return False
         except protocol.PeerClosed:
             return False
@@ -261,7 +262,7 @@ class RankServer:
             if "connection closed" not in str(e):
                 self._log("frame", logging.WARNING, "fastload: closed client %d (pid %d): %s", c.cid, c.pid, e)
                 conn.settimeout(1.0)
-                protocol.send(conn, {"type": "error", "reason": f"bad frame: {e}; closing the connection"})
+                _reply(conn, messages.Error(reason=f"bad frame: {e}; closing the connection"))
             return False
         protocol.close_fds(fds)
         try:
@@ -269,10 +270,10 @@ class RankServer:
         except messages.MessageError as e:
             self._log("invalid", logging.WARNING, "fastload: client %d (pid %d) sent an invalid message: %s",
                       c.cid, c.pid, e)
-            protocol.send(conn, {"type": "error", "reason": str(e)})
+            _reply(conn, messages.Error(reason=str(e)))
             return True
         if isinstance(msg, messages.Status):
-            protocol.send(conn, st.status())
+            _reply(conn, st.status())
         elif isinstance(msg, messages.Hello):
             if self._hello(conn, msg):
                 c.got_manifest = True
@@ -280,7 +281,7 @@ class RankServer:
             if not c.got_manifest or c.mode is not None:
                 why = "attach before this connection received the manifest (send hello first)" if not c.got_manifest \
                     else f"this connection is already attached ({c.mode})"
-                protocol.send(conn, {"type": "error", "reason": f"attach refused: {why}"})
+                _reply(conn, messages.Error(reason=f"attach refused: {why}"))
                 return True
             c.mode = msg.mode
             with st.lock:
@@ -289,16 +290,16 @@ class RankServer:
                 n = len(st.clients)
             logger.info("fastload: client %d (pid %d, uid %d) attached in %s mode; %d engine(s) attached", c.cid, c.pid,
                         c.uid, msg.mode, n)
-            protocol.send(conn, {"type": "attached", "clients": n})
+            _reply(conn, messages.Attached(clients=n))
         elif isinstance(msg, messages.Release):
             if c.mode != "copy":
                 self._log("release", logging.WARNING, "fastload: refused a release from client %d (pid %d, uid %d): "
                           "only a connection that received the manifest and attached in copy mode may release",
                           c.cid, c.pid, c.uid)
-                protocol.send(conn, {"type": "error", "reason": "release refused: only a connection that received "
-                                     "the manifest and attached in copy mode may release the daemon's memory"})
+                _reply(conn, messages.Error(reason="release refused: only a connection that received "
+                                     "the manifest and attached in copy mode may release the daemon's memory"))
                 return True
-            protocol.send(conn, {"type": "released", "freed": self._release(c)})
+            _reply(conn, messages.Released(freed=self._release(c)))
             c.mode = "released"
         else:  # bye
             return False
@@ -318,8 +319,8 @@ class RankServer:
                 st.mismatches += 1
             logger.warning("fastload: refused client pid %s (it falls back to disk): fingerprint mismatch: %s",
                            msg.pid, mine.explain(theirs))
-            protocol.send(conn, {"type": "error", "reason": "fingerprint mismatch: " + mine.explain(theirs),
-                                 "mismatched": [[n, a, b] for n, a, b in diff]})
+            _reply(conn, messages.Error(reason="fingerprint mismatch: " + mine.explain(theirs),
+                                 mismatched=[[n, a, b] for n, a, b in diff]))
             return False
         # Take what to send under the lock, send outside it: a client that stops reading must not block the
         # status, attach and hello of every other client.
@@ -328,11 +329,11 @@ class RankServer:
             fd = -1 if st.released or seg is None else os.dup(seg.fd)
             manifest = st.manifest
         if fd < 0:
-            protocol.send(conn, {"type": "error", "reason": "the daemon's cache was released by a copy-mode "
-                                 "client; restart `vllm-fastload preload` to fill it again"})
+            _reply(conn, messages.Error(reason="the daemon's cache was released by a copy-mode "
+                                 "client; restart `vllm-fastload preload` to fill it again"))
             return False
         try:
-            protocol.send(conn, manifest, fds=[fd])
+            _reply(conn, manifest, fds=[fd])
         finally:
             os.close(fd)
         return True
@@ -374,7 +375,13 @@ class RankServer:
                 self.state.segment = None
 
 
+def _reply(conn: socket.socket, message: Any, fds: Optional[list[int]] = None) -> None:
+    """Send one reply model of :mod:`.messages` (with ``fds``)."""
+    protocol.send(conn, messages.to_frame(message), fds)
+
+
 def lock_name(path: Path) -> str:
+    """The name of the lock file of socket ``path`` in its directory."""
     return path.name + ".lock"
 
 

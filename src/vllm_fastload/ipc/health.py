@@ -77,7 +77,9 @@ class HealthServer(ThreadingHTTPServer):
         self._log = Throttle()
         super().__init__(address, handler)
 
-    def get_request(self) -> Any:  # socketserver skips the request on OSError; pause so the loop does not spin
+    def get_request(self) -> Any:
+        """Accept one connection; on an accept error pause (doubling, :func:`.server.accept_backoff`) before
+        socketserver skips it, so the loop does not spin at the fd limit."""
         try:
             got = super().get_request()
         except OSError as e:
@@ -90,6 +92,7 @@ class HealthServer(ThreadingHTTPServer):
         return got
 
     def process_request(self, request: Any, client_address: Any) -> None:
+        """Serve the connection in its own thread when a slot is free, else answer 503 and close it."""
         if not self._slots.acquire(blocking=False):
             body = b"busy: too many open connections to the health port\n"
             try:
@@ -109,6 +112,7 @@ class HealthServer(ThreadingHTTPServer):
             raise
 
     def process_request_thread(self, request: Any, client_address: Any) -> None:
+        """Serve one connection under a deadline of ``timeout_s`` for the whole connection; frees its slot."""
         # A deadline for the whole connection, not per read: a client sending one byte now and then would
         # otherwise keep its slot for ever.
         killer = threading.Timer(self.timeout_s, _shutdown_quietly, args=(request,))

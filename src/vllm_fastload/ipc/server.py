@@ -18,7 +18,7 @@ from ..errors import FastloadError
 from ..log import logger
 from . import messages, protocol
 from .paths import SocketDir, SocketDirSpec
-from .shm import Segment
+from .transport import Segment
 
 
 @dataclass

@@ -99,12 +99,9 @@ class Transport:
 
     def read_windows(self, buf: torch.Tensor, starts: list[int], lens: list[int], width: int) -> Any:
         """The byte windows ``buf[s:s + n]`` as rows of a ``(len(starts), width)`` ``numpy.uint8`` array (each
-        ``n <= width``; the rest of a row is left as it is). Default: asynchronous copies into one pinned host
-        buffer, then one synchronize."""
-        host = torch.empty(len(starts) * width, dtype=torch.uint8, pin_memory=True)
-        try:
-            for i, (s, m) in enumerate(zip(starts, lens)):
-                host[i * width:i * width + m].copy_(buf[s:s + m], non_blocking=True)
-        finally:  # also when a copy failed: the ones queued before must land before `host` is reused
-            self.synchronize(buf.device)
+        ``n <= width``; the rest of a row is left as it is). Default: one blocking copy per window into a host
+        buffer, right for any device; a backend overrides it with something faster."""
+        host = torch.empty(len(starts) * width, dtype=torch.uint8)
+        for i, (s, m) in enumerate(zip(starts, lens)):
+            host[i * width:i * width + m].copy_(buf[s:s + m])
         return host.numpy().reshape(len(starts), width)

@@ -144,26 +144,23 @@ def _status(args: argparse.Namespace) -> int:
             names = sorted(n for n in os.listdir(sd.fd) if n.endswith(".sock"))
     except FileNotFoundError:
         names = []
-    d, rows = spec.path, []
-    for name in names:
-        sock = d / name
-        st = status_of(str(sock))
-        rows.append(st or {"socket": str(sock), "state": "not answering (stale socket?)"})
+    d = spec.path
+    rows = [(str(d / name), status_of(str(d / name))) for name in names]  # (socket, its status reply or None)
+    stale = "not answering (stale socket?)"
     if args.json:
-        print(json.dumps(rows, indent=2))
-        return 0 if any("device" in r for r in rows) else 1  # the same exit codes as the text form
+        print(json.dumps([st.model_dump() if st else {"socket": sock, "state": stale} for sock, st in rows], indent=2))
+        return 0 if any(st for _, st in rows) else 1  # the same exit codes as the text form
     if not rows:
         print(f"no preload daemons in {d}" + ("" if d.exists() else " (the directory does not exist)"))
         return 1
-    for r in rows:
-        if "device" not in r:
-            print(f"{r['socket']}: {r['state']}")
+    for sock, st in rows:
+        if st is None:
+            print(f"{sock}: {stale}")
             continue
-        print(f"{r['device']}: {r['state']}, model {r['model']}, fingerprint {r['fingerprint_short']}, "
-              f"{r['tensors']} tensors, {r['bytes'] / 2**30:.2f} GiB, {r['clients']} client(s) {r['client_modes']}, "
-              f"uptime {r['uptime_s']:.0f} s, socket {r['socket']}"
-              + (f", content {r['content_digest']}" if r.get("content_digest") else ""))
-    return 0 if any("device" in r for r in rows) else 1  # only stale sockets: no daemon found
+        print(f"{st.device}: {st.state}, model {st.model}, fingerprint {st.fingerprint_short}, {st.tensors} tensors, "
+              f"{st.bytes / 2**30:.2f} GiB, {st.clients} client(s) {st.client_modes}, uptime {st.uptime_s:.0f} s, "
+              f"socket {st.socket}" + (f", content {st.content_digest}" if st.content_digest else ""))
+    return 0 if any(st for _, st in rows) else 1  # only stale sockets: no daemon found
 
 
 if __name__ == "__main__":

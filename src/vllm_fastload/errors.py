@@ -1,4 +1,5 @@
-"""Exception types raised by vllm-fastload. All derive from :class:`FastloadError` (a ``RuntimeError``)."""
+"""Exception types raised by vllm-fastload. All derive from :class:`FastloadError` (a ``RuntimeError``); a few also
+from ``ValueError`` where callers catch them as such."""
 
 from __future__ import annotations
 
@@ -33,6 +34,18 @@ class SocketDirError(FastloadError):
 class UntrustedPeer(FastloadError):
     """The process at the other end of a weight-cache socket runs as another user (not this one, not root): its
     manifest and memory are never used; the message names the socket and both uids."""
+
+
+class CacheUnavailable(FastloadError):
+    """The ``ipc_cache`` preload daemon cannot serve this load: no daemon, a timeout, a refusal, another protocol,
+    or an answer or memory that cannot be used; the message says which. Every error meaning "load from disk
+    instead" derives from it."""
+
+
+class ManifestError(CacheUnavailable, ValueError):
+    """The daemon's manifest is a valid message but does not describe usable memory (an entry outside its segment,
+    a size that does not match shape, stride and dtype, an unknown dtype, a value that does not decode, a segment
+    of another device or transport); the message names the tensor or segment."""
 
 
 class ContentMismatch(FastloadError):

@@ -18,7 +18,7 @@ import logging
 from typing import Any, Optional
 
 from .log import logger
-from .errors import FallbackRefused, FastloadError
+from .errors import CheckpointError, FallbackRefused, FastloadError
 
 
 #: The load format used when falling back (vLLM's DefaultModelLoader).
@@ -65,6 +65,17 @@ def step_down(what: str, reason: str, *, broken: bool = False) -> None:
     (a dtype, the device, the hosts): INFO. Always allowed, whatever ``fallback`` says; raises nothing.
     """
     logger.log(logging.WARNING if broken else logging.INFO, "fastload: %s: %s", what, reason)
+
+
+def fall_back_on(load_format: str, error: FastloadError, allow: bool, load_config: Any, **pin: Any) -> Any:
+    """The policy for a fast path that failed with ``error``: :func:`fall_back` with the error's message as the
+    reason, except for a :class:`~vllm_fastload.errors.CheckpointError`, which is raised again: the checkpoint
+    itself is unusable (a malformed shard, a duplicate name without an index), vLLM's default loader would read
+    the same files, and for a duplicate silently serve the last copy read. Raises :class:`FallbackRefused` when
+    ``allow`` is false. ``pin``: ``expected_content_digest`` and ``source``, passed on to :func:`fall_back`."""
+    if isinstance(error, CheckpointError):
+        raise error
+    return fall_back(load_format, str(error), allow, load_config, **pin)
 
 
 def default_loader(load_config: Any) -> Any:

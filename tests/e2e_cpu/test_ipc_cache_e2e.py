@@ -65,14 +65,14 @@ def test_daemon_logs_health_metrics_and_socket_modes(daemon, sock_dir):
                    f"health and metrics on http://127.0.0.1:{daemon.health_port}/health"):
         assert needle in log
     st = daemon_status(sock_dir)
-    assert st["state"] == "ready" and st["clients"] == 0 and st["tensors"] > 200 and st["bytes"] > 2.5e8
+    assert st.state == "ready" and st.clients == 0 and st.tensors > 200 and st.bytes > 2.5e8
     sock = sorted(sock_dir.glob("*.sock"))[0]
     assert oct(sock.stat().st_mode & 0o777) == "0o600"
     code, body = daemon.http("/health")
     assert code == 200 and body["ready"] is True
     code, text = daemon.http("/metrics")
     assert code == 200 and 'vllm_fastload_ready{rank="0"} 1.0' in text
-    assert f'vllm_fastload_tensors{{rank="0"}} {float(st["tensors"])}' in text
+    assert f'vllm_fastload_tensors{{rank="0"}} {float(st.tensors)}' in text
 
 
 def test_second_daemon_for_the_same_device_refuses(demo_model, sock_dir, e2e_logs, daemon):
@@ -88,20 +88,20 @@ def test_zero_copy_matches_default_and_restart_maps_again(demo_model, sock_dir, 
     from vllm_fastload.content import checkpoint_digest
 
     digest = checkpoint_digest(read_checkpoint(select_shards(str(demo_model))))
-    assert daemon_status(sock_dir)["content_digest"] == digest and f"content {digest}" in daemon.log()
+    assert daemon_status(sock_dir).content_digest == digest and f"content {digest}" in daemon.log()
     for run, pin in (("zc-1", {}), ("zc-2", {"expected_content_digest": digest})):  # the second: a restart, pinned
         with engine(demo_model, sock_dir, e2e_logs, run, **pin) as srv:
             assert srv.wait_ready(), srv.log()[-3000:]
             assert ids_of(srv) == reference_ids
             log = srv.log()
             st = daemon_status(sock_dir)
-            assert st["clients"] == 1 and st["client_modes"] == ["zero_copy"]
+            assert st.clients == 1 and st.client_modes == ["zero_copy"]
             assert "Loading weights via ipc_cache (mode=zero_copy)" in log and "Mapped " in log
             assert "no disk read" in log
             assert "Loading weights took" not in log and "runai_streamer loaded" not in log
             r = report(e2e_logs, run)
             assert r["fallback_reason"] is None and r["note"].startswith("no disk read (re-processing ")
-            assert r["tensors"] == st["tensors"] and r["extra"]["weights_phase_s"] < r["wall_s"]
+            assert r["tensors"] == st.tensors and r["extra"]["weights_phase_s"] < r["wall_s"]
     code, text = daemon.http("/metrics")
     assert 'vllm_fastload_attaches_total{rank="0"} 2.0' in text and "vllm_fastload_attaches_total counter" in text
     deadline = time.monotonic() + 30  # the daemon sees the second engine's connection close a moment after it exits
@@ -164,7 +164,7 @@ def test_fingerprint_mismatch_falls_back_naming_dtype(demo_model, sock_dir, e2e_
         assert srv.wait_ready(), srv.log()[-3000:]
         log = srv.log()
     assert "fingerprint mismatch" in log and "dtype (daemon 'bfloat16', engine 'float32')" in log
-    assert daemon_status(sock_dir)["fingerprint_mismatches"] == 1
+    assert daemon_status(sock_dir).fingerprint_mismatches == 1
 
 
 @contextlib.contextmanager
@@ -178,8 +178,8 @@ def corrupted_tensor(sock_dir, nbytes=64):
     sock = str(sorted(sock_dir.glob("*.sock"))[0])
     c = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     c.connect(sock)
-    protocol.send(c, {"type": "hello", "version": protocol.PROTOCOL_VERSION, "pid": os.getpid(), "mode": "copy",
-                      "fingerprint": status_of(sock)["fingerprint"]})
+    protocol.send(c, {"type": "hello", "version": protocol.PROTOCOL_VERSION, "pid": os.getpid(),
+                      "fingerprint": status_of(sock).fingerprint})
     man, fds = protocol.recv(c)
     protocol.send(c, {"type": "bye"})
     c.close()
@@ -217,7 +217,7 @@ def test_corrupt_daemon_memory_is_caught_by_the_checksum_sample(demo_model, sock
             assert ids_of(srv) == reference_ids  # served from disk, correct
             r = report(e2e_logs, "corrupt-fallback")
             assert r["format_used"] == "auto" and reason in r["fallback_reason"]
-    assert daemon_status(sock_dir)["clients"] == 0
+    assert daemon_status(sock_dir).clients == 0
 
 
 def test_copy_mode_matches_and_daemon_frees_its_memory(demo_model, sock_dir, e2e_logs, daemon2, reference_ids):
@@ -226,7 +226,7 @@ def test_copy_mode_matches_and_daemon_frees_its_memory(demo_model, sock_dir, e2e
         assert ids_of(srv) == reference_ids
         assert "daemon freed its memory" in srv.log()
         st = daemon_status(sock_dir)
-        assert st["state"] == "released" and st["bytes"] == 0
+        assert st.state == "released" and st.bytes == 0
 
 
 def test_sigterm_exits_cleanly_and_removes_socket_lock_and_rendezvous_dir(daemon2, sock_dir):

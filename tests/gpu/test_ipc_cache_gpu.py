@@ -35,17 +35,23 @@ from tests.gpu.zoo_cuda import zoo  # noqa: E402
 
 from vllm_fastload.ipc.client import status_of  # noqa: E402
 from vllm_fastload.ipc.layout import sample_checksums, view_at  # noqa: E402
-from vllm_fastload.ipc.shm import open_segment  # noqa: E402
+from vllm_fastload.ipc.backends import open_segment  # noqa: E402
+from vllm_fastload.ipc.layout import Placement  # noqa: E402
+from vllm_fastload.ipc.messages import SegmentMeta, TensorEntry  # noqa: E402
 from vllm_fastload.servers import PreloadDaemon  # noqa: E402
 
 # --- transport ------------------------------------------------------------------------------------------------
 EXPORTER = r"""
 import json, socket, sys, time, torch
 from tests.gpu.zoo_cuda import zoo
-from vllm_fastload.ipc.shm import pack
-seg, entries = pack({k: v.cuda() for k, v in zoo().items()}, torch.device("cuda", 0))
+from vllm_fastload.ipc.backends import get_transport
+from vllm_fastload.ipc.export import pack
+device = torch.device("cuda", 0)
+seg, entries = pack({k: v.cuda() for k, v in zoo().items()}, device)
+meta = get_transport(device).describe(seg, device)
 s = socket.socket(fileno=int(sys.argv[1]))
-socket.send_fds(s, [json.dumps({"entries": entries, "meta": seg.meta()}).encode()], [seg.fd])
+socket.send_fds(s, [json.dumps({"entries": {k: e.model_dump() for k, e in entries.items()},
+                                "meta": meta.model_dump()}).encode()], [seg.fd])
 time.sleep(600)
 """
 
@@ -54,7 +60,7 @@ def test_checksums_of_a_cuda_buffer_equal_the_host_copy_s():
     """The engine checksums mapped GPU memory (D2H window copies), the CPU tests a host buffer: same numbers."""
     g = torch.Generator().manual_seed(5)
     buf = torch.randint(0, 256, (5 * 4096 + 333,), dtype=torch.uint8, generator=g)
-    entries = {"a": {"offset": 0, "nbytes": 5 * 4096}, "b": {"offset": 5 * 4096 + 256, "nbytes": 77}}
+    entries = {"a": Placement("uint8", [5 * 4096], [1], 0, 5 * 4096), "b": Placement("uint8", [77], [1], 5 * 4096 + 256, 77)}
     assert sample_checksums(buf.cuda(), entries) == sample_checksums(buf, entries)
 
 
@@ -72,17 +78,18 @@ def test_vmm_transport_across_processes_and_exporter_sigkill(expandable):
         data, fds, _, _ = socket.recv_fds(mine, 1 << 20, 1)
         assert fds, p.stderr.read() if p.poll() is not None else "no fd received"
         msg = json.loads(data.decode())
-        seg = open_segment(fds[0], msg["meta"], torch.device("cuda", 0))
+        seg = open_segment(fds[0], SegmentMeta(**msg["meta"]), torch.device("cuda", 0))
         want = zoo()
-        crcs = sample_checksums(seg.buf, msg["entries"])
+        entries = {k: TensorEntry(**e) for k, e in msg["entries"].items()}
+        crcs = sample_checksums(seg.buf, entries)
 
         def check():
             for k, t in want.items():
-                got = view_at(seg.buf, msg["entries"][k], k)
+                got = view_at(seg.buf, entries[k], k)
                 assert got.device.type == "cuda" and got.dtype == t.dtype and got.shape == t.shape, k
                 assert got.stride() == t.stride(), k  # the transposed view keeps its layout
                 assert torch.equal(got.cpu().contiguous().view(torch.uint8), t.contiguous().view(torch.uint8)), k
-                assert crcs[k] == msg["entries"][k]["checksum"], k
+                assert crcs[k] == entries[k].checksum, k
 
         check()
         os.kill(p.pid, signal.SIGKILL)
@@ -203,7 +210,7 @@ def test_zero_copy_copy_accounting_and_daemon_death(small, sock, tmp_path):
     try:
         assert "fastload: rank 0 exported" in daemon.log()
         st = status_of(socket_of(sock))
-        assert st["state"] == "ready" and st["device"] == "gpu-" + str(torch.cuda.get_device_properties(0).uuid)
+        assert st.state == "ready" and st.device == "gpu-" + str(torch.cuda.get_device_properties(0).uuid)
         rep_z = tmp_path / "zc.json"
         zc = Engine(small, "ipc_cache", extra={"socket_dir": str(sock), "report_path": str(rep_z)},
                     log=tmp_path / "zc.log")
@@ -228,7 +235,7 @@ def test_zero_copy_copy_accounting_and_daemon_death(small, sock, tmp_path):
         assert "copy mode: daemon kept (zero_copy clients)" in log_c
         assert zc.gen()["ids"] == ref["ids"]
         st = status_of(socket_of(sock))
-        assert st["clients"] == 1 and st["client_modes"] == ["zero_copy"] and st["state"] == "ready"
+        assert st.clients == 1 and st.client_modes == ["zero_copy"] and st.state == "ready"
 
         # The daemon dies: the engine keeps answering from the memory it maps.
         os.kill(daemon.pid, signal.SIGKILL)

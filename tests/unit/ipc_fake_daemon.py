@@ -24,8 +24,11 @@ import torch
 
 from vllm_fastload.fingerprint import Fingerprint, ShardFacts
 from vllm_fastload.ipc import protocol
-from vllm_fastload.ipc.daemon import Limits, RankServer, RankState, acquire, start_health_server
-from vllm_fastload.ipc.shm import pack
+from vllm_fastload.ipc.health import start_health_server
+from vllm_fastload.ipc.export import pack
+from vllm_fastload.ipc.messages import Manifest, SegmentMeta, to_frame
+from vllm_fastload.ipc.shm import MemfdTransport
+from vllm_fastload.ipc.server import Limits, RankServer, RankState, acquire
 
 
 def fingerprint(**kw) -> Fingerprint:
@@ -43,16 +46,18 @@ def weights(n_extra: int = 0) -> dict[str, torch.Tensor]:
     return out
 
 
+def describe(seg) -> SegmentMeta:
+    """The manifest's entry of a CPU segment, as its transport writes it."""
+    return MemfdTransport().describe(seg, torch.device("cpu"))
+
+
 def make_state(path, fp: Fingerprint, tensors: dict[str, torch.Tensor]) -> RankState:
     """A ready RankState serving ``tensors`` packed into one segment, as ``serve_rank`` builds it after a load."""
     seg, entries = pack(tensors)
-    for e in entries.values():
-        e["kind"] = "param"
-    manifest = {"type": "manifest", "version": protocol.PROTOCOL_VERSION, "fingerprint": fp.to_dict(),
-                "fingerprint_short": fp.short(), "segments": [seg.meta()], "tensors": entries,
-                "aliases": {}, "reprocess": []}
+    manifest = Manifest(version=protocol.PROTOCOL_VERSION, fingerprint=fp.to_dict(), fingerprint_short=fp.short(),
+                        segments=[describe(seg)], tensors=entries)
     st = RankState(fingerprint=fp.to_dict(), segment=seg, manifest=manifest, model="m", device="dev",
-                   socket=str(path), load_s=0.0, nbytes=sum(int(e["nbytes"]) for e in entries.values()))
+                   socket=str(path), load_s=0.0, nbytes=sum(e.nbytes for e in entries.values()))
     st.ready.set()
     return st
 
@@ -76,7 +81,7 @@ def half_manifest(path: str) -> None:
     print("ready", flush=True)
     conn, _ = s.accept()
     protocol.recv(conn)  # the hello
-    body = json.dumps(st.manifest).encode()
+    body = json.dumps(to_frame(st.manifest)).encode()
     data = struct.pack(">I", len(body)) + body[: len(body) // 2]
     socket.send_fds(conn, [data[:1024]], [st.segment.fd])
     conn.sendall(data[1024:])

@@ -83,7 +83,8 @@ def test_a_pinned_engine_maps_only_a_daemon_that_hashed_the_pinned_bytes(setup, 
     pinned = checkpoint_digest(read_checkpoint(select_shards(model_config.model)))
     other = "blake3:" + "3" * 64
     if daemon_digest is not None:
-        srv.state.manifest["content_digest"] = pinned if daemon_digest == "pinned" else other
+        srv.state.manifest = srv.state.manifest.model_copy(
+            update={"content_digest": pinned if daemon_digest == "pinned" else other})
     if daemon_digest == "pinned":  # past the content check, the next step (the checksum samples) runs
 
         class Passed(Exception):

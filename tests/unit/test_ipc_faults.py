@@ -21,8 +21,9 @@ import torch
 from tests.unit.ipc_fake_daemon import fingerprint, make_state, weights
 from vllm_fastload.ipc import protocol
 from vllm_fastload.ipc.client import CacheUnavailable, fetch, status_of
-from vllm_fastload.ipc.daemon import RankServer, acquire
+from vllm_fastload.ipc.server import RankServer, acquire
 from vllm_fastload.ipc.layout import view_at
+from vllm_fastload.ipc.messages import to_frame
 from vllm_fastload.servers import ManagedProcess
 
 REPO = Path(__file__).resolve().parents[2]
@@ -109,7 +110,7 @@ def test_daemon_killed_mid_manifest_is_named_quickly_and_leaks_no_fd(tmp_path):
         before = open_fds()
         t = time.monotonic()
         with pytest.raises(CacheUnavailable) as e:
-            fetch(str(sock), FP, "zero_copy", 5, 30)
+            fetch(str(sock), FP, 5, 30)
         took = time.monotonic() - t
         after = open_fds()
         d.proc.wait(10)
@@ -128,7 +129,7 @@ def test_daemon_stalled_mid_manifest_times_out_at_state_timeout_and_leaks_no_fd(
     s.listen(1)
     memfd = os.memfd_create("fake-segment")
     release = threading.Event()
-    body = json.dumps(make_state(path, fingerprint(), weights(200)).manifest).encode()
+    body = json.dumps(to_frame(make_state(path, fingerprint(), weights(200)).manifest)).encode()
     server_end: list[str] = []
 
     def stall():
@@ -145,7 +146,7 @@ def test_daemon_stalled_mid_manifest_times_out_at_state_timeout_and_leaks_no_fd(
         before = open_fds()
         t = time.monotonic()
         with pytest.raises(CacheUnavailable, match=f"daemon at {path} sent no manifest within 1 s \\(state_timeout_s\\)"):
-            fetch(str(path), FP, "zero_copy", 2, 1)
+            fetch(str(path), FP, 2, 1)
         assert time.monotonic() - t < 3
         assert open_fds() - before == set(server_end)  # only the fake daemon's end of the connection
     finally:
@@ -158,13 +159,13 @@ def test_daemon_stalled_mid_manifest_times_out_at_state_timeout_and_leaks_no_fd(
 def test_daemon_killed_between_manifest_and_attach_is_cache_unavailable(tmp_path):
     sock = tmp_path / "d.sock"
     with fake_daemon(sock, tmp_path) as d:
-        lease = fetch(str(sock), FP, "zero_copy", 5, 10)
+        lease = fetch(str(sock), FP, 5, 10)
         os.kill(d.pid, signal.SIGKILL)
         d.proc.wait(10)
         with pytest.raises(CacheUnavailable, match=f"daemon at {sock} went away before the attach"):
             lease.attach("zero_copy")
         # what was mapped stays readable and correct
-        assert torch.equal(view_at(lease.segment.buf, lease.manifest["tensors"]["w"]), weights()["w"])
+        assert torch.equal(view_at(lease.segment.buf, lease.manifest.tensors["w"]), weights()["w"])
         lease.close()
 
 
@@ -174,7 +175,7 @@ def test_client_gone_mid_manifest_leaves_the_daemon_serving_others(big_server, r
     before = open_fds()
     c = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     c.connect(str(srv.path))
-    protocol.send(c, {"type": "hello", "version": protocol.PROTOCOL_VERSION, "fingerprint": FP, "mode": "zero_copy",
+    protocol.send(c, {"type": "hello", "version": protocol.PROTOCOL_VERSION, "fingerprint": FP,
                       "pid": os.getpid()})
     data, fds, _, _ = socket.recv_fds(c, 4096, 4)
     assert len(data) > 0 and len(fds) == 1  # the segment came with the first bytes
@@ -184,28 +185,28 @@ def test_client_gone_mid_manifest_leaves_the_daemon_serving_others(big_server, r
     assert wait_for(lambda: open_fds() == before), "the daemon did not close its end"
     assert thread_errors == []
     st = status_of(str(srv.path))
-    assert st["clients"] == 0 and st["state"] == "ready"
-    lease = fetch(str(srv.path), FP, "zero_copy", 2, 10)
+    assert st.clients == 0 and st.state == "ready"
+    lease = fetch(str(srv.path), FP, 2, 10)
     assert lease.attach("zero_copy") == 1
-    assert torch.equal(view_at(lease.segment.buf, lease.manifest["tensors"]["w"]), weights()["w"])
-    assert len(lease.manifest["tensors"]) == 8001
+    assert torch.equal(view_at(lease.segment.buf, lease.manifest.tensors["w"]), weights()["w"])
+    assert len(lease.manifest.tensors) == 8001
     lease.close()
-    assert wait_for(lambda: status_of(str(srv.path))["clients"] == 0)
+    assert wait_for(lambda: status_of(str(srv.path)).clients == 0)
 
 
 def test_attached_client_killed_is_no_longer_counted(big_server, tmp_path, thread_errors):
     srv = big_server
     code = ("import json, sys, time; from vllm_fastload.ipc.client import fetch; "
-            "l = fetch(sys.argv[1], json.loads(sys.argv[2]), 'zero_copy', 5, 30); l.attach('zero_copy'); "
+            "l = fetch(sys.argv[1], json.loads(sys.argv[2]), 5, 30); l.attach('zero_copy'); "
             "print('attached', flush=True); time.sleep(600)")
     with child(["-c", code, str(srv.path), json.dumps(FP)], tmp_path / "client.log", ready="attached") as p:
         st = status_of(str(srv.path))
-        assert st["clients"] == 1 and st["client_modes"] == ["zero_copy"]
+        assert st.clients == 1 and st.client_modes == ["zero_copy"]
         os.kill(p.pid, signal.SIGKILL)
         p.proc.wait(10)
-        assert wait_for(lambda: status_of(str(srv.path))["clients"] == 0)
+        assert wait_for(lambda: status_of(str(srv.path)).clients == 0)
     assert thread_errors == []
-    lease = fetch(str(srv.path), FP, "zero_copy", 2, 10)
+    lease = fetch(str(srv.path), FP, 2, 10)
     assert lease.attach("zero_copy") == 1
     lease.close()
 
@@ -214,7 +215,7 @@ def test_attached_client_killed_is_no_longer_counted(big_server, tmp_path, threa
 def test_attached_engine_warns_when_its_daemon_goes_away_and_keeps_its_copy(tmp_path, records):
     sock = tmp_path / "r.sock"
     with fake_daemon(sock, tmp_path, name="first") as d:
-        lease = fetch(str(sock), FP, "zero_copy", 5, 10)
+        lease = fetch(str(sock), FP, 5, 10)
         assert lease.attach("zero_copy") == 1
         assert not [r for r in records if r.levelno >= logging.WARNING]
         os.kill(d.pid, signal.SIGKILL)
@@ -231,8 +232,8 @@ def test_attached_engine_warns_when_its_daemon_goes_away_and_keeps_its_copy(tmp_
         assert warned()[0].name == "vllm.fastload"
     # restarted daemon (same socket: the stale one is replaced); the old mapping is untouched
     with fake_daemon(sock, tmp_path, name="second"):
-        assert torch.equal(view_at(lease.segment.buf, lease.manifest["tensors"]["w"]), weights()["w"])
-        lease2 = fetch(str(sock), FP, "zero_copy", 5, 10)
+        assert torch.equal(view_at(lease.segment.buf, lease.manifest.tensors["w"]), weights()["w"])
+        lease2 = fetch(str(sock), FP, 5, 10)
         assert lease2.attach("zero_copy") == 1  # the first engine is not a client of the new daemon
         n = len(warned())
         lease2.close()  # our own close is not a daemon going away
@@ -249,9 +250,9 @@ def test_a_stalled_client_does_not_block_other_clients(big_server):
     stalled.connect(str(srv.path))
     try:
         protocol.send(stalled, {"type": "hello", "version": protocol.PROTOCOL_VERSION, "fingerprint": FP,
-                                "mode": "zero_copy", "pid": os.getpid()})
+                                "pid": os.getpid()})
         time.sleep(0.5)  # the daemon is now blocked sending ~1 MB nobody reads
         st = status_of(str(srv.path), timeout_s=3)
-        assert st is not None and st["state"] == "ready"
+        assert st is not None and st.state == "ready"
     finally:
         stalled.close()  # unblocks the daemon (EPIPE)

@@ -18,12 +18,12 @@ from hypothesis import strategies as st
 from tests.unit.ipc_fake_daemon import fingerprint, make_state, weights
 from vllm_fastload.ipc import protocol
 from vllm_fastload.ipc.client import status_of
-from vllm_fastload.ipc.daemon import RankServer, acquire
-from vllm_fastload.ipc.messages import REPLIES, REQUESTS, MessageError, parse_reply, parse_request
+from vllm_fastload.ipc.server import RankServer, acquire
+from vllm_fastload.ipc.messages import REPLIES, REQUESTS, MessageError, parse_reply, parse_request, to_frame
 
 FP = json.loads(json.dumps(fingerprint().to_dict()))
 VALID = {
-    "hello": {"type": "hello", "version": protocol.PROTOCOL_VERSION, "fingerprint": FP, "mode": "zero_copy", "pid": 7},
+    "hello": {"type": "hello", "version": protocol.PROTOCOL_VERSION, "fingerprint": FP, "pid": 7},
     "attach": {"type": "attach", "mode": "copy"},
     "release": {"type": "release"},
     "status": {"type": "status"},
@@ -97,7 +97,7 @@ def test_the_frame_parser_returns_messages_or_raises_protocol_error(data):
 replies = st.one_of(
     st.sampled_from(sorted(REPLIES)).flatmap(lambda t: st.dictionaries(st.text(max_size=8), json_values, max_size=5)
                                              .map(lambda d: {**d, "type": t})),
-    st.just(make_state(Path("/nonexistent"), fingerprint(), weights()).manifest).flatmap(mutations),
+    st.just(to_frame(make_state(Path("/nonexistent"), fingerprint(), weights()).manifest)).flatmap(mutations),
 )
 
 
@@ -163,5 +163,5 @@ def test_the_daemon_answers_every_frame_with_a_valid_reply_and_keeps_serving(dae
     assert len(replies_got) <= len(sent)
     assert set(replies_got) <= {"error", "status", "manifest", "attached", "released"}
     st_now = status_of(str(srv.path), timeout_s=5)
-    assert st_now is not None and st_now["state"] in ("ready", "released")
+    assert st_now is not None and st_now.state in ("ready", "released")
     assert errors == []

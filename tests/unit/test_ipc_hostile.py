@@ -30,14 +30,16 @@ from vllm_fastload import cli  # noqa: F401 (imported before a child drops to a 
 from vllm_fastload.errors import SocketDirError, UntrustedPeer
 from vllm_fastload.ipc import protocol
 from vllm_fastload.ipc.client import CacheUnavailable, connect, fetch, status_of
-from vllm_fastload.ipc.daemon import RankServer, acquire, metrics_text
+from vllm_fastload.ipc.health import metrics_text
+from vllm_fastload.ipc.server import RankServer, acquire
 from vllm_fastload.ipc.layout import view_at
+from vllm_fastload.ipc.messages import StatusReply, to_frame
 from vllm_fastload.ipc.paths import ENGINE_KEY, SocketDir, ensure_socket_dir, socket_dir_spec
 from vllm_fastload.servers import free_port
 
 FP = fingerprint().to_dict()
 OTHER_UID = 65534
-HELLO = {"type": "hello", "version": protocol.PROTOCOL_VERSION, "fingerprint": FP, "mode": "zero_copy", "pid": 1}
+HELLO = {"type": "hello", "version": protocol.PROTOCOL_VERSION, "fingerprint": FP, "pid": 1}
 needs_root = pytest.mark.skipif(os.getuid() != 0, reason="playing another local user needs root (setuid in a "
                                                           "forked child); this test runs as an unprivileged user")
 
@@ -160,7 +162,7 @@ def forged_server(sock: Path, forged: dict, bind_before_fork: socket.socket | No
 def forged(tmp_path):
     """Forged weights (all zeros where the real daemon serves arange) in a segment of their own."""
     st = make_state(tmp_path / "forged.sock", fingerprint(), {"w": torch.zeros(1000)})
-    yield {"fd": st.segment.fd, "manifest": st.manifest}
+    yield {"fd": st.segment.fd, "manifest": to_frame(st.manifest)}
     st.segment.close()
 
 
@@ -205,7 +207,7 @@ def test_a_flipping_symlinked_socket_dir_never_hands_the_engine_forged_weights(s
             # guard 1: the socket dir is never followed through a link, on either side
             for _ in range(30):
                 with pytest.raises(SocketDirError) as e:
-                    fetch(str(link / name), FP, "zero_copy", 2, 5, origin=socket_dir_spec(str(link), ENGINE_KEY).origin)
+                    fetch(str(link / name), FP, 2, 5, origin=socket_dir_spec(str(link), ENGINE_KEY).origin)
                 assert f"socket dir {link} (from {ENGINE_KEY}) is a symbolic link (to " in str(e.value)
                 assert "link owned by uid 65534" in str(e.value) and "forged weights" in str(e.value)
             with pytest.raises(SocketDirError, match=f"socket dir {link} \\(from --weight-cache-socket-dir\\) is a "
@@ -214,8 +216,8 @@ def test_a_flipping_symlinked_socket_dir_never_hands_the_engine_forged_weights(s
         finally:
             stop.set()
             flipper.join(5)
-        lease = fetch(str(real / name), FP, "zero_copy", 2, 5)  # the real directory itself still works
-        assert torch.equal(view_at(lease.segment.buf, lease.manifest["tensors"]["w"]), weights()["w"])
+        lease = fetch(str(real / name), FP, 2, 5)  # the real directory itself still works
+        assert torch.equal(view_at(lease.segment.buf, lease.manifest.tensors["w"]), weights()["w"])
         lease.close()
 
 
@@ -231,7 +233,7 @@ def test_the_engine_refuses_a_daemon_running_as_another_user(tmp_path, forged):
             assert read_line(r) == "ready\n"
             t = time.monotonic()
             with pytest.raises(UntrustedPeer) as e:
-                fetch(str(sock), FP, "zero_copy", 5, 5)
+                fetch(str(sock), FP, 5, 5)
             assert time.monotonic() - t < 2  # not retried until the connect timeout
             assert str(e.value).startswith(f"the process on {sock} (pid {pid}) runs as uid 65534, not as this user "
                                            f"(0) or root: its manifest and memory are not used")
@@ -374,7 +376,7 @@ def test_the_engine_fallback_reason_names_the_socket_dir_and_its_setting(tmp_pat
         reasons.append(reason)
         raise Stop
 
-    monkeypatch.setattr(ipc_loader, "fall_back", fake_fall_back)
+    monkeypatch.setattr("vllm_fastload.fallback.fall_back", fake_fall_back)
     ld = ipc_loader.IpcCacheLoader(LoadConfig(load_format="ipc_cache", model_loader_extra_config={"socket_dir": str(d)}))
     t = time.monotonic()
     with pytest.raises(Stop):
@@ -410,8 +412,8 @@ def test_the_accept_loop_survives_the_fd_limit_and_serves_again(tmp_path):
         finally:
             for c in idle:
                 c.close()
-        lease = fetch(str(sock), FP, "zero_copy", 5, 10)
-        assert torch.equal(view_at(lease.segment.buf, lease.manifest["tensors"]["w"]), weights()["w"])
+        lease = fetch(str(sock), FP, 5, 10)
+        assert torch.equal(view_at(lease.segment.buf, lease.manifest.tensors["w"]), weights()["w"])
         assert lease.attach("zero_copy") == 1
         lease.close()
         assert d.alive()
@@ -430,15 +432,15 @@ def test_silent_and_half_frame_connections_are_closed_after_the_idle_timeout(tmp
         assert c.recv(1) == b""  # closed
         assert 0.3 < time.monotonic() - t < 3
         assert wait_for(lambda: any("no complete frame within 0.5 s" in r.getMessage() for r in records))
-        assert status_of(str(srv.path))["state"] == "ready"
+        assert status_of(str(srv.path)).state == "ready"
 
 
 def test_an_attached_zero_copy_lease_is_not_timed_out(tmp_path):
     with server(tmp_path / "d.sock", idle_timeout_s=0.3, attach_timeout_s=0.3) as srv:
-        lease = fetch(str(srv.path), FP, "zero_copy", 2, 5)
+        lease = fetch(str(srv.path), FP, 2, 5)
         assert lease.attach("zero_copy") == 1
         time.sleep(1.0)
-        assert status_of(str(srv.path))["clients"] == 1
+        assert status_of(str(srv.path)).clients == 1
         lease.close()
 
 
@@ -452,7 +454,7 @@ def test_a_connection_beyond_the_cap_is_refused_clearly_and_slots_come_back(tmp_
                                        "the limit"}
         c.close()
         assert wait_for(lambda: status_of(str(srv.path)) is not None, 5)  # the idle ones timed out
-        lease = fetch(str(srv.path), FP, "zero_copy", 2, 5)
+        lease = fetch(str(srv.path), FP, 2, 5)
         assert lease.attach("zero_copy") == 1
         lease.close()
         for c in idle:
@@ -486,7 +488,7 @@ def test_the_health_port_survives_a_flood_of_idle_connections(tmp_path):
                     return None
 
             assert wait_for(lambda: health() == (200, {"ready": True, "ranks": ["ready"]}), 10)
-            lease = fetch(str(sock), FP, "zero_copy", 5, 10)
+            lease = fetch(str(sock), FP, 5, 10)
             assert lease.attach("zero_copy") == 1
             lease.close()
         finally:
@@ -497,7 +499,7 @@ def test_the_health_port_survives_a_flood_of_idle_connections(tmp_path):
 # --- 3. every field of every message is validated; a bad message gets an error frame -----------------------------
 def test_a_malformed_attach_beside_a_zero_copy_client_leaves_status_health_and_metrics_working(tmp_path, thread_errors):
     with server(tmp_path / "d.sock") as srv:
-        lease = fetch(str(srv.path), FP, "zero_copy", 2, 5)
+        lease = fetch(str(srv.path), FP, 2, 5)
         lease.attach("zero_copy")
         bad = raw(srv.path)
         assert ask(bad, HELLO)["type"] == "manifest"
@@ -505,7 +507,7 @@ def test_a_malformed_attach_beside_a_zero_copy_client_leaves_status_health_and_m
             "type": "error", "reason": "invalid 'attach' message: field 'mode': Input should be 'zero_copy' or 'copy' "
                                        "(got None)"}
         st = status_of(str(srv.path))  # while the bad client stays connected
-        assert st["state"] == "ready" and st["client_modes"] == ["zero_copy"]
+        assert st.state == "ready" and st.client_modes == ["zero_copy"]
         assert 'vllm_fastload_ready{rank="0"} 1.0' in metrics_text([st]).decode()
         assert ask(bad, {"type": "status"})["state"] == "ready"  # the bad client's connection still works too
         bad.close()
@@ -522,14 +524,14 @@ def test_a_malformed_attach_beside_a_zero_copy_client_leaves_status_health_and_m
     ({**HELLO, "fingerprint": {**FP, "shards": "x"}},
      "invalid 'hello' message: field 'fingerprint.shards': Input should be a valid list (got 'x')"),
     ({**HELLO, "version": "1"}, "invalid 'hello' message: field 'version': Input should be a valid integer (got '1')"),
-    ({**HELLO, "version": 2}, "protocol version 2 != 1; upgrade vllm-fastload on both sides"),
-    ({**HELLO, "mode": "fast"}, "invalid 'hello' message: field 'mode': Input should be 'zero_copy' or 'copy' (got "
-                                "'fast')"),
+    ({**HELLO, "version": 1}, "protocol version mismatch: the engine speaks version 1, this daemon version 2; run "
+                              "the same vllm-fastload version on both sides"),
+    ({**HELLO, "mode": "copy"}, "invalid 'hello' message: field 'mode': not a field of this message"),
     ({"type": "status", "verbose": True}, "invalid 'status' message: field 'verbose': not a field of this message"),
     ({"type": "attach", "mode": "copy"}, "attach refused: attach before this connection received the manifest (send "
                                          "hello first)"),
     ({"type": "frobnicate"}, "unknown message type 'frobnicate'; expected one of hello, attach, release, status, bye"),
-], ids=["string-fingerprint", "shard-fields", "shards-not-a-list", "version-string", "version-2", "mode", "extra",
+], ids=["string-fingerprint", "shard-fields", "shards-not-a-list", "version-string", "version-1", "mode", "extra",
         "attach-first", "unknown"])
 def test_each_malformed_message_gets_an_error_frame_naming_the_field(tmp_path, msg, reason, thread_errors):
     with server(tmp_path / "d.sock") as srv:
@@ -548,7 +550,7 @@ def test_a_json_nesting_bomb_is_an_error_frame_not_a_traceback(tmp_path, records
         assert reply == {"type": "error", "reason": "bad frame: frame nests JSON arrays/objects deeper than the parser "
                                                     "allows; no message of this protocol does; closing the connection"}
         assert c.recv(1) == b""
-        assert status_of(str(srv.path))["state"] == "ready"
+        assert status_of(str(srv.path)).state == "ready"
     assert thread_errors == []
     assert not [r for r in records if r.exc_info or "RecursionError" in r.getMessage()]
 
@@ -567,20 +569,20 @@ def test_a_release_from_a_connection_that_did_not_attach_in_copy_mode_is_refused
         zc.close()
         fresh.close()
         st = status_of(str(srv.path))
-        assert st["state"] == "ready" and st["bytes"] == 4000
+        assert st.state == "ready" and st.bytes == 4000
         warn = [r.getMessage() for r in records if "refused a release" in r.getMessage()]
         assert warn and f"(pid {os.getpid()}, uid {os.getuid()})" in warn[0]
         # the legitimate path: manifest, copy attach, release -> freed, and who did it is logged
-        lease = fetch(str(srv.path), FP, "copy", 2, 5)
+        lease = fetch(str(srv.path), FP, 2, 5)
         lease.attach("copy")
-        assert wait_for(lambda: status_of(str(srv.path))["client_modes"] == ["copy"])
+        assert wait_for(lambda: status_of(str(srv.path)).client_modes == ["copy"])
         assert lease.release() is True
         lease.close()
         freed = [r for r in records if "released the cache" in r.getMessage()]
         assert len(freed) == 1 and freed[0].levelno == logging.WARNING
         assert f"(pid {os.getpid()}, uid {os.getuid()}, copy mode) released the cache: 0.00 GiB freed" in \
             freed[0].getMessage()
-        assert status_of(str(srv.path))["state"] == "released"
+        assert status_of(str(srv.path)).state == "released"
 
 
 @needs_root
@@ -673,8 +675,9 @@ def test_a_second_daemon_gets_the_lock_message_before_the_health_port_error(tmp_
 
 def test_metrics_types_counters_and_gauges():
     """Prometheus counters where the value only grows (attaches, refused engines), gauges for levels."""
-    st = {"state": "ready", "tensors": 3, "bytes": 10, "clients": 1, "attaches": 2, "fingerprint_mismatches": 1,
-          "load_seconds": 1.5, "fingerprint_short": "ab", "model": "/m"}
+    st = StatusReply(state="ready", tensors=3, bytes=10, clients=1, attaches=2, fingerprint_mismatches=1,
+                     load_seconds=1.5, fingerprint_short="ab", model="/m", device="d", socket="s", fingerprint={},
+                     client_modes=["zero_copy"], uptime_s=1.0, pid=1)
     text = metrics_text([st, None]).decode()
     assert "# TYPE vllm_fastload_attaches_total counter" in text and 'vllm_fastload_attaches_total{rank="0"} 2.0' in text
     assert "# TYPE vllm_fastload_fallbacks_seen_total counter" in text

@@ -12,9 +12,11 @@ import torch
 from vllm_fastload.fingerprint import Fingerprint, ShardFacts
 from vllm_fastload.ipc import protocol
 from vllm_fastload.ipc.client import CacheUnavailable, FingerprintMismatch, fetch, status_of
-from vllm_fastload.ipc.daemon import RankServer, RankState, acquire
+from vllm_fastload.ipc.server import RankServer, RankState, acquire
 from vllm_fastload.ipc.layout import view_at
-from vllm_fastload.ipc.shm import pack
+from vllm_fastload.ipc.export import pack
+from vllm_fastload.ipc.messages import Manifest
+from vllm_fastload.ipc.shm import MemfdTransport
 from vllm_fastload.errors import FastloadError
 
 
@@ -30,11 +32,9 @@ def fingerprint(**kw):
 def server(tmp_path):
     w = torch.arange(1000, dtype=torch.float32)
     seg, entries = pack({"w": w})
-    entries["w"]["kind"] = "param"
     fp = fingerprint()
-    manifest = {"type": "manifest", "version": protocol.PROTOCOL_VERSION, "fingerprint": fp.to_dict(),
-                "fingerprint_short": fp.short(), "segments": [seg.meta()], "tensors": entries,
-                "aliases": {}, "reprocess": []}
+    manifest = Manifest(version=protocol.PROTOCOL_VERSION, fingerprint=fp.to_dict(), fingerprint_short=fp.short(),
+                        segments=[MemfdTransport().describe(seg, torch.device("cpu"))], tensors=entries)
     path = tmp_path / "dev-target.sock"
     lock = acquire(path)
     st = RankState(fingerprint=fp.to_dict(), segment=seg, manifest=manifest, model="m", device="dev",
@@ -51,47 +51,47 @@ def server(tmp_path):
 
 def test_fetch_maps_the_bytes_and_status_counts_clients(server):
     srv, fp, w = server
-    lease = fetch(str(srv.path), fp.to_dict(), "zero_copy", 2, 5)
-    got = view_at(lease.segment.buf, lease.manifest["tensors"]["w"])
+    lease = fetch(str(srv.path), fp.to_dict(), 2, 5)
+    got = view_at(lease.segment.buf, lease.manifest.tensors["w"])
     assert torch.equal(got, w)
     assert lease.attach("zero_copy") == 1
     st = status_of(str(srv.path))
-    assert st["clients"] == 1 and st["client_modes"] == ["zero_copy"] and st["attaches"] == 1
+    assert st.clients == 1 and st.client_modes == ["zero_copy"] and st.attaches == 1
     lease.close()
 
 
 def test_mismatch_lists_fields_and_is_counted(server):
     srv, fp, _ = server
     with pytest.raises(FingerprintMismatch) as e:
-        fetch(str(srv.path), fingerprint(tp_size=2, tp_rank=1).to_dict(), "zero_copy", 2, 5)
+        fetch(str(srv.path), fingerprint(tp_size=2, tp_rank=1).to_dict(), 2, 5)
     assert e.value.mismatched == [["tp_size", 1, 2], ["tp_rank", 0, 1]]
-    assert status_of(str(srv.path))["fingerprint_mismatches"] == 1
+    assert status_of(str(srv.path)).fingerprint_mismatches == 1
 
 
 def test_copy_release_never_frees_memory_a_zero_copy_client_maps(server):
     srv, fp, w = server
-    zc = fetch(str(srv.path), fp.to_dict(), "zero_copy", 2, 5)
+    zc = fetch(str(srv.path), fp.to_dict(), 2, 5)
     zc.attach("zero_copy")
-    cp = fetch(str(srv.path), fp.to_dict(), "copy", 2, 5)
+    cp = fetch(str(srv.path), fp.to_dict(), 2, 5)
     cp.attach("copy")
     assert cp.release() is False  # a zero_copy client still maps it
     cp.close()
-    assert torch.equal(view_at(zc.segment.buf, zc.manifest["tensors"]["w"]), w)
+    assert torch.equal(view_at(zc.segment.buf, zc.manifest.tensors["w"]), w)
     zc.close()
-    cp2 = fetch(str(srv.path), fp.to_dict(), "copy", 2, 5)
+    cp2 = fetch(str(srv.path), fp.to_dict(), 2, 5)
     cp2.attach("copy")
     import time
 
     for _ in range(50):  # the zero_copy client's disconnect is seen by the daemon's connection thread
-        if status_of(str(srv.path))["client_modes"] == ["copy"]:
+        if status_of(str(srv.path)).client_modes == ["copy"]:
             break
         time.sleep(0.05)
     assert cp2.release() is True
     cp2.close()
     st = status_of(str(srv.path))
-    assert st["state"] == "released" and st["bytes"] == 0
+    assert st.state == "released" and st.bytes == 0
     with pytest.raises(CacheUnavailable, match="released by a copy-mode client"):
-        fetch(str(srv.path), fp.to_dict(), "copy", 2, 5)
+        fetch(str(srv.path), fp.to_dict(), 2, 5)
 
 
 def test_no_daemon_fails_within_connect_timeout(tmp_path):
@@ -99,7 +99,7 @@ def test_no_daemon_fails_within_connect_timeout(tmp_path):
 
     t = time.monotonic()
     with pytest.raises(CacheUnavailable, match="no preload daemon at .* within 0.5 s"):
-        fetch(str(tmp_path / "none.sock"), {}, "zero_copy", 0.5, 5)
+        fetch(str(tmp_path / "none.sock"), {}, 0.5, 5)
     assert time.monotonic() - t < 5
 
 
@@ -118,7 +118,29 @@ def test_a_pickle_speaking_daemon_is_named(tmp_path):
 
     threading.Thread(target=serve, daemon=True).start()
     with pytest.raises(CacheUnavailable, match="pickle frames.*vllm-fastload preload"):
-        fetch(str(path), fingerprint().to_dict(), "zero_copy", 2, 5)
+        fetch(str(path), fingerprint().to_dict(), 2, 5)
+    s.close()
+
+
+def test_a_daemon_of_another_protocol_version_is_named_with_both_versions(tmp_path):
+    """The engine checks the manifest's version before its fields (they may differ between versions) and says
+    which version each side speaks."""
+    path = tmp_path / "old.sock"
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.bind(str(path))
+    s.listen(1)
+    old = protocol.PROTOCOL_VERSION - 1
+
+    def serve():
+        c, _ = s.accept()
+        protocol.recv(c)
+        protocol.send(c, {"type": "manifest", "version": old, "fields": "of another version"})
+        c.close()
+
+    threading.Thread(target=serve, daemon=True).start()
+    with pytest.raises(CacheUnavailable, match=f"protocol version mismatch: the daemon speaks version {old}, this "
+                                               f"engine version {protocol.PROTOCOL_VERSION}; run the same"):
+        fetch(str(path), fingerprint().to_dict(), 2, 5)
     s.close()
 
 
@@ -153,14 +175,14 @@ def test_engine_connecting_during_the_load_waits_bounded_by_state_timeout(server
     srv, fp, w = server
     srv.state.ready.clear()
     srv.state.loading = True
-    assert status_of(str(srv.path))["state"] == "loading"
+    assert status_of(str(srv.path)).state == "loading"
     with pytest.raises(CacheUnavailable, match="no manifest within 0.3 s"):
-        fetch(str(srv.path), fp.to_dict(), "zero_copy", 2, 0.3)
+        fetch(str(srv.path), fp.to_dict(), 2, 0.3)
     threading.Timer(0.5, srv.state.ready.set).start()
     t = time.monotonic()
-    lease = fetch(str(srv.path), fp.to_dict(), "zero_copy", 2, 10)
+    lease = fetch(str(srv.path), fp.to_dict(), 2, 10)
     assert time.monotonic() - t >= 0.4
-    assert torch.equal(view_at(lease.segment.buf, lease.manifest["tensors"]["w"]), w)
+    assert torch.equal(view_at(lease.segment.buf, lease.manifest.tensors["w"]), w)
     lease.close()
 
 
@@ -170,9 +192,9 @@ def test_eight_clients_attach_at_once_all_correct_and_counted(server):
 
     def client():
         try:
-            lease = fetch(str(srv.path), fp.to_dict(), "zero_copy", 5, 10)
+            lease = fetch(str(srv.path), fp.to_dict(), 5, 10)
             lease.attach("zero_copy")
-            results.append((lease, torch.equal(view_at(lease.segment.buf, lease.manifest["tensors"]["w"]), w)))
+            results.append((lease, torch.equal(view_at(lease.segment.buf, lease.manifest.tensors["w"]), w)))
         except Exception as e:  # noqa: BLE001
             errors.append(e)
 
@@ -183,7 +205,7 @@ def test_eight_clients_attach_at_once_all_correct_and_counted(server):
         t.join(30)
     assert errors == [] and len(results) == 8 and all(ok for _, ok in results)
     st = status_of(str(srv.path))
-    assert st["clients"] == 8 and st["attaches"] == 8
+    assert st.clients == 8 and st.attaches == 8
     for lease, _ in results:
         lease.close()
 

@@ -11,7 +11,9 @@ pytest.importorskip("vllm")
 from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase  # noqa: E402
 
 from vllm_fastload.ipc.layout import sample_checksums, view_at, views  # noqa: E402
-from vllm_fastload.ipc.shm import open_segment, pack  # noqa: E402
+from vllm_fastload.ipc.backends import open_segment  # noqa: E402
+from vllm_fastload.ipc.export import pack  # noqa: E402
+from vllm_fastload.ipc.shm import MemfdTransport  # noqa: E402
 from vllm_fastload.ipc.state import (  # noqa: E402
     InstallError, collect, install, object_states, reprocess_modules, snapshot)
 
@@ -75,11 +77,11 @@ def transported(exp):
     seg, entries = pack({k: t for k, (_, t) in exp.tensors.items()})
     import os
 
-    mapped = open_segment(os.dup(seg.fd), seg.meta(), torch.device("cpu"))
+    mapped = open_segment(os.dup(seg.fd), MemfdTransport().describe(seg, torch.device("cpu")), torch.device("cpu"))
     crcs = sample_checksums(mapped.buf, entries)
     out = {}
     for k, e in entries.items():
-        assert crcs[k] == e["checksum"]
+        assert crcs[k] == e.checksum
         out[k] = (exp.tensors[k][0], view_at(mapped.buf, e, k))
     return seg, mapped, out
 
@@ -106,11 +108,11 @@ def test_corrupted_memory_fails_the_checksum():
     m, snap, _, _ = daemon_side()
     seg, entries = pack({k: t for k, (_, t) in collect(m, snap).tensors.items()})
     e = entries["sc.weight"]
-    assert sample_checksums(seg.buf, entries)["sc.weight"] == e["checksum"]
-    seg.buf[e["offset"] + e["nbytes"] // 2] ^= 0xFF  # the middle window
+    assert sample_checksums(seg.buf, entries)["sc.weight"] == e.checksum
+    seg.buf[e.offset + e.nbytes // 2] ^= 0xFF  # the middle window
     crcs = sample_checksums(seg.buf, entries)
-    assert crcs["sc.weight"] != e["checksum"]
-    assert all(crcs[k] == x["checksum"] for k, x in entries.items() if k != "sc.weight")
+    assert crcs["sc.weight"] != e.checksum
+    assert all(crcs[k] == x.checksum for k, x in entries.items() if k != "sc.weight")
     seg.close()
 
 
@@ -131,42 +133,42 @@ def test_strided_and_odd_tensors_keep_layout_and_bytes():
     ts = {"t": base.t(), "c": torch.randn(3, 5).to(torch.bfloat16), "u8": torch.arange(7, dtype=torch.uint8),
           "empty": torch.empty(0, 4), "overlap": torch.randn(5)[None].expand(3, 5)}
     seg, entries = pack(ts)
-    assert entries["t"]["stride"] == [1, 48] and entries["t"]["nbytes"] == 64 * 48 * 4
-    assert entries["overlap"]["stride"] == [5, 1]  # an overlapping view is stored contiguous
-    assert all(e["offset"] % 256 == 0 for e in entries.values())
+    assert entries["t"].stride == [1, 48] and entries["t"].nbytes == 64 * 48 * 4
+    assert entries["overlap"].stride == [5, 1]  # an overlapping view is stored contiguous
+    assert all(e.offset % 256 == 0 for e in entries.values())
     all_views = views(seg.buf, entries)
     for k, t in ts.items():
         for got in (view_at(seg.buf, entries[k], k), all_views[k]):
             assert got.stride() == t.stride() or k == "overlap"
             assert got.shape == t.shape and got.dtype == t.dtype and torch.equal(got, t)
             if t.numel():  # a view into the buffer, not a copy
-                assert got.data_ptr() == seg.buf.data_ptr() + entries[k]["offset"]
+                assert got.data_ptr() == seg.buf.data_ptr() + entries[k].offset
     seg.close()
 
 
 def test_bad_manifest_entries_are_named():
     seg, entries = pack({"w": torch.ones(4, 4)})
-    e = dict(entries["w"])
+    e = entries["w"]
     with pytest.raises(ValueError, match="'w'.*outside"):
-        view_at(seg.buf, {**e, "offset": seg.size}, "w")
+        view_at(seg.buf, e.model_copy(update={"offset": seg.size}), "w")
     with pytest.raises(ValueError, match="'w'.*do not hold"):
-        view_at(seg.buf, {**e, "stride": [1, 1]}, "w")
+        view_at(seg.buf, e.model_copy(update={"stride": [1, 1]}), "w")
     with pytest.raises(ValueError, match="'w'.*unknown dtype 'float99'"):
-        view_at(seg.buf, {**e, "dtype": "float99"}, "w")
+        view_at(seg.buf, e.model_copy(update={"dtype": "float99"}), "w")
     with pytest.raises(ValueError, match="'w'.*outside"):
-        views(seg.buf, {"w": {**e, "offset": seg.size}})
+        views(seg.buf, {"w": e.model_copy(update={"offset": seg.size})})
     with pytest.raises(ValueError, match="'w'.*offset 2 is not aligned to 4-byte float32"):
-        views(seg.buf, {"w": {**e, "offset": 2}})
+        views(seg.buf, {"w": e.model_copy(update={"offset": 2})})
     # would pass the size check (span 3 elements x 4 bytes) and crash as_strided instead of falling back
     with pytest.raises(ValueError, match="'w' has a negative stride"):
-        views(seg.buf, {"w": {**e, "shape": [2, 2], "stride": [3, -1], "nbytes": 12}})
+        views(seg.buf, {"w": e.model_copy(update={"shape": [2, 2], "stride": [3, -1], "nbytes": 12})})
     with pytest.raises(ValueError, match="'w' has a negative dimension"):
-        view_at(seg.buf, {**e, "shape": [-1, 4]}, "w")
+        view_at(seg.buf, e.model_copy(update={"shape": [-1, 4]}), "w")
     seg.close()
 
 
 def test_mapping_pauses_the_garbage_collector_and_restores_it():
-    from vllm_fastload.ipc.loader import _gc_paused
+    from vllm_fastload.ipc.mapping import _gc_paused
 
     assert gc.isenabled()
     with pytest.raises(RuntimeError):
@@ -325,7 +327,7 @@ def test_daemon_finishes_online_quantization_like_vllms_loader(monkeypatch):
     the meta device)."""
     from vllm.model_executor.model_loader import reload
 
-    from vllm_fastload.ipc.daemon import finish_online_quantization
+    from vllm_fastload.ipc.export import finish_online_quantization
 
     calls = []
     monkeypatch.setattr(reload, "finalize_layerwise_processing", lambda m, c: calls.append((m, c)))
@@ -343,8 +345,10 @@ def test_checksum_windows_match_an_independent_computation():
     g = torch.Generator().manual_seed(3)
     buf = torch.randint(0, 256, (3 * layout.SAMPLE + 777,), dtype=torch.uint8, generator=g)
     raw = buf.numpy().tobytes()
-    entries = {"long": {"offset": 0, "nbytes": 3 * layout.SAMPLE}, "short": {"offset": 3 * layout.SAMPLE + 5,
-               "nbytes": 9}, "none": {"offset": 0, "nbytes": 0}}
+    def at(o, n):
+        return layout.Placement("uint8", [n], [1], o, n)
+
+    entries = {"long": at(0, 3 * layout.SAMPLE), "short": at(3 * layout.SAMPLE + 5, 9), "none": at(0, 0)}
 
     def ref(o, n):
         h = 0

@@ -26,7 +26,7 @@ from tests.unit.ipc_fake_daemon import make_state  # noqa: E402
 from vllm_fastload.errors import FallbackRefused  # noqa: E402
 from vllm_fastload.fingerprint import of_model  # noqa: E402
 from vllm_fastload.ipc.client import status_of  # noqa: E402
-from vllm_fastload.ipc.daemon import RankServer, acquire  # noqa: E402
+from vllm_fastload.ipc.server import RankServer, acquire  # noqa: E402
 from vllm_fastload.ipc.loader import IpcCacheLoader  # noqa: E402
 
 
@@ -102,7 +102,7 @@ def test_engine_of_another_tp_rank_falls_back_naming_tp_size_and_tp_rank(setup, 
     assert (f"fingerprint mismatch with the daemon at {srv.path}: tp_size (daemon 1, engine 2), "
             f"tp_rank (daemon 0, engine 1); restart `vllm-fastload preload` with this engine's args, or start the "
             f"engine with the daemon's. Falling back to vLLM's default loader") in msg
-    assert status_of(str(srv.path))["fingerprint_mismatches"] == 1
+    assert status_of(str(srv.path)).fingerprint_mismatches == 1
 
 
 def test_same_tp_size_other_rank_names_only_tp_rank_and_strict_refuses(setup, monkeypatch):

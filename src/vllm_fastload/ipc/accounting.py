@@ -29,11 +29,9 @@ def add_mapped(device_index: int, nbytes: int) -> None:
         _MAPPED[device_index] = _MAPPED.get(device_index, 0) + int(nbytes)
 
 
-def mapped_bytes(device_index: int | None = None) -> int:
-    """Bytes recorded by :func:`add_mapped` (all devices when ``device_index`` is None)."""
+def mapped_bytes(device_index: int) -> int:
+    """Bytes recorded by :func:`add_mapped` for CUDA device ``device_index``."""
     with _LOCK:
-        if device_index is None:
-            return sum(_MAPPED.values())
         return _MAPPED.get(device_index, 0)
 
 

@@ -11,24 +11,39 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from ..errors import FastloadError, SocketDirError, UntrustedPeer
+from ..errors import CacheUnavailable, FastloadError, SocketDirError, UntrustedPeer
 from ..log import logger
-from . import protocol
-from .messages import MessageError, parse_reply
+from . import messages, protocol
+from .backends import open_segment
+from .messages import MessageError, parse_reply, to_frame
 from .paths import ENGINE_KEY, SocketDir, SocketDirSpec
-from .shm import Segment, open_segment
+from .transport import Segment
 
-
-class CacheUnavailable(FastloadError):
-    """No usable daemon answer (no socket, timeout, refused, released, other protocol); message says which."""
+__all__ = ["CacheUnavailable", "FingerprintMismatch", "Lease", "connect", "fetch", "status_of"]
 
 
 class FingerprintMismatch(CacheUnavailable):
-    """The daemon holds other weights; ``mismatched`` lists ``[field, daemon value, engine value]``."""
+    """The daemon holds other weights; ``mismatched`` lists ``[field, daemon value, engine value]``; the message
+    names the daemon, each differing field and the fix."""
 
     def __init__(self, reason: str, mismatched: list):
         super().__init__(reason)
         self.mismatched = mismatched
+
+
+def _exchange(conn: socket.socket, request: Any, expect: type) -> Any:
+    """Send the request model ``request`` and return the reply, validated, as an ``expect`` model. Raises
+    :class:`.protocol.ProtocolError` when the reply is invalid, of another type, or an ``error`` (its reason is
+    the message); ``OSError`` and ``socket.timeout`` as the socket raises them."""
+    protocol.send(conn, to_frame(request))
+    raw, fds = protocol.recv(conn)
+    protocol.close_fds(fds)
+    reply = parse_reply(raw)
+    if isinstance(reply, expect):
+        return reply
+    if isinstance(reply, messages.Error):
+        raise protocol.ProtocolError(reply.reason)
+    raise protocol.ProtocolError(f"expected {expect.model_fields['type'].default!r}, got {reply.type!r}")
 
 
 @dataclass
@@ -40,7 +55,7 @@ class Lease:
     """
 
     conn: socket.socket
-    manifest: dict
+    manifest: messages.Manifest
     segment: Segment
     path: str = "?"
     _closing: threading.Event = field(default_factory=threading.Event, repr=False)
@@ -50,28 +65,23 @@ class Lease:
         """Tell the daemon we use the cache in ``mode``; returns its client count. For ``zero_copy`` this starts
         :meth:`watch`, so no further request may be made on this lease (only :meth:`close`)."""
         try:
-            reply, _ = protocol.request(self.conn, {"type": "attach", "mode": mode}, "attached")
+            reply = _exchange(self.conn, messages.Attach(mode=mode), messages.Attached)
         except (protocol.ProtocolError, OSError) as e:
-            raise CacheUnavailable(f"daemon at {self._path()} went away before the attach ({e}); see its log") from None
+            raise CacheUnavailable(f"daemon at {self.path} went away before the attach ({e}); see its log") from None
         if mode == "zero_copy":
             self.watch()
-        return int(reply["clients"])
+        return reply.clients
 
     def release(self) -> bool:
         """copy mode: we cloned everything; the daemon may free its memory. Returns whether it did (False, with a
         WARNING, when the daemon is gone: the copy is complete either way)."""
         try:
-            reply, _ = protocol.request(self.conn, {"type": "release"}, "released")
+            reply = _exchange(self.conn, messages.Release(), messages.Released)
         except (protocol.ProtocolError, OSError) as e:
             logger.warning("fastload: the preload daemon at %s went away before the release (%s); this engine's "
-                           "copy of the weights is complete", self._path(), e)
+                           "copy of the weights is complete", self.path, e)
             return False
-        return bool(reply["freed"])
-
-    def _path(self) -> str:
-        """The daemon's socket path as the engine named it (the connection's peer address goes through the
-        directory's descriptor)."""
-        return self.path
+        return reply.freed
 
     def watch(self) -> None:
         """Start a daemon thread that notices when the daemon closes this connection (killed, stopped, restarted)
@@ -79,7 +89,7 @@ class Lease:
         this lease: the thread reads the connection (the daemon sends nothing unasked)."""
         if self._watcher is not None:
             return
-        self._watcher = threading.Thread(target=self._watch, args=(self._path(),), name="fastload-lease-watch",
+        self._watcher = threading.Thread(target=self._watch, args=(self.path,), name="fastload-lease-watch",
                                          daemon=True)
         self._watcher.start()
 
@@ -101,7 +111,7 @@ class Lease:
         """Say bye and close the connection (the mapping stays until :attr:`segment` is closed)."""
         self._closing.set()
         try:
-            protocol.send(self.conn, {"type": "bye"})
+            protocol.send(self.conn, to_frame(messages.Bye()))
         except OSError:
             pass
         try:
@@ -177,20 +187,27 @@ def connect(path: str, timeout_s: float, origin: Optional[str] = None) -> socket
         time.sleep(0.1)
 
 
-def fetch(path: str, fingerprint: dict, mode: str, connect_timeout_s: float, state_timeout_s: float,
-          device: Any = None, origin: Optional[str] = None) -> Lease:
-    """Connect (:func:`connect`; ``origin`` says where ``path`` came from), send hello with ``fingerprint``, receive
-    and validate the manifest and map its segment on ``device`` (a ``torch.device``; default CPU).
+def fetch(path: str, fingerprint: dict, connect_timeout_s: float, state_timeout_s: float, device: Any = None,
+          origin: Optional[str] = None) -> Lease:
+    """Connect (:func:`connect`; ``origin`` says where ``path`` came from), send hello with ``fingerprint`` (a
+    :meth:`~vllm_fastload.fingerprint.Fingerprint.to_dict`), receive and validate the manifest and map its segment
+    on ``device`` (a ``torch.device``; default CPU) through the device's transport
+    (:func:`.backends.open_segment`).
 
-    Raises :class:`FingerprintMismatch` or :class:`CacheUnavailable` (with the reason), and what :func:`connect`
-    raises.
+    Raises :class:`FingerprintMismatch` (the daemon holds other weights), :class:`CacheUnavailable` (with the
+    reason: a timeout, a refusal, another protocol or protocol version, a manifest that does not fit the fds or
+    the device) and what :func:`connect` raises.
     """
+    import torch
+
+    device = torch.device(device or "cpu")
     conn = connect(path, connect_timeout_s, origin)
     conn.settimeout(state_timeout_s)
     try:
-        protocol.send(conn, {"type": "hello", "version": protocol.PROTOCOL_VERSION, "fingerprint": fingerprint,
-                             "mode": mode, "pid": os.getpid()})
-        reply, fds = protocol.recv(conn)
+        hello = messages.Hello.model_validate({"version": protocol.PROTOCOL_VERSION, "fingerprint": fingerprint,
+                                               "pid": os.getpid()}, strict=False)
+        protocol.send(conn, to_frame(hello))
+        raw, fds = protocol.recv(conn)
     except socket.timeout:
         conn.close()
         raise CacheUnavailable(f"daemon at {path} sent no manifest within {state_timeout_s:g} s (state_timeout_s)") from None
@@ -205,31 +222,33 @@ def fetch(path: str, fingerprint: dict, mode: str, connect_timeout_s: float, sta
     except OSError as e:
         conn.close()
         raise CacheUnavailable(f"daemon at {path} closed the connection during the hand-over ({e})") from None
-    try:
-        parse_reply(reply)
-        if reply["type"] not in ("manifest", "error"):
-            raise MessageError(f"expected a manifest, got {reply['type']!r}")
-    except MessageError as e:
+
+    def refuse(error: CacheUnavailable) -> CacheUnavailable:
         protocol.close_fds(fds)
         conn.close()
-        raise CacheUnavailable(f"daemon at {path} sent an unusable reply to hello ({e}); run the same vllm-fastload "
-                               f"version on both sides") from None
-    if reply["type"] == "error":
-        protocol.close_fds(fds)
-        conn.close()
-        if reply.get("mismatched"):
-            raise FingerprintMismatch(reply["reason"], reply["mismatched"])
-        raise CacheUnavailable(f"daemon at {path}: {reply['reason']}")
-    if len(fds) != len(reply["segments"]):
-        protocol.close_fds(fds)
-        conn.close()
-        raise CacheUnavailable(f"daemon at {path} sent a manifest of {len(reply['segments'])} segment(s) with "
-                               f"{len(fds)} file descriptor(s)")
-    conn.settimeout(None)
-    import torch
+        return error
 
     try:
-        seg = open_segment(fds[0], reply["segments"][0], torch.device(device or "cpu"))
+        if raw.get("type") == "manifest" and type(raw.get("version")) is int:
+            messages.check_version(raw["version"], "daemon", "engine")  # before fields that may differ by version
+        reply = parse_reply(raw)
+        if not isinstance(reply, (messages.Manifest, messages.Error)):
+            raise MessageError(f"expected a manifest, got {reply.type!r}")
+    except MessageError as e:
+        raise refuse(CacheUnavailable(f"daemon at {path} sent an unusable reply to hello ({e})")) from None
+    if isinstance(reply, messages.Error):
+        if reply.mismatched:
+            fields = ", ".join(f"{n} (daemon {a!r}, engine {b!r})" for n, a, b in reply.mismatched)
+            raise refuse(FingerprintMismatch(
+                f"fingerprint mismatch with the daemon at {path}: {fields}; restart `vllm-fastload preload` with this "
+                f"engine's args, or start the engine with the daemon's", reply.mismatched))
+        raise refuse(CacheUnavailable(f"daemon at {path}: {reply.reason}"))
+    if len(fds) != len(reply.segments):
+        raise refuse(CacheUnavailable(f"daemon at {path} sent a manifest of {len(reply.segments)} segment(s) with "
+                                      f"{len(fds)} file descriptor(s)"))
+    conn.settimeout(None)
+    try:
+        seg = open_segment(fds[0], reply.segments[0], device)
     except BaseException:
         protocol.close_fds(fds[1:])
         conn.close()
@@ -238,7 +257,7 @@ def fetch(path: str, fingerprint: dict, mode: str, connect_timeout_s: float, sta
     return Lease(conn, reply, seg, path)
 
 
-def status_of(path: str, timeout_s: float = 2.0) -> Optional[dict[str, Any]]:
+def status_of(path: str, timeout_s: float = 2.0) -> Optional[messages.StatusReply]:
     """The daemon's ``status`` reply (validated), or None when nothing usable answers on ``path`` (no daemon, a
     daemon of another user, an invalid reply)."""
     try:
@@ -247,8 +266,7 @@ def status_of(path: str, timeout_s: float = 2.0) -> Optional[dict[str, Any]]:
         return None
     try:
         conn.settimeout(timeout_s)
-        reply, _ = protocol.request(conn, {"type": "status"}, "status")
-        return reply
+        return _exchange(conn, messages.Status(), messages.StatusReply)
     except (OSError, protocol.ProtocolError):
         return None
     finally:

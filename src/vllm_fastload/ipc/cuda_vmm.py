@@ -12,12 +12,13 @@ physical memory of a VMM allocation lives as long as any process holds a handle 
 API, "Virtual Memory Management": ``cuMemRelease`` frees the memory only once every mapping is unmapped), so an
 engine keeps serving when the daemon is SIGKILLed — the same guarantee as the memfd on CPU; the export does not
 depend on the PyTorch caching allocator (works the same with ``expandable_segments:True``); and the handle is a file
-descriptor, so only processes that received it over the private socket can map the memory. Measurements on the
-H200 are in docs/benchmarks.md (``benchmarks/ipc_probe.py``).
+descriptor, so only processes that received it over the private socket can map the memory (how the transport
+is measured: ``benchmarks/ipc_probe.py``).
 
 Bindings are ``ctypes`` on ``libcuda.so.1`` (the driver every CUDA PyTorch needs). Struct layouts follow
 ``cuda.h`` (``CUmemAllocationProp``, ``CUmemLocation``, ``CUmemAccessDesc``). ROCm: HIP offers the same API
-(``hipMemCreate`` ...) but this module binds CUDA only; on ROCm ``ipc_cache`` falls back with a clear reason.
+(``hipMemCreate`` ...) but this module binds CUDA only; on ROCm ``ipc_cache`` falls back with a clear reason
+(:func:`.backends.get_transport`). :class:`CudaVmmTransport` is this module's :class:`.transport.Transport`.
 """
 
 from __future__ import annotations
@@ -26,7 +27,9 @@ import ctypes
 import os
 from typing import Any, Optional
 
-from ..errors import FastloadError
+from ..errors import FastloadError, ManifestError
+from .messages import SegmentMeta
+from .transport import Segment, Transport
 
 CU_MEM_ALLOCATION_TYPE_PINNED = 1
 CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR = 1
@@ -248,3 +251,82 @@ class VmmBuffer:
         _check(lib.cuMemAddressFree(ctypes.c_ulonglong(self.ptr), size), "cuMemAddressFree")
         _check(lib.cuMemRelease(ctypes.c_ulonglong(self.handle)), "cuMemRelease")
         self.ptr = 0
+
+
+class CudaVmmTransport(Transport):
+    """The ``cuda_vmm`` backend of :class:`.transport.Transport`: one :class:`VmmBuffer` per segment, on the CUDA
+    device of this process (its index as PyTorch sees it)."""
+
+    name = "cuda_vmm"
+    device_memory = True
+
+    def resolve(self, device: Any) -> Any:
+        """The current CUDA device of this process (a rank uses one; :meth:`bind_rank` chose it in the daemon)."""
+        import torch
+
+        return torch.device("cuda", torch.cuda.current_device())
+
+    def bind_rank(self, local_rank: int) -> None:
+        """Make CUDA device ``local_rank`` this process's current device."""
+        import torch
+
+        torch.cuda.set_device(local_rank)
+
+    def allocate(self, size: int, device: Any) -> Segment:
+        """A new VMM allocation of at least ``size`` bytes (rounded up to :func:`granularity`), exported as an fd."""
+        vb = VmmBuffer.allocate(self.resolve(device).index, size)
+        return Segment(vb.export_fd(), vb.size, self.name, vb.tensor(), vb)
+
+    def describe(self, segment: Segment, device: Any) -> SegmentMeta:
+        """The segment's size and transport, and the GPU it lives on (so an engine of another GPU refuses it)."""
+        from .paths import device_identity
+
+        return SegmentMeta(size=segment.size, transport=self.name,
+                           device=device_identity("cuda", self.resolve(device).index))
+
+    def open(self, fd: int, meta: SegmentMeta, device: Any) -> Segment:
+        """Import and map the allocation (closes ``fd``). Raises :class:`~vllm_fastload.errors.ManifestError` when
+        it is not a VMM segment or lives on another GPU than ``device``; :class:`CudaVmmError` when a driver call
+        fails."""
+        from .paths import device_identity
+
+        self.check(fd, meta, device)
+        index = self.resolve(device).index
+        mine = device_identity("cuda", index)
+        if meta.device and meta.device != mine:
+            os.close(fd)
+            raise ManifestError(f"the daemon exports memory of {meta.device} but this rank uses {mine} (cuda:{index}); "
+                                f"check CUDA_VISIBLE_DEVICES and the socket path")
+        vb = VmmBuffer.import_fd(index, fd, meta.size)
+        return Segment(-1, meta.size, self.name, vb.tensor(), vb)
+
+    def synchronize(self, device: Any) -> None:
+        """``torch.cuda.synchronize`` of ``device``."""
+        import torch
+
+        torch.cuda.synchronize(device)
+
+    def free_cached(self, device: Any) -> None:
+        """Collect the dropped model's cycles, then give PyTorch's cached blocks back to the driver."""
+        import gc
+
+        import torch
+
+        gc.collect()
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+    def read_windows(self, buf: Any, starts: list[int], lens: list[int], width: int) -> Any:
+        """One driver copy per window (:func:`copy_to_host_async`) into one pinned buffer, no kernel launch: in a
+        fresh engine process the first launch of each kernel costs more than these copies."""
+        import torch
+
+        host = torch.empty(len(starts) * width, dtype=torch.uint8, pin_memory=True)
+        stream = torch.cuda.current_stream(buf.device)
+        h, d = host.data_ptr(), buf.data_ptr()
+        try:
+            copy_to_host_async(buf.device.index, [(h + i * width, d + s, m) for i, (s, m) in enumerate(zip(starts, lens))],
+                               stream.cuda_stream)
+        finally:  # also when a copy failed: the ones queued before must land before `host` is reused
+            stream.synchronize()
+        return host.numpy().reshape(len(starts), width)

@@ -1,20 +1,25 @@
 """Where each exported tensor lives inside a rank's one export buffer, and the checksum samples that prove it.
 
 Transport-neutral: the buffer is a flat ``torch.uint8`` tensor, in host shared memory (memfd, :mod:`.shm`) or in
-device memory (CUDA VMM, :mod:`.cuda_vmm`). Both daemon and engine use these functions, so the layout and the
-checksum are computed by one piece of code.
+device memory (CUDA VMM, :mod:`.cuda_vmm`); the one device-specific step, reading sample windows to the host, is
+the transport's (:meth:`.transport.Transport.read_windows`). Both daemon and engine use these functions, so the
+layout and the checksum are computed by one piece of code.
 
-A manifest entry is ``{dtype, shape, stride, offset, nbytes, checksum}``: ``offset`` (bytes, a multiple of
-:data:`ALIGN`) and ``nbytes`` (bytes of the span the strides address) locate the tensor; ``shape`` and ``stride``
-(elements) rebuild it with ``as_strided``, so non-contiguous results of post-processing (FP8 kernels keep
-``weight.t()``) keep their layout.
+A :class:`Placement` (and the manifest's :class:`.messages.TensorEntry`, which adds ``checksum`` and ``kind``) is
+``dtype, shape, stride, offset, nbytes``: ``offset`` (bytes, a multiple of :data:`ALIGN`) and ``nbytes`` (bytes of
+the span the strides address) locate the tensor; ``shape`` and ``stride`` (elements) rebuild it with
+``as_strided``, so non-contiguous results of post-processing (FP8 kernels keep ``weight.t()``) keep their layout.
+The functions here take either (anything with those attributes).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Optional
 
 import torch
+
+from ..errors import ManifestError
 
 #: Byte alignment of every tensor in the buffer (cudaMalloc's guarantee is 256 bytes).
 ALIGN = 256
@@ -42,8 +47,20 @@ def _dense(t: torch.Tensor) -> bool:
     return t.numel() == span_elements(list(t.shape), list(t.stride()))
 
 
-def plan(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, dict[str, Any]], int]:
-    """Place ``tensors`` in one buffer. Returns (entries without checksums, buffer size in bytes).
+@dataclass(frozen=True)
+class Placement:
+    """Where one tensor sits in a buffer: ``dtype`` (a :data:`DTYPES` name), ``shape`` and ``stride`` (elements),
+    ``offset`` and ``nbytes`` (bytes)."""
+
+    dtype: str
+    shape: list[int]
+    stride: Optional[list[int]]
+    offset: int
+    nbytes: int
+
+
+def plan(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, Placement], int]:
+    """Place ``tensors`` in one buffer. Returns (a :class:`Placement` per name, buffer size in bytes).
 
     Dense tensors keep their strides; overlapping or gapped views (rare) are stored contiguous.
     """
@@ -51,40 +68,41 @@ def plan(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, dict[str, Any]], i
     for k, t in tensors.items():
         stride = list(t.stride()) if _dense(t) else list(torch.empty(t.shape).stride())
         n = span_elements(list(t.shape), stride) * t.element_size()
-        entries[k] = {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape), "stride": stride,
-                      "offset": off, "nbytes": n}
+        entries[k] = Placement(str(t.dtype).removeprefix("torch."), list(t.shape), stride, off, n)
         off += -(-n // ALIGN) * ALIGN
     return entries, max(off, ALIGN)
 
 
-def _geometry(buf: torch.Tensor, entry: dict[str, Any], name: str) -> tuple[torch.dtype, int, int, list, list]:
-    """``(dtype, offset, nbytes, shape, stride)`` of a manifest entry, checked against ``buf`` (see :func:`view_at`
+def _geometry(buf: torch.Tensor, entry: Any, name: str) -> tuple[torch.dtype, int, int, list, list]:
+    """``(dtype, offset, nbytes, shape, stride)`` of a placement, checked against ``buf`` (see :func:`view_at`
     for the errors)."""
-    dtype = DTYPES.get(entry.get("dtype"))
+    dtype = DTYPES.get(entry.dtype)
     if dtype is None:
-        raise ValueError(f"manifest entry {name!r} has unknown dtype {entry.get('dtype')!r}")
-    o, n = int(entry["offset"]), int(entry["nbytes"])
-    shape = [int(d) for d in entry["shape"]]
+        raise ManifestError(f"manifest entry {name!r} has unknown dtype {entry.dtype!r}")
+    o, n = int(entry.offset), int(entry.nbytes)
+    shape = [int(d) for d in entry.shape]
     if any(d < 0 for d in shape):
-        raise ValueError(f"manifest entry {name!r} has a negative dimension in shape {shape}")
-    stride = [int(s) for s in entry.get("stride") or torch.empty(shape, device="meta").stride()]
+        raise ManifestError(f"manifest entry {name!r} has a negative dimension in shape {shape}")
+    stride = [int(s) for s in entry.stride or torch.empty(shape, device="meta").stride()]
     if any(s < 0 for s in stride):
-        raise ValueError(f"manifest entry {name!r} has a negative stride {stride}")
+        raise ManifestError(f"manifest entry {name!r} has a negative stride {stride}")
     if o < 0 or n < 0 or o + n > buf.numel():
-        raise ValueError(f"manifest entry {name!r} spans [{o}, {o + n}), outside the {buf.numel()}-byte buffer")
+        raise ManifestError(f"manifest entry {name!r} spans [{o}, {o + n}), outside the {buf.numel()}-byte buffer")
     size = dtype.itemsize
     if len(stride) != len(shape) or span_elements(shape, stride) * size != n:
-        raise ValueError(f"manifest entry {name!r}: {n} bytes do not hold {entry['dtype']} {shape} stride {stride}")
+        raise ManifestError(f"manifest entry {name!r}: {n} bytes do not hold {entry.dtype} {shape} stride {stride}")
     if o % size:
-        raise ValueError(f"manifest entry {name!r}: offset {o} is not aligned to {size}-byte {entry['dtype']}")
+        raise ManifestError(f"manifest entry {name!r}: offset {o} is not aligned to {size}-byte {entry.dtype}")
     return dtype, o, n, shape, stride
 
 
-def view_at(buf: torch.Tensor, entry: dict[str, Any], name: str = "?") -> torch.Tensor:
-    """The tensor ``entry`` describes, as a view into the flat uint8 ``buf`` (no copy).
+def view_at(buf: torch.Tensor, entry: Any, name: str = "?") -> torch.Tensor:
+    """The tensor ``entry`` (a :class:`Placement` or a manifest entry) describes, as a view into the flat uint8
+    ``buf`` (no copy).
 
-    Raises ``ValueError`` naming the tensor when the entry is bad: unknown dtype, a range outside the buffer, a
-    size that does not match shape x stride x dtype, or a misaligned offset.
+    Raises :class:`~vllm_fastload.errors.ManifestError` (a ``ValueError``) naming the tensor when the entry is
+    bad: unknown dtype, a range outside the buffer, a size that does not match shape x stride x dtype, or a
+    misaligned offset.
     """
     dtype, o, n, shape, stride = _geometry(buf, entry, name)
     if n == 0:
@@ -92,7 +110,7 @@ def view_at(buf: torch.Tensor, entry: dict[str, Any], name: str = "?") -> torch.
     return buf[o:o + n].view(dtype).as_strided(shape, stride)
 
 
-def views(buf: torch.Tensor, entries: dict[str, dict[str, Any]]) -> dict[str, torch.Tensor]:
+def views(buf: torch.Tensor, entries: dict[str, Any]) -> dict[str, torch.Tensor]:
     """Every entry as a view into ``buf`` (name -> tensor), checked like :func:`view_at` (same errors).
 
     One ``as_strided`` per tensor on a per-dtype view of the whole buffer instead of slice + view + as_strided:
@@ -116,7 +134,7 @@ def views(buf: torch.Tensor, entries: dict[str, dict[str, Any]]) -> dict[str, to
     return out
 
 
-def fill(buf: torch.Tensor, tensors: dict[str, torch.Tensor], entries: dict[str, dict[str, Any]]) -> None:
+def fill(buf: torch.Tensor, tensors: dict[str, torch.Tensor], entries: dict[str, Placement]) -> None:
     """Copy each tensor into its place in ``buf`` (same device or across host/device)."""
     for k, t in tensors.items():
         if t.numel():
@@ -133,41 +151,20 @@ def _word_weights() -> list[int]:
 
 
 def _window_rows(buf: torch.Tensor, starts: list[int], ends: list[int]):
-    """The windows as a ``(len(starts), SAMPLE)`` uint8 numpy array; a window cut short by its span's end repeats
-    the span's last byte. A GPU buffer's windows come over by async device-to-host copies into one pinned buffer
-    (no kernel launches: in a fresh engine process the first launch of each kernel costs more than the work),
-    issued straight to the CUDA driver (:func:`.cuda_vmm.copy_to_host_async`)."""
-    import numpy as np
+    """The windows as a ``(len(starts), SAMPLE)`` uint8 numpy array, read by the buffer's transport
+    (:meth:`.transport.Transport.read_windows`); a window cut short by its span's end repeats the span's last
+    byte."""
+    from .backends import get_transport
 
     lens = [min(SAMPLE, e - s) for s, e in zip(starts, ends)]
-    if buf.device.type == "cpu":
-        a = buf.numpy()
-        rows = np.empty((len(starts), SAMPLE), dtype=np.uint8)
-        for i, (s, m) in enumerate(zip(starts, lens)):
-            rows[i, :m] = a[s:s + m]
-    else:
-        host = torch.empty(len(starts) * SAMPLE, dtype=torch.uint8, pin_memory=True)
-        stream = torch.cuda.current_stream(buf.device)
-        try:
-            if torch.version.hip is None:  # CUDA: one driver call per window
-                from .cuda_vmm import copy_to_host_async
-
-                h, d = host.data_ptr(), buf.data_ptr()
-                copy_to_host_async(buf.device.index, [(h + i * SAMPLE, d + s, m) for i, (s, m)
-                                                      in enumerate(zip(starts, lens))], stream.cuda_stream)
-            else:
-                for i, (s, m) in enumerate(zip(starts, lens)):
-                    host[i * SAMPLE:i * SAMPLE + m].copy_(buf[s:s + m], non_blocking=True)
-        finally:  # also when a copy failed: the ones queued before must land before `host` is reused
-            stream.synchronize()
-        rows = host.numpy().reshape(len(starts), SAMPLE)
+    rows = get_transport(buf.device).read_windows(buf, starts, lens, SAMPLE)
     for i, m in enumerate(lens):
         if m < SAMPLE:
             rows[i, m:] = rows[i, m - 1]
     return rows
 
 
-def sample_checksums(buf: torch.Tensor, entries: dict[str, dict[str, Any]]) -> dict[str, str]:
+def sample_checksums(buf: torch.Tensor, entries: dict[str, Any]) -> dict[str, str]:
     """A 64-bit checksum (hex) of each entry's three :data:`SAMPLE`-byte windows (start, middle, end of its span).
 
     Each window is read as little-endian 8-byte words and summed with position-dependent odd weights, modulo
@@ -175,15 +172,18 @@ def sample_checksums(buf: torch.Tensor, entries: dict[str, dict[str, Any]]) -> d
     combined on the host. The windows of a GPU buffer are copied to the host first (3 x SAMPLE bytes per tensor),
     so one numpy computation serves both. Windows of a span shorter than
     :data:`SAMPLE` repeat its last byte. This detects changed or moved bytes in the sampled windows; it is not a
-    cryptographic hash.
+    cryptographic hash. Raises :class:`~vllm_fastload.errors.ManifestError` naming the first entry whose span
+    lies outside ``buf``.
     """
-    names = [k for k, e in entries.items() if int(e["nbytes"])]
+    names = [k for k, e in entries.items() if int(e.nbytes)]
     out = {k: f"{0:016x}" for k in entries}
     if not names:
         return out
     starts, ends = [], []
     for k in names:
-        o, n = int(entries[k]["offset"]), int(entries[k]["nbytes"])
+        o, n = int(entries[k].offset), int(entries[k].nbytes)
+        if o < 0 or n < 0 or o + n > buf.numel():
+            raise ManifestError(f"manifest entry {k!r} spans [{o}, {o + n}), outside the {buf.numel()}-byte buffer")
         last = o + max(0, n - SAMPLE)
         for s in (o, o + n // 2 - SAMPLE // 2, last):
             starts.append(min(max(s, o), last))

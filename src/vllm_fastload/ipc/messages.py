@@ -73,12 +73,12 @@ WireFingerprint = wire_model(Fingerprint)
 
 # --- requests ------------------------------------------------------------------------------------------------
 class Hello(_Request):
-    """``hello``: the engine's fingerprint; answered by ``manifest`` (+ one fd per segment) or ``error``."""
+    """``hello``: the engine's protocol version and fingerprint (and its pid, for the daemon's log); answered by
+    ``manifest`` (+ one fd per segment) or ``error``. The mode is the attach's: a hello is the same for both."""
 
-    type: Literal["hello"]
+    type: Literal["hello"] = "hello"
     version: int
     fingerprint: WireFingerprint  # type: ignore[valid-type]
-    mode: Mode
     pid: Optional[int] = Field(None, ge=0)
 
     def to_fingerprint(self) -> Fingerprint:
@@ -89,30 +89,29 @@ class Hello(_Request):
 class Attach(_Request):
     """``attach``: the engine uses the mapped weights in ``mode``; only after this connection got the manifest."""
 
-    type: Literal["attach"]
+    type: Literal["attach"] = "attach"
     mode: Mode
 
 
 class Release(_Request):
     """``release``: a copy-mode engine cloned everything; only after this connection attached in copy mode."""
 
-    type: Literal["release"]
+    type: Literal["release"] = "release"
 
 
 class Status(_Request):
     """``status``: the daemon's state (``vllm-fastload status``, ``/health``, ``/metrics``)."""
 
-    type: Literal["status"]
+    type: Literal["status"] = "status"
 
 
 class Bye(_Request):
     """``bye``: the client is done; the daemon closes the connection."""
 
-    type: Literal["bye"]
+    type: Literal["bye"] = "bye"
 
 
-REQUESTS: dict[str, type[_Request]] = {m.model_fields["type"].annotation.__args__[0]: m  # type: ignore[union-attr]
-                                       for m in (Hello, Attach, Release, Status, Bye)}
+REQUESTS: dict[str, type[_Request]] = {m.model_fields["type"].default: m for m in (Hello, Attach, Release, Status, Bye)}
 
 
 # --- replies -------------------------------------------------------------------------------------------------
@@ -139,7 +138,7 @@ class TensorEntry(_Reply):
 class Manifest(_Reply):
     """``manifest``: everything the engine installs; sent with one fd per segment."""
 
-    type: Literal["manifest"]
+    type: Literal["manifest"] = "manifest"
     version: int
     fingerprint: dict[str, Any]
     fingerprint_short: Optional[str] = None
@@ -155,7 +154,7 @@ class Manifest(_Reply):
 class Error(_Reply):
     """``error``: why the daemon refused; ``mismatched`` lists ``[field, daemon value, engine value]``."""
 
-    type: Literal["error"]
+    type: Literal["error"] = "error"
     reason: str
     mismatched: Optional[list[Annotated[list[Any], Field(min_length=3, max_length=3)]]] = None
 
@@ -163,21 +162,21 @@ class Error(_Reply):
 class Attached(_Reply):
     """``attached``: the number of clients now attached."""
 
-    type: Literal["attached"]
+    type: Literal["attached"] = "attached"
     clients: int = Field(ge=0)
 
 
 class Released(_Reply):
     """``released``: whether the daemon freed its memory."""
 
-    type: Literal["released"]
+    type: Literal["released"] = "released"
     freed: bool
 
 
 class StatusReply(_Reply):
     """``status``: one rank's state (the fields ``vllm-fastload status`` and ``/metrics`` print)."""
 
-    type: Literal["status"]
+    type: Literal["status"] = "status"
     model: str
     device: str
     socket: str
@@ -237,14 +236,29 @@ def parse_request(msg: dict[str, Any]) -> _Request:
     if model is None:
         raise MessageError(f"unknown message type {str(kind)[:40]!r}; expected one of {', '.join(REQUESTS)}")
     version = msg.get("version")
-    if model is Hello and type(version) is int and version != PROTOCOL_VERSION:
-        raise MessageError(f"protocol version {version} != {PROTOCOL_VERSION}; upgrade vllm-fastload on both sides")
+    if model is Hello and type(version) is int:
+        check_version(version, "engine", "daemon")
     return _validate(model, msg, kind)
 
 
+def check_version(theirs: int, peer: str, me: str) -> None:
+    """Raise :class:`MessageError` naming both versions when the ``peer`` speaks protocol version ``theirs`` and
+    this side (``me``) another one: ``protocol version mismatch: the engine speaks version 1, this daemon version
+    2; run the same vllm-fastload version on both sides``."""
+    if theirs != PROTOCOL_VERSION:
+        raise MessageError(f"protocol version mismatch: the {peer} speaks version {theirs}, this {me} version "
+                           f"{PROTOCOL_VERSION}; run the same vllm-fastload version on both sides")
+
+
+def to_frame(message: Any) -> dict[str, Any]:
+    """The JSON object of a message model as :func:`.protocol.send` frames it: its ``type`` and the fields it was
+    given (an optional field left at its default, such as an error's ``mismatched``, is not sent)."""
+    return {"type": message.type, **message.model_dump(exclude_unset=True)}
+
+
 def parse_reply(msg: dict[str, Any]) -> _Reply:
-    """Validate a reply frame from the daemon. Raises :class:`MessageError` naming the type and each failing
-    field (an unknown type included)."""
+    """Validate a reply frame from the daemon; returns its model (:data:`REPLIES`). Raises :class:`MessageError`
+    naming the type and each failing field (an unknown type included)."""
     kind = msg.get("type")
     model = REPLIES.get(kind) if isinstance(kind, str) else None
     if model is None:

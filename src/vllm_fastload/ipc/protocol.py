@@ -1,4 +1,5 @@
-"""Wire protocol between the preload daemon and its clients. No pickle crosses the socket.
+"""Wire protocol between the preload daemon and its clients: framing and file-descriptor passing. No pickle
+crosses the socket.
 
 A frame is a 4-byte big-endian length followed by that many bytes of UTF-8 JSON (an object with a ``"type"``).
 File descriptors (the shared-memory segments) travel with a frame as SCM_RIGHTS ancillary data
@@ -6,7 +7,7 @@ File descriptors (the shared-memory segments) travel with a frame as SCM_RIGHTS 
 
 Conversation (client -> daemon / daemon -> client)::
 
-    hello {version, fingerprint, mode, pid}  ->  manifest {version, fingerprint, segments, tensors, reprocess}
+    hello {version, fingerprint, pid}        ->  manifest {version, fingerprint, segments, tensors, reprocess}
                                                   + one fd per segment        | error {reason, mismatched}
     attach {mode}        (after the manifest) ->  attached {clients}
     release {}      (after attach in copy)   ->  released {freed}
@@ -30,8 +31,11 @@ from typing import Any, Optional
 
 from ..errors import FastloadError
 
-PROTOCOL_VERSION = 1
-#: Largest frame accepted (bytes); a manifest of ~100k tensors is a few tens of MB.
+#: The version both sides must speak (:func:`.messages.check_version`); raised whenever a message changes in a way
+#: the other side would refuse (the last time: ``hello`` lost its mode, which the attach already says).
+PROTOCOL_VERSION = 2
+#: Largest frame accepted (bytes): room for the manifest of a model with a hundred thousand tensors, small enough
+#: that a peer announcing a huge frame is refused before anything is allocated.
 MAX_FRAME_BYTES = 256 * 2**20
 MAX_FDS = 64
 _LEN = struct.Struct(">I")
@@ -142,25 +146,3 @@ def close_fds(fds: list[int]) -> None:
             os.close(fd)
         except OSError:
             pass
-
-
-def request(sock: socket.socket, msg: dict[str, Any], expect: str) -> tuple[dict[str, Any], list[int]]:
-    """Send ``msg`` and receive the reply; raise :class:`ProtocolError` when it is not a valid message of type
-    ``expect`` (an ``error`` reply's reason is in the message, the reply in ``.reply``)."""
-    from .messages import parse_reply
-
-    send(sock, msg)
-    reply, fds = recv(sock)
-    try:
-        parse_reply(reply)
-    except ProtocolError:
-        close_fds(fds)
-        raise
-    if reply["type"] != expect:
-        close_fds(fds)
-        if reply["type"] == "error":
-            err = ProtocolError(reply["reason"])
-            err.reply = reply  # type: ignore[attr-defined]
-            raise err
-        raise ProtocolError(f"expected {expect!r}, got {reply['type']!r}")
-    return reply, fds

@@ -26,6 +26,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..errors import CacheUnavailable, ManifestError
+
 _PLAIN = (int, float, str, bool, type(None), torch.dtype, torch.device)
 
 
@@ -95,13 +97,16 @@ def encode_plain(v: Any) -> Any:
 
 
 def decode_plain(v: Any) -> Any:
-    """Inverse of :func:`encode_plain`."""
+    """Inverse of :func:`encode_plain`. Raises :class:`~vllm_fastload.errors.ManifestError` (a ``ValueError``) for
+    a JSON value :func:`encode_plain` never makes."""
     if isinstance(v, dict):
         if "dtype" in v:
             d = getattr(torch, str(v["dtype"]), None)
             if not isinstance(d, torch.dtype):
-                raise ValueError(f"not a torch dtype: {v['dtype']!r}")
+                raise ManifestError(f"not a torch dtype: {v['dtype']!r}")
             return d
+        if not isinstance(v.get("tuple"), list) or len(v) != 1:
+            raise ManifestError(f"not an encoded attribute value: {str(v)[:60]}")
         return tuple(decode_plain(x) for x in v["tuple"])
     if isinstance(v, list):
         return [decode_plain(x) for x in v]
@@ -243,8 +248,9 @@ def _names_code(cls: type, leaf: str) -> bool:
     return leaf.startswith("__") or callable(static) or hasattr(static, "__get__")
 
 
-class InstallError(RuntimeError):
-    """The cached tensors do not fit the engine's model (name, shape or dtype); the message names the tensor."""
+class InstallError(CacheUnavailable):
+    """The cached tensors do not fit the engine's model (name, shape or dtype); the message names the tensor.
+    A :class:`~vllm_fastload.errors.CacheUnavailable` (the engine loads from disk), and so a ``RuntimeError``."""
 
 
 def install(model: nn.Module, tensors: dict[str, tuple[str, torch.Tensor]], aliases: dict[str, str],
@@ -294,7 +300,10 @@ def install(model: nn.Module, tensors: dict[str, tuple[str, torch.Tensor]], alia
         by_module.setdefault(mod_name, set()).add(leaf)
 
     for full, (kind, t) in tensors.items():
-        put(full, kind, t)
+        try:
+            put(full, kind, t)
+        except (KeyError, TypeError) as e:  # torch refuses the name (a plain attribute of that name exists)
+            raise InstallError(f"cached tensor {full!r} cannot be installed in this model ({e})") from None
     for alias, canonical in aliases.items():
         if canonical not in installed:
             raise InstallError(f"cached alias {alias!r} points at {canonical!r}, which is not in the cache")

@@ -1,0 +1,133 @@
+"""Build and export one rank's model: load it exactly as the engine will, post-process, pack.
+
+The daemon's rank process (:mod:`.daemon`) calls :func:`build_and_export` once; the result (a segment and its
+manifest) is what :mod:`.server` serves. What a model holds and how it is split into exported tensors and
+re-processed modules: :mod:`.state`; where each tensor sits in the segment: :mod:`.layout`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, Optional
+
+from ..errors import FastloadError
+from ..log import logger
+from . import protocol
+from .backends import get_transport
+from .layout import fill, plan, sample_checksums
+from .messages import Manifest, TensorEntry
+from .transport import Segment
+
+
+def finish_online_quantization(model: Any, model_config: Any) -> bool:
+    """What vLLM's ``BaseModelLoader.load_model`` does between ``load_weights`` and post-processing when a quant
+    method quantizes online (``uses_meta_device``, e.g. ``--quantization fp8``): process the layers the layerwise
+    loader deferred (attention layers, layers with padding, weights absent from the checkpoint) with
+    ``finalize_layerwise_processing``. Like the layerwise quantization during ``load_weights``, this counts as
+    loading here: its results are exported as processed. Returns whether it ran (vLLM 0.26 and later)."""
+    try:
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_processing
+    except ImportError:
+        return False
+    online = any(getattr(getattr(m, "quant_method", None), "uses_meta_device", False) for m in model.modules())
+    if online:
+        finalize_layerwise_processing(model, model_config)
+    return online
+
+
+def rank_loader(load_config: Any) -> Any:
+    """The model loader of ``load_config`` as a vLLM worker gets it: vLLM's general plugins (this package among
+    them) are loaded first, because a rank process started with ``spawn`` has none yet, and ``runai_streamer``
+    would resolve to vLLM's built-in loader of that name (``vllm.plugins.load_general_plugins``, idempotent)."""
+    from vllm.model_executor.model_loader import get_model_loader
+    from vllm.plugins import load_general_plugins
+
+    load_general_plugins()
+    return get_model_loader(load_config)
+
+
+def pack(tensors: dict[str, Any], device: Any = None, kinds: Optional[dict[str, str]] = None
+         ) -> tuple[Segment, dict[str, TensorEntry]]:
+    """Copy ``tensors`` (name -> ``torch.Tensor``) into one new segment of ``device``'s transport (default CPU).
+
+    Returns the segment and, per name, its manifest entry: the :func:`.layout.plan` placement, the checksum
+    sample of the copied bytes and its ``kind`` from ``kinds`` (default ``"param"``). Raises
+    :class:`.transport.NoTransport` for a device without a transport.
+    """
+    import torch
+
+    device = torch.device("cpu") if device is None else device
+    placements, size = plan(tensors)
+    segment = get_transport(device).allocate(size, device)
+    fill(segment.buf, tensors, placements)
+    crcs = sample_checksums(segment.buf, placements)
+    kinds = kinds or {}
+    return segment, {k: TensorEntry(**dataclasses.asdict(p), checksum=crcs[k], kind=kinds.get(k, "param"))
+                     for k, p in placements.items()}
+
+
+def build_and_export(vllm_config: Any, local_rank: int, rank: int, world_size: int, init_method: str
+                     ) -> tuple[Segment, Manifest, float]:
+    """Load this rank's model like the engine does, post-process, pack.
+
+    Returns ``(segment, manifest, seconds)``: the rank's one export buffer, the manifest that describes it and
+    the seconds the whole took. Raises :class:`~vllm_fastload.errors.FastloadError` when a tensor was never
+    loaded (still on the meta device), :class:`.transport.NoTransport` for a device without a transport, and
+    whatever vLLM's loader raises."""
+    import torch
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
+    from vllm.model_executor.model_loader.utils import initialize_model, process_weights_after_loading
+    from vllm.platforms import current_platform
+    from vllm.utils.torch_utils import set_default_torch_dtype
+
+    from ..fingerprint import of_model
+    from .state import collect, object_states, snapshot
+
+    t0 = time.perf_counter()
+    pc = vllm_config.parallel_config
+    mc, lc = vllm_config.model_config, vllm_config.load_config
+    device = torch.device(vllm_config.device_config.device if lc.device is None else lc.device)
+    transport = get_transport(device)
+    transport.bind_rank(local_rank)
+    init_distributed_environment(world_size=world_size, rank=rank, distributed_init_method=init_method,
+                                 local_rank=local_rank, backend=current_platform.dist_backend)
+    with set_current_vllm_config(vllm_config):
+        ensure_model_parallel_initialized(pc.tensor_parallel_size, pc.pipeline_parallel_size)
+        _, fp = of_model(mc, vllm_config)
+        loader = rank_loader(lc)
+        with set_default_torch_dtype(mc.dtype):
+            with device:
+                model = initialize_model(vllm_config=vllm_config, model_config=mc)
+            constructed = object_states(model)  # what the engine's skeleton will start from
+            loader.load_weights(model, mc)
+            content_digest = getattr(loader, "content_digest", None)  # our runai_streamer with content_hash
+            finish_online_quantization(model, mc)
+            snap = snapshot(model)
+            process_weights_after_loading(model, mc, device)
+        exp = collect(model, snap, constructed)
+        tensors = {k: t for k, (_, t) in exp.tensors.items()}
+        unloaded = [k for k, t in tensors.items() if t.device.type == "meta"]
+        if unloaded:
+            raise FastloadError(f"{len(unloaded)} tensor(s) were never loaded in the daemon (still on the meta device), "
+                                f"e.g. {unloaded[0]!r}; this checkpoint/quantization is not supported by the preload "
+                                f"daemon yet — serve it with --load-format runai_streamer")
+        device = transport.resolve(device)
+        # One export buffer per rank (one fd, one device allocation): engines open one handle and build every
+        # tensor by offset. Peak memory during the copy is twice the weights; the model is freed right after.
+        segment, entries = pack(tensors, device, {k: kind for k, (kind, _) in exp.tensors.items()})
+        del model, snap, tensors
+        exp.tensors.clear()
+        transport.free_cached(device)
+    manifest = Manifest(type="manifest", version=protocol.PROTOCOL_VERSION, fingerprint=fp.to_dict(),
+                        fingerprint_short=fp.short(), segments=[transport.describe(segment, device)], tensors=entries,
+                        aliases=exp.aliases, reprocess=exp.reprocess, attrs=exp.attrs, object_attrs=exp.object_attrs,
+                        content_digest=content_digest)
+    by_dtype: dict[str, int] = {}
+    for e in entries.values():
+        by_dtype[e.dtype] = by_dtype.get(e.dtype, 0) + e.nbytes
+    logger.info("fastload: rank %d: %d tensors exported as is (bytes by dtype: %s), %d module(s) re-processed by the "
+                "engine: %s", rank, len(entries), ", ".join(f"{d}={n}" for d, n in sorted(by_dtype.items())),
+                len(exp.reprocess), ", ".join(exp.reprocess[:6]) + (" ..." if len(exp.reprocess) > 6 else ""))
+    return segment, manifest, time.perf_counter() - t0

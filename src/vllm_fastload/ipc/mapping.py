@@ -1,0 +1,296 @@
+"""The engine side of an ``ipc_cache`` load, as a row of named steps (:func:`map_model`).
+
+:func:`engine_device` (which device and transport) -> :func:`_fingerprint` (what this engine would load) ->
+:func:`_fetch_entries` (connect, hello, the validated manifest, the mapped segment) -> :func:`_verify` (each
+tensor's checksum sample, before anything is built) -> :func:`_build_model` (the skeleton on the meta device) ->
+:func:`_view_tensors` (views into the segment, or clones in ``copy`` mode) -> :func:`_apply_entries` (install
+tensors, aliases and attributes) -> :func:`_reprocess` (post-processing of the modules the daemon marked) ->
+attach -> :func:`_send_release` (``copy``: the daemon may free its memory) or :func:`_keep_lease` (``zero_copy``:
+the connection lives as long as the process) -> :func:`_report`.
+
+Every step raises a :class:`~vllm_fastload.errors.CacheUnavailable` (or another
+:class:`~vllm_fastload.errors.FastloadError`) when the cache cannot serve the load; the loader turns that into
+the fallback policy (:mod:`vllm_fastload.fallback`). A failure after the skeleton was built removes what the
+skeleton registered process-wide, so the fallback loader can build the model again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import time
+from typing import Any, Iterator, Optional
+
+from ..config import IpcCacheConfig
+from ..errors import CacheUnavailable
+from ..log import logger
+from ..report import LoadReport
+from .backends import get_transport
+from .client import Lease, fetch
+from .messages import Manifest
+from .transport import Transport
+
+LOAD_FORMAT = "ipc_cache"
+#: Leases (connection + mapping) of zero_copy loads: they must live as long as the process serves.
+_LEASES: list[Lease] = []
+
+
+class ChecksumMismatch(CacheUnavailable):
+    """A mapped tensor's bytes differ from the manifest's checksum sample (the daemon's memory is not what it
+    says); the message names the tensor."""
+
+
+class _Phases(dict):
+    """Seconds per phase of one load (name -> seconds, rounded to 0.1 ms), for the load report.
+
+    :meth:`lap` closes the phase running since the previous lap; :meth:`part` times a block inside a phase, and
+    with ``outside`` leaves the block out of the phase around it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._tick = time.perf_counter()
+        self._cpu0 = time.thread_time()
+
+    def lap(self, name: str) -> None:
+        """Record the seconds since the previous lap as phase ``name``."""
+        now = time.perf_counter()
+        self[name] = round(now - self._tick, 4)
+        self._tick = now
+
+    @contextlib.contextmanager
+    def part(self, name: str, outside: bool = False) -> Iterator[None]:
+        """Record the seconds of the block as ``name``; ``outside``: not part of the running lap."""
+        t = time.perf_counter()
+        yield
+        self[name] = round(time.perf_counter() - t, 4)
+        if outside:
+            self._tick += self[name]
+
+    def thread_cpu_s(self) -> float:
+        """CPU seconds of this thread since the phases started."""
+        return round(time.thread_time() - self._cpu0, 4)
+
+
+@contextlib.contextmanager
+def _gc_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector off for the block (restored after, also on errors): mapping creates a
+    few thousand objects, enough to trigger collections, and a full collection walks the whole heap of an engine
+    process that imported vLLM, which costs more than the mapping itself."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
+def engine_device(vllm_config: Any, load_config: Any) -> tuple[Any, Transport]:
+    """The ``torch.device`` this engine loads onto (``load_config.device`` or vLLM's device config), made
+    concrete by its transport, and that transport. Raises :class:`.transport.NoTransport` for a device without
+    one."""
+    import torch
+
+    device = torch.device(vllm_config.device_config.device if load_config.device is None else load_config.device)
+    transport = get_transport(device)
+    return transport.resolve(device), transport
+
+
+def map_model(vllm_config: Any, model_config: Any, prefix: str, path: str, config: IpcCacheConfig,
+              load_config: Any, origin: Any, t0: float) -> tuple[Any, LoadReport]:
+    """Map the model from the daemon at socket ``path`` (``origin``: where the path came from, for messages).
+
+    Returns the model (in eval mode) and its load report (``wall_s`` counted from ``t0``, a ``perf_counter``).
+    Raises :class:`~vllm_fastload.errors.CacheUnavailable` and its subclasses (:class:`ChecksumMismatch`,
+    :class:`.client.FingerprintMismatch`, :class:`.state.InstallError`, :class:`~vllm_fastload.errors.ManifestError`,
+    :class:`.transport.NoTransport`), :class:`~vllm_fastload.errors.CheckpointError` from the fingerprint, and the
+    other :class:`~vllm_fastload.errors.FastloadError` of the socket directory and the transport."""
+    with _gc_paused():
+        device, transport = engine_device(vllm_config, load_config)
+        phases = _Phases()
+        plan, fp = _fingerprint(vllm_config, model_config)
+        phases.lap("fingerprint_s")
+        lease = _fetch_entries(path, fp, config, device, origin)
+        phases.lap("connect_manifest_s")
+        registered: list = []
+        try:
+            _check_content(lease, path, config.expected_content_digest)
+            with phases.part("verify_s"):
+                _verify(lease, path)
+            with phases.part("skeleton_s", outside=True):  # not part of the weights phase
+                registered = _skeleton_registrations(vllm_config)
+                model = _build_model(vllm_config, model_config, prefix)
+            with phases.part("views_s"):
+                tensors = _view_tensors(lease, config.mode)
+            with phases.part("install_s"):
+                _apply_entries(model, tensors, lease.manifest)
+            del tensors  # copy mode: the model holds the clones; nothing else may view the mapping
+            phases.lap("map_verify_install_s")
+            _reprocess(model, lease.manifest, model_config, transport, device)
+            phases.lap("reprocess_s")
+            lease.attach(config.mode)
+        except BaseException:
+            _forget_skeleton(registered)
+            lease.close()
+            raise
+        if config.mode == "copy":
+            _send_release(lease, transport, device)
+        else:
+            _keep_lease(lease, transport, device)
+        logger.info("Mapped %d tensors from the weight cache daemon (%s mode)", len(lease.manifest.tensors),
+                    config.mode)
+        phases.lap("release_s")
+        return model.eval(), _report(lease.manifest, path, fp, plan, config.mode, phases, t0)
+
+
+def _fingerprint(vllm_config: Any, model_config: Any) -> tuple[Any, Any]:
+    """``(shard plan, fingerprint)`` of what this engine would load (the same as ``runai_streamer`` reads)."""
+    from ..fingerprint import of_model
+
+    return of_model(model_config, vllm_config)
+
+
+def _fetch_entries(path: str, fp: Any, config: IpcCacheConfig, device: Any, origin: Any) -> Lease:
+    """Connect, say hello with ``fp``, and receive the validated manifest and its segment mapped on ``device``."""
+    return fetch(path, fp.to_dict(), config.connect_timeout_s, config.state_timeout_s, device, origin)
+
+
+def _check_content(lease: Lease, path: str, expected: Optional[str]) -> None:
+    """With ``expected_content_digest`` (``expected``): the daemon must have hashed its load to that digest.
+    Raises :class:`~vllm_fastload.errors.CacheUnavailable` with the reason (the fallback policy logs it)."""
+    if expected is None:
+        return
+    got = lease.manifest.content_digest
+    if got is None:
+        raise CacheUnavailable(f"expected_content_digest is set but the daemon at {path} did not hash its weights: "
+                               f"start `vllm-fastload preload` with --model-loader-extra-config "
+                               f"'{{\"content_hash\": true}}' (or the same expected_content_digest)")
+    if got != expected:
+        raise CacheUnavailable(f"the daemon at {path} holds weights with content digest {got}, but "
+                               f"expected_content_digest is {expected}: restart `vllm-fastload preload` on the pinned "
+                               f"checkpoint")
+
+
+def _verify(lease: Lease, path: str) -> None:
+    """Check every tensor's checksum sample in the mapped segment against the manifest, before anything is built
+    (a corrupt daemon must not leave a half-built model behind). Raises :class:`ChecksumMismatch` naming the
+    first tensor that differs, :class:`~vllm_fastload.errors.ManifestError` for an entry outside the segment."""
+    from .layout import sample_checksums
+
+    entries = lease.manifest.tensors
+    crcs = sample_checksums(lease.segment.buf, entries)
+    bad = [name for name, e in entries.items() if crcs[name] != e.checksum]
+    if bad:
+        raise ChecksumMismatch(f"tensor {bad[0]!r} in the daemon's memory does not match its checksum sample "
+                               f"({len(bad)} tensor(s) differ); the daemon at {path} serves corrupt memory: restart it")
+
+
+def _build_model(vllm_config: Any, model_config: Any, prefix: str) -> Any:
+    """The engine's model built on the meta device: every module, no weight memory."""
+    import torch
+    from vllm.model_executor.model_loader.utils import initialize_model
+    from vllm.utils.torch_utils import set_default_torch_dtype
+
+    with set_default_torch_dtype(model_config.dtype):
+        with torch.device("meta"):
+            return initialize_model(vllm_config=vllm_config, model_config=model_config, prefix=prefix)
+
+
+def _view_tensors(lease: Lease, mode: str) -> dict[str, tuple[str, Any]]:
+    """name -> ``(kind, tensor)``: views into the segment (``zero_copy``) or clones of them (``copy``). Raises
+    :class:`~vllm_fastload.errors.ManifestError` naming an entry that does not fit the segment."""
+    from .layout import views
+
+    entries = lease.manifest.tensors
+    mapped = views(lease.segment.buf, entries)
+    if mode == "copy":
+        return {name: (entry.kind, mapped[name].clone()) for name, entry in entries.items()}
+    return {name: (entry.kind, mapped[name]) for name, entry in entries.items()}
+
+
+def _apply_entries(model: Any, tensors: dict[str, tuple[str, Any]], manifest: Manifest) -> None:
+    """Install ``tensors``, the aliases and the attributes of ``manifest`` into the skeleton ``model``
+    (:func:`.state.install`, whose :class:`.state.InstallError` it raises)."""
+    from .state import install
+
+    install(model, tensors, manifest.aliases, manifest.reprocess, manifest.attrs, manifest.object_attrs)
+
+
+def _reprocess(model: Any, manifest: Manifest, model_config: Any, transport: Transport, device: Any) -> None:
+    """Run post-processing of the modules the daemon marked, on the installed tensors, and wait until the device
+    is done (copies in ``copy`` mode included)."""
+    from .state import reprocess_modules
+
+    reprocess_modules(model, manifest.reprocess, model_config)
+    transport.synchronize(device)
+
+
+def _send_release(lease: Lease, transport: Transport, device: Any) -> None:
+    """``copy`` mode, the clones complete: tell the daemon it may free its memory, close the connection and this
+    process's mapping (no tensor views it any more)."""
+    freed = lease.release()
+    lease.close()
+    lease.segment.close()
+    logger.info("fastload: copy mode: daemon %s its memory", "freed" if freed else "kept (zero_copy clients)")
+    if freed and transport.device_memory:
+        # vLLM's profiler took its free-memory baseline while the daemon held these bytes; freeing them during
+        # the load would read as negative non-torch memory and grow the KV cache beyond gpu_memory_utilization.
+        # Counting them once more as weights cancels that; vLLM with the external-memory hook needs no help.
+        from .accounting import count_as_weights, has_external_weight_hook
+
+        if not has_external_weight_hook():
+            count_as_weights(device.index, lease.segment.size)
+
+
+def _keep_lease(lease: Lease, transport: Transport, device: Any) -> None:
+    """``zero_copy`` mode: keep the lease for the process's life and count device memory it maps as this
+    engine's weights (:mod:`.accounting`)."""
+    _LEASES.append(lease)
+    if transport.device_memory:
+        from .accounting import count_as_weights
+
+        count_as_weights(device.index, lease.segment.size)
+
+
+def _report(manifest: Manifest, path: str, fp: Any, plan: Any, mode: str, phases: _Phases, t0: float) -> LoadReport:
+    """The load report of a mapped load; ``weights_phase_s`` is the span comparable to a disk loader's weight
+    loading (fetch + map + verify + install, + the copy and release), ``thread_cpu_s`` far below the wall time
+    means the load waited (device copies, the daemon, other threads holding the GIL)."""
+    phases["thread_cpu_s"] = phases.thread_cpu_s()
+    phases["weights_phase_s"] = round(phases["connect_manifest_s"] + phases["map_verify_install_s"]
+                                      + phases["release_s"], 4)
+    n_re = len(manifest.reprocess)
+    report = LoadReport(load_format=LOAD_FORMAT, source=path, verb="mapped", tensors=len(manifest.tensors),
+                        bytes=sum(e.nbytes for e in manifest.tensors.values()), wall_s=time.perf_counter() - t0,
+                        fingerprint=fp.short(), weights_phase_s=phases["weights_phase_s"],
+                        note=f"no disk read (re-processing {n_re} module(s) {phases['reprocess_s']:.3f} s)",
+                        shards=len(plan.files))
+    report.extra.update(mode=mode, reprocessed_modules=n_re, **phases)
+    return report
+
+
+def _process_registries(vllm_config: Any) -> list[dict]:
+    """The process-wide dicts building a model registers into: attention layers in ``static_forward_context``
+    and cached rotary embeddings (``rotary_embedding._ROPE_DICT``); those missing in this vLLM are left out."""
+    found = [getattr(getattr(vllm_config, "compilation_config", None), "static_forward_context", None)]
+    try:
+        from vllm.model_executor.layers import rotary_embedding as rope
+
+        found.append(getattr(rope, "_ROPE_DICT", None))
+    except ImportError:
+        pass
+    return [d for d in found if d is not None]
+
+
+def _skeleton_registrations(vllm_config: Any) -> list[tuple[dict, set]]:
+    """The keys of :func:`_process_registries` now, so a failed mapping can undo what its skeleton added. Its
+    first call may import vLLM's rotary-embedding module, so it runs inside the skeleton's phase."""
+    return [(d, set(d)) for d in _process_registries(vllm_config)]
+
+
+def _forget_skeleton(before: list[tuple[dict, set]]) -> None:
+    """Remove what a skeleton built after :func:`_skeleton_registrations` registered, so the fallback loader can
+    build the model again (otherwise vLLM raises "Duplicate layer name" or reuses meta-device RoPE caches)."""
+    for d, keys in before:
+        for k in set(d) - keys:
+            d.pop(k, None)

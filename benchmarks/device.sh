@@ -6,6 +6,8 @@
 #   bash benchmarks/device.sh ipcprobe [GiB]  # legacy CUDA IPC vs VMM fds -> $OUT/ipc-probe.md
 #   bash benchmarks/device.sh bench [TP]   # 16 GB 8B-shaped model: auto, built-in runai, ours, the peers -> $OUT/
 #   bash benchmarks/device.sh pinprobe     # no staging needed: page-locking vs model construction (pin_probe.py)
+#   bash benchmarks/device.sh profile      # cProfile of "Model loading took" (ipc_cache zero_copy, ours, auto) -> $OUT/profile-*
+#   bash benchmarks/device.sh sleep        # sleep mode with our loaders (tests/gpu/test_sleep_gpu.py)
 #   bash benchmarks/device.sh content      # content digest cost on the 16 GB model: inspect, ours hashed, daemon -> $OUT/
 set -uo pipefail
 if [ "${1:-}" = pinprobe ]; then
@@ -38,6 +40,16 @@ case "${1:-tests}" in
       tests/gpu/test_ipc_cache_gpu.py ${2:+-k "$2"} 2>&1 | tee "$OUT/ipc-tests.log"; exit ${PIPESTATUS[0]} ;;
   ipcprobe)
     python3 benchmarks/ipc_probe.py --gib ${2:-4} 2>&1 | tee "$OUT/ipc-probe.md"; exit ${PIPESTATUS[0]} ;;
+  profile)
+    M=/root/models/llama3-8b-shape
+    python3 benchmarks/make_model.py $M --shape 8b >/dev/null; cat $M/*.safetensors > /dev/null
+    python3 benchmarks/load_profile.py --model $M --load-format ipc_cache --daemon --out "$OUT/profile-ipc" > /dev/null 2>&1
+    python3 benchmarks/load_profile.py --model $M --load-format runai_streamer --out "$OUT/profile-runai" > /dev/null 2>&1
+    python3 benchmarks/load_profile.py --model $M --load-format auto --out "$OUT/profile-auto" > /dev/null 2>&1
+    head -c 6000 "$OUT"/profile-ipc/profile.txt; exit 0 ;;
+  sleep)
+    FASTLOAD_GPU_MODELS=/root/models python3 -m pytest -v -rs -s --tb=short --basetemp="$OUT/pytest-sleep" \
+      tests/gpu/test_sleep_gpu.py 2>&1 | tee "$OUT/sleep-tests.log"; exit ${PIPESTATUS[0]} ;;
   content)
     # what "content_hash": true costs (issue 15, item 7): the GPU test, inspect --content-digest (warm page cache),
     # ours with and without hashing and the preload daemon's start with and without hashing, in one call

@@ -29,7 +29,7 @@ case "${1:-tests}" in
   gpu)
     # the streamer's GPU tests (zoo through both read paths, greedy ids = auto at TP 1 and 2), not the ipc ones
     FASTLOAD_GPU_MODELS=/root/models python3 -m pytest -v -rs --tb=short tests/gpu \
-      --ignore=tests/gpu/test_ipc_cache_gpu.py 2>&1 | tee "$OUT/gpu-tests.log"; exit ${PIPESTATUS[0]} ;;
+      --ignore=tests/gpu/test_ipc_cache_gpu.py --ignore=tests/gpu/test_sleep_gpu.py 2>&1 | tee "$OUT/gpu-tests.log"; exit ${PIPESTATUS[0]} ;;
   probe)
     python3 benchmarks/make_model.py /root/models/llama3-8b-shape --shape 8b >/dev/null
     cat /root/models/llama3-8b-shape/*.safetensors > /dev/null

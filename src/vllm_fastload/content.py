@@ -7,10 +7,11 @@ over an existing file keeps its inode), to file systems that report unstable or 
 whose metadata looks right. The content digest sees the bytes, at the cost of hashing every byte once more.
 
 Definition (``blake3:`` + 64 hex digits), the same for every producer: for each tensor of the checkpoint (the
-tensors a load would use: duplicates that an index assigns elsewhere left out), in sorted name order, the UTF-8
-name, a NUL byte, and the 32-byte BLAKE3 digest of the tensor's raw bytes as stored in the safetensors data section;
-the digest is BLAKE3 of that concatenation. Dtypes and shapes are not part of it (the fingerprint's header hashes
-cover them). Producers: :func:`checkpoint_digest` (``vllm-fastload inspect --content-digest``, reads the files),
+tensors a load would use: duplicates that an index assigns elsewhere left out), in sorted name order, a record of
+the UTF-8 name, NUL, the safetensors dtype (``BF16``), NUL, the shape as comma-separated decimals, NUL, and the
+32-byte BLAKE3 digest of the tensor's raw bytes as stored in the safetensors data section; the digest is BLAKE3 of
+the concatenated records. Dtype and shape are in it because the same bytes read as another dtype or shape are
+other weights, and a pin must not depend on the header being pinned some other way. Producers: :func:`checkpoint_digest` (``vllm-fastload inspect --content-digest``, reads the files),
 :class:`Hashing` (a loader's tensor stream, ``"content_hash": true`` in the extra-config; the preload daemon
 publishes it in its manifest). BLAKE3 via the ``blake3`` package (a dependency of vLLM itself), multi-threaded for
 large inputs (``max_threads=blake3.AUTO``, which releases the GIL while hashing).
@@ -23,19 +24,20 @@ import os
 import queue
 import re
 import threading
-from typing import Any, Iterable, Iterator, Optional
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Iterator, Optional
 
 from .errors import CheckpointError, ContentMismatch
 
 PREFIX = "blake3:"
-_DIGEST_RE = re.compile(r"^blake3:[0-9a-f]{64}$")
+_DIGEST_RE = re.compile(r"blake3:[0-9a-f]{64}")
 #: Bytes per device-to-host piece when a GPU tensor is hashed (two pinned pieces alternate).
 PIECE_BYTES = 64 * 2**20
 
 
 def valid_digest(value: str) -> str:
     """``value`` if it has the form ``blake3:<64 lowercase hex digits>``; ``ValueError`` saying the form otherwise."""
-    if not isinstance(value, str) or not _DIGEST_RE.match(value):
+    if not isinstance(value, str) or not _DIGEST_RE.fullmatch(value):
         raise ValueError(f"expected 'blake3:' followed by 64 lowercase hex digits (as `vllm-fastload inspect "
                          f"--content-digest` prints), got {value!r}")
     return value
@@ -47,19 +49,41 @@ def _hasher(data: Any = b"") -> Any:
     return blake3.blake3(data, max_threads=blake3.blake3.AUTO)
 
 
-def combine(tensor_digests: dict[str, bytes]) -> str:
-    """The checkpoint digest (``blake3:<hex>``) of ``{tensor name: 32-byte BLAKE3 digest of its bytes}``."""
+def record(dtype: str, shape: Any, data_digest: bytes) -> bytes:
+    """The part of a tensor's record after its name: safetensors ``dtype``, ``shape`` (ints) and the 32-byte BLAKE3
+    digest of its bytes, NUL-separated."""
+    return f"{dtype}\0{','.join(str(int(d)) for d in shape)}\0".encode() + data_digest
+
+
+def combine(records: dict[str, bytes]) -> str:
+    """The checkpoint digest (``blake3:<hex>``) of ``{tensor name: record(dtype, shape, digest of its bytes)}``."""
     h = _hasher()
-    for name in sorted(tensor_digests):
-        h.update(name.encode() + b"\0" + tensor_digests[name])
+    for name in sorted(records):
+        h.update(name.encode() + b"\0" + records[name])
     return PREFIX + h.hexdigest()
+
+
+_ST_DTYPE: dict[Any, str] = {}
+
+
+def safetensors_dtype(dtype: Any) -> str:
+    """The safetensors dtype string of a torch dtype (``torch.bfloat16`` -> ``BF16``); ``str(dtype)`` for one that
+    safetensors has no name for (such a tensor cannot match a digest computed from files)."""
+    if not _ST_DTYPE:
+        import torch
+
+        from .checkpoint import TORCH_DTYPE_NAMES
+
+        _ST_DTYPE.update({getattr(torch, n): st for st, n in TORCH_DTYPE_NAMES.items() if hasattr(torch, n)})
+    return _ST_DTYPE.get(dtype, str(dtype))
 
 
 def checkpoint_digest(checkpoint: Any) -> str:
     """Read every tensor of ``checkpoint`` (a :class:`~vllm_fastload.checkpoint.Checkpoint` of local files) and
     return its content digest. Reads each tensor's byte range ``[8 + header_len + begin, 8 + header_len + end)``
     through ``mmap`` (page-cache speed on a warm cache). Raises :class:`CheckpointError` for object-storage shards
-    (hash a local copy, or let the preload daemon hash while it loads) and ``OSError`` when a file cannot be read."""
+    (hash a local copy, or let the preload daemon hash while it loads) and for a shard whose size or identity
+    changed since its header was read, and ``OSError`` when a file cannot be read."""
     digests: dict[str, bytes] = {}
     for header in checkpoint.headers:
         if "://" in header.path:
@@ -69,15 +93,27 @@ def checkpoint_digest(checkpoint: Any) -> str:
                                   f"`vllm-fastload status`")
         base = 8 + header.header_len
         with open(header.path, "rb") as f:
+            _unchanged(header, os.fstat(f.fileno()))
             size = os.fstat(f.fileno()).st_size
             with (mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else _Empty()) as m:
                 view = memoryview(m)
                 try:
                     for name, t in header.tensors.items():
-                        digests[name] = _hasher(view[base + t.begin:base + t.end]).digest()
+                        digests[name] = record(t.dtype, t.shape, _hasher(view[base + t.begin:base + t.end]).digest())
                 finally:
                     view.release()
     return combine(digests)
+
+
+def _unchanged(header: Any, st: os.stat_result) -> None:
+    """Raise :class:`CheckpointError` when the open file is not the version whose header was read (size, device,
+    inode, mtime): a digest of other bytes would pin a checkpoint no load accepts."""
+    ident = header.identity
+    now = (st.st_size, st.st_dev, st.st_ino, st.st_mtime_ns)
+    then = (header.file_size, ident.st_dev, ident.st_ino, ident.mtime_ns) if ident is not None else None
+    if header.file_size is not None and st.st_size != header.file_size or then is not None and now != then:
+        raise CheckpointError(f"{header.path} changed while it was being inspected (size, inode or mtime differ "
+                              f"from when its header was read); run inspect again once the file is complete")
 
 
 class _Empty:
@@ -99,7 +135,9 @@ class Hashing:
     pinned buffers; a worker thread hashes one piece while the next copies. :attr:`digest` is set when the stream
     ends (None before); :meth:`check` compares it with an expected digest.
 
-    Raises :class:`CheckpointError` when a name comes twice (the checkpoint reader leaves out duplicates first).
+    A name that comes twice (vLLM's default loader yields every copy of a name stored in several shards; the model
+    keeps the last one it was given) counts with its last copy, so the digest describes what the model holds;
+    :attr:`repeated` lists such names.
     """
 
     def __init__(self) -> None:
@@ -107,15 +145,15 @@ class Hashing:
         self._pieces: Optional[list[Any]] = None
         self.digest: Optional[str] = None
         self.bytes = 0
+        self.repeated: list[str] = []
 
     def wrap(self, tensors: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
         """Yield every item of ``tensors`` unchanged, after hashing it; sets :attr:`digest` at the end."""
         try:
             for name, t in tensors:
                 if name in self._digests:
-                    raise CheckpointError(f"tensor {name!r} came twice from the loader; the content digest needs "
-                                          f"one copy of each name")
-                self._digests[name] = self._tensor_digest(t)
+                    self.repeated.append(name)
+                self._digests[name] = record(safetensors_dtype(t.dtype), t.shape, self._tensor_digest(t))
                 self.bytes += t.numel() * t.element_size()
                 yield name, t
             self.digest = combine(self._digests)
@@ -130,8 +168,10 @@ class Hashing:
         if self.digest != expected:
             raise ContentMismatch(
                 f"the tensors loaded from {source} have content digest {self.digest}, but {key} is {expected}: these "
-                f"are not the pinned weights (a checkpoint rewritten in place, a wrong copy, a different revision). "
-                f"Restore the pinned files, or pin the new digest (`vllm-fastload inspect --content-digest {source}`)")
+                f"are not the pinned weights (a checkpoint rewritten in place, a wrong copy, a different revision"
+                + (f"; {', '.join(self.repeated[:3])} came in several copies and the last one counted" if self.repeated
+                   else "") + f"). Restore the pinned files, or pin the new digest (`vllm-fastload inspect "
+                f"--content-digest {source}` for safetensors; this load's report has it too)")
 
     def _tensor_digest(self, t: Any) -> bytes:
         import torch
@@ -187,16 +227,47 @@ class Hashing:
         return h.digest()
 
 
-def pin_loader(loader: Any, expected: str, source: str) -> Any:
+@dataclass
+class ContentPin:
+    """What a load asks of its bytes: ``expected`` (``expected_content_digest``, or None: only hash), ``source``
+    (for messages) and ``on_digest`` (called with the digest when a stream ends: the load report, the preload
+    daemon's manifest)."""
+
+    expected: Optional[str]
+    source: str
+    on_digest: Optional[Callable[[str], None]] = None
+
+    def stream(self, tensors: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
+        """``tensors``, hashed; after the last one: ``on_digest``, then :class:`ContentMismatch` unless the digest
+        is ``expected``."""
+        hashing = Hashing()
+        yield from hashing.wrap(tensors)
+        if self.on_digest is not None:
+            self.on_digest(hashing.digest)
+        hashing.check(self.expected, self.source)
+
+    def precheck(self, checkpoint: Any) -> None:
+        """Before a model that already serves is overwritten (vLLM's in-place ``reload_weights``): read and hash the
+        files first and raise :class:`ContentMismatch` before the first tensor is written. Object storage: not
+        possible without a download; the stream's own check after the last tensor stays."""
+        if self.expected is None or any("://" in h.path for h in checkpoint.headers):
+            return
+        got = checkpoint_digest(checkpoint)
+        if got != self.expected:
+            raise ContentMismatch(
+                f"the checkpoint at {self.source} has content digest {got}, but expected_content_digest is "
+                f"{self.expected}: not reloading it (the weights this engine serves are unchanged). Restore the "
+                f"pinned files, or pin the new digest (`vllm-fastload inspect --content-digest {self.source}`)")
+
+
+def pin_loader(loader: Any, pin: ContentPin) -> Any:
     """Make ``loader`` (vLLM's ``DefaultModelLoader``, whose ``load_weights`` iterates ``self.get_all_weights``)
-    hash what it streams and raise :class:`ContentMismatch` after the last tensor unless the digest is
-    ``expected``. Used by the fallback policy, so a pinned load stays pinned on the disk path. Returns ``loader``."""
+    hash what it streams as ``pin`` asks (:meth:`ContentPin.stream`). Used by the fallback policy, so a hashed or
+    pinned load stays so on the disk path. Returns ``loader``."""
     inner = loader.get_all_weights
 
     def get_all_weights(model_config: Any, model: Any) -> Iterator[tuple[str, Any]]:
-        hashing = Hashing()
-        yield from hashing.wrap(inner(model_config, model))
-        hashing.check(expected, source)
+        yield from pin.stream(inner(model_config, model))
 
     loader.get_all_weights = get_all_weights
     return loader

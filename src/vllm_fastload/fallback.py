@@ -15,9 +15,12 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from .log import logger
+
+if TYPE_CHECKING:
+    from .content import ContentPin
 from .errors import CheckpointError, FallbackRefused, FastloadError
 
 
@@ -26,14 +29,15 @@ FALLBACK_FORMAT = "auto"
 
 
 def fall_back(load_format: str, reason: str, allow: bool, load_config: Any, *, possible: bool = True,
-              expected_content_digest: Optional[str] = None, source: str = "") -> Any:
+              pin: Optional["ContentPin"] = None) -> Any:
     """Apply the policy and return vLLM's ``DefaultModelLoader`` for ``load_config`` (format ``auto``).
 
     ``allow`` is the loader's ``fallback`` setting. ``possible=False`` means the default loader cannot read this
     checkpoint either (e.g. object storage): then a :class:`FastloadError` is raised whatever ``allow`` says.
-    Raises :class:`FallbackRefused` when ``allow`` is false. With ``expected_content_digest`` (the loader's pin)
-    the returned loader hashes what it reads from ``source`` and its load raises
-    :class:`~vllm_fastload.errors.ContentMismatch` when the bytes differ (:func:`vllm_fastload.content.pin_loader`).
+    Raises :class:`FallbackRefused` when ``allow`` is false. With ``pin`` (the loader's ``content_hash`` /
+    ``expected_content_digest``, a :class:`~vllm_fastload.content.ContentPin`) the returned loader hashes what it
+    reads and its load raises :class:`~vllm_fastload.errors.ContentMismatch` when the bytes differ from the pinned
+    ones (:func:`vllm_fastload.content.pin_loader`).
     """
     if not possible:
         raise FastloadError(
@@ -50,10 +54,10 @@ def fall_back(load_format: str, reason: str, allow: bool, load_config: Any, *, p
         load_format, reason, FALLBACK_FORMAT,
     )
     loader = default_loader(load_config)
-    if expected_content_digest is not None:
+    if pin is not None:
         from .content import pin_loader
 
-        pin_loader(loader, expected_content_digest, source)
+        pin_loader(loader, pin)
     return loader
 
 
@@ -67,15 +71,16 @@ def step_down(what: str, reason: str, *, broken: bool = False) -> None:
     logger.log(logging.WARNING if broken else logging.INFO, "fastload: %s: %s", what, reason)
 
 
-def fall_back_on(load_format: str, error: FastloadError, allow: bool, load_config: Any, **pin: Any) -> Any:
+def fall_back_on(load_format: str, error: FastloadError, allow: bool, load_config: Any,
+                 pin: Optional["ContentPin"] = None) -> Any:
     """The policy for a fast path that failed with ``error``: :func:`fall_back` with the error's message as the
     reason, except for a :class:`~vllm_fastload.errors.CheckpointError`, which is raised again: the checkpoint
     itself is unusable (a malformed shard, a duplicate name without an index), vLLM's default loader would read
     the same files, and for a duplicate silently serve the last copy read. Raises :class:`FallbackRefused` when
-    ``allow`` is false. ``pin``: ``expected_content_digest`` and ``source``, passed on to :func:`fall_back`."""
+    ``allow`` is false. ``pin``: passed on to :func:`fall_back`."""
     if isinstance(error, CheckpointError):
         raise error
-    return fall_back(load_format, str(error), allow, load_config, **pin)
+    return fall_back(load_format, str(error), allow, load_config, pin=pin)
 
 
 def default_loader(load_config: Any) -> Any:

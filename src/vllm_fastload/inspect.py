@@ -143,7 +143,10 @@ def inspect(source: str, engine_args: Optional[list[str]] = None, with_fingerpri
     if not plan.files:
         out["problems"].append(no_shards_problem(source))
         out["suggested"] = None
-    if content_digest and not out["problems"] and checkpoint is not None:
+    if content_digest and (out["problems"] or checkpoint is None):
+        out["content_digest"] = None
+        out["content_digest_not_computed"] = "the checkpoint has problems (listed above): no load would accept it"
+    elif content_digest:
         t = time.perf_counter()
         out["content_digest"] = checkpoint_digest(checkpoint)
         out["content_digest_s"] = round(time.perf_counter() - t, 3)
@@ -196,6 +199,8 @@ def render(rep: dict[str, Any]) -> str:
     if sg:
         lines.append(f"suggested runai_streamer extra-config: {sg['extra_config']}  "
                      f"(memory_limit {sg['memory_limit_gib']} GiB)")
+    if rep.get("content_digest_not_computed"):
+        lines.append(f"content digest not computed: {rep['content_digest_not_computed']}")
     if rep.get("content_digest"):
         lines.append(f"content digest {rep['content_digest']} ({rep['content_digest_s']} s; pin it with "
                      f"\"expected_content_digest\")")

@@ -12,7 +12,7 @@ import torch
 from tests.conftest import write_safetensors, write_zoo
 from vllm_fastload.checkpoint import read_checkpoint, read_header, select_shards
 from vllm_fastload.config import IpcCacheConfig, StreamerConfig
-from vllm_fastload.content import Hashing, checkpoint_digest, combine
+from vllm_fastload.content import ContentPin, Hashing, checkpoint_digest, combine, record
 from vllm_fastload.errors import CheckpointError, ConfigError, ContentMismatch
 
 
@@ -26,7 +26,8 @@ def _by_hand(files) -> str:
             if name == "__metadata__":
                 continue
             b, e = spec["data_offsets"]
-            per[name] = blake3.blake3(raw[8 + n + b:8 + n + e]).digest()
+            shape = ",".join(str(d) for d in spec["shape"])
+            per[name] = f"{spec['dtype']}\0{shape}\0".encode() + blake3.blake3(raw[8 + n + b:8 + n + e]).digest()
     h = blake3.blake3()
     for name in sorted(per):
         h.update(name.encode() + b"\0" + per[name])
@@ -71,8 +72,15 @@ def test_index_assigned_duplicates_are_left_out_as_the_loaders_leave_them_out(tm
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps(
         {"weight_map": {"norm": "b.safetensors", "x": "a.safetensors"}}))
     kept = {"norm": torch.full((4,), 3.0), "x": torch.zeros(2)}
-    expected = combine({k: blake3.blake3(v.numpy().tobytes()).digest() for k, v in kept.items()})
+    expected = combine({k: record("F32", v.shape, blake3.blake3(v.numpy().tobytes()).digest()) for k, v in kept.items()})
     assert _digest(tmp_path) == expected
+    # vLLM's default loader yields both copies of "norm" (the index's last): the model keeps the last one given
+    h = Hashing()
+    list(h.wrap([("norm", torch.ones(4)), ("x", torch.zeros(2)), ("norm", torch.full((4,), 3.0))]))
+    assert h.digest == expected and h.repeated == ["norm"]
+    h = Hashing()
+    list(h.wrap([("norm", torch.full((4,), 3.0)), ("x", torch.zeros(2)), ("norm", torch.ones(4))]))
+    assert h.digest != expected  # the model ended with the copy the index did not choose: a pin fails
 
 
 def test_hashing_a_cpu_stream_gives_the_files_digest_and_passes_every_tensor_through(tmp_path):
@@ -93,14 +101,38 @@ def test_hashing_a_cpu_stream_gives_the_files_digest_and_passes_every_tensor_thr
     assert "expected_content_digest" in str(e.value)
 
 
-def test_a_name_twice_in_a_stream_is_an_error():
-    t = torch.ones(2)
-    with pytest.raises(CheckpointError, match="'a' came twice"):
-        list(Hashing().wrap([("a", t), ("a", t)]))
+def test_the_same_bytes_under_another_dtype_or_shape_are_other_weights(tmp_path):
+    """The adversarial review's first finding: relabelling a tensor's dtype (BF16 -> F16) or shape in the header
+    keeps every data byte; a pin must not pass it."""
+    from tests.conftest import write_raw
+
+    data = torch.tensor([1.0, -2.5, 3.0, 0.1]).to(torch.bfloat16).view(torch.uint8).numpy().tobytes()
+    digests = set()
+    for dtype, shape in (("BF16", [4]), ("F16", [4]), ("I16", [2, 2]), ("BF16", [2, 2])):
+        d = tmp_path / f"{dtype}-{len(shape)}"
+        d.mkdir()
+        write_raw(d / "model.safetensors", {"w": {"dtype": dtype, "shape": shape, "data_offsets": [0, 8]}}, data)
+        digests.add(_digest(d))
+        from safetensors.torch import load_file
+
+        h = Hashing()
+        list(h.wrap(load_file(str(d / "model.safetensors")).items()))
+        assert h.digest == _digest(d) == _by_hand([d / "model.safetensors"])
+    assert len(digests) == 4
+
+
+def test_a_file_changed_after_its_header_was_read_is_not_hashed(tmp_path):
+    write_safetensors(tmp_path / "model.safetensors", {"a": torch.ones(64)})
+    ck = read_checkpoint(select_shards(str(tmp_path)))
+    with open(tmp_path / "model.safetensors", "r+b") as f:
+        f.truncate(os.path.getsize(tmp_path / "model.safetensors") - 20)
+    with pytest.raises(CheckpointError, match="changed while it was being inspected"):
+        checkpoint_digest(ck)
 
 
 @pytest.mark.parametrize("cls", [StreamerConfig, IpcCacheConfig])
-@pytest.mark.parametrize("bad", ["blake3:abc", "sha256:" + "0" * 64, "blake3:" + "A" * 64, 7])
+@pytest.mark.parametrize("bad", ["blake3:abc", "sha256:" + "0" * 64, "blake3:" + "A" * 64, 7,
+                                 "blake3:" + "0" * 64 + "\n", " blake3:" + "0" * 64, ""])
 def test_a_malformed_pinned_digest_is_refused_naming_the_key(cls, bad):
     with pytest.raises(ConfigError) as e:
         cls.from_extra({"expected_content_digest": bad})
@@ -127,6 +159,10 @@ def test_inspect_prints_the_digest_and_refuses_object_storage_content_digests(tm
     assert f"content digest {_by_hand([tmp_path / 'model.safetensors'])}" in r.stdout
     r = _cli("inspect", str(tmp_path), "--no-fingerprint")
     assert "content digest" not in r.stdout
+    with open(tmp_path / "model.safetensors", "ab") as f:  # trailing bytes: a problem, so no digest to pin
+        f.write(b"junk")
+    r = _cli("inspect", str(tmp_path), "--no-fingerprint", "--content-digest")
+    assert r.returncode == 1 and "content digest not computed: the checkpoint has problems" in r.stdout
 
 
 def test_object_storage_digest_is_refused_with_the_way_out(tmp_path):
@@ -184,12 +220,47 @@ def test_a_fallback_load_is_checked_against_the_pin(tmp_path, monkeypatch, right
     pinned = _digest(tmp_path) if right else "blake3:" + "2" * 64
     monkeypatch.setattr(DefaultModelLoader, "get_all_weights",
                         lambda self, mc, m: iter(load_file(str(tmp_path / "model.safetensors")).items()))
+    seen = []
     loader = fall_back("runai_streamer", "a test reason", True, LoadConfig(load_format="runai_streamer"),
-                       expected_content_digest=pinned, source=str(tmp_path))
+                       pin=ContentPin(pinned, str(tmp_path), seen.append))
     if right:
         assert sorted(n for n, _ in loader.get_all_weights(None, None)) == ["a", "b"]
+        assert seen == [pinned]
     else:
         with pytest.raises(ContentMismatch, match=str(tmp_path)):
             list(loader.get_all_weights(None, None))
     plain = fall_back("runai_streamer", "a test reason", True, LoadConfig(load_format="runai_streamer"))
     assert len(list(plain.get_all_weights(None, None))) == 2
+
+
+def test_content_hash_survives_a_fallback_and_a_pinned_reload_leaves_the_model_untouched(tmp_path, monkeypatch):
+    """Findings 2 and 4: a .bin-only checkpoint falls back and still reports its digest; a reload (vLLM's
+    get_all_weights into a model that serves) with a wrong pin fails before the first tensor is written."""
+    pytest.importorskip("vllm")
+    from vllm.config.load import LoadConfig
+    from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
+
+    from tests.unit.test_loader_inprocess import Sink, model_config, run, tensors
+    from vllm_fastload.streaming.loader import RunaiStreamerLoader
+
+    ts = tensors()
+    torch.save(ts, tmp_path / "pytorch_model.bin")
+    monkeypatch.setattr(DefaultModelLoader, "get_all_weights", lambda self, mc, m: iter(tensors().items()))
+    monkeypatch.setattr(DefaultModelLoader, "load_weights",
+                        lambda self, model, mc: model.load_weights(self.get_all_weights(mc, model)))
+    rep = tmp_path / "r.json"
+    sink, _ = run(tmp_path, {"content_hash": True}, report=rep)
+    r = json.loads(rep.read_text())
+    assert r["format_used"] == "auto" and r["content_digest"].startswith("blake3:")
+    h = Hashing()
+    list(h.wrap(tensors().items()))
+    assert r["content_digest"] == h.digest
+
+    new = tmp_path / "new"
+    write_safetensors(new / "model.safetensors", {k: torch.zeros_like(v) for k, v in ts.items()})
+    loader = RunaiStreamerLoader(LoadConfig(load_format="runai_streamer",
+                                            model_loader_extra_config={"expected_content_digest": h.digest}))
+    served = {k: v.clone() for k, v in sink.params.items()}
+    with pytest.raises(ContentMismatch, match="not reloading it"):
+        sink.load_weights(loader.get_all_weights(model_config(new), sink))
+    assert all(torch.equal(sink.params[k], v) for k, v in served.items())

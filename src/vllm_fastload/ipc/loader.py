@@ -15,6 +15,7 @@ from typing import Any
 
 from ..checkpoint import weights_source
 from ..config import IpcCacheConfig
+from ..content import ContentPin
 from ..errors import FastloadError
 from ..fallback import default_loader, fall_back_on
 from ..log import logger
@@ -97,9 +98,9 @@ class IpcCacheLoader(BaseModelLoader):
         else:
             report.emit(self.config.report_path)
             return model
-        pin = self.config.expected_content_digest
-        loader = fall_back_on(LOAD_FORMAT, failure, self.config.fallback, self.load_config,
-                              expected_content_digest=pin, source=weights_source(model_config) if pin else "")
+        expected = self.config.expected_content_digest
+        pin = ContentPin(expected, weights_source(model_config)) if expected else None
+        loader = fall_back_on(LOAD_FORMAT, failure, self.config.fallback, self.load_config, pin)
         model = loader.load_model(vllm_config=vllm_config, model_config=model_config, prefix=prefix)
         # the weights of a fallback come from the model's files, not from the daemon
         LoadReport(load_format=LOAD_FORMAT, source=str(model_config.model), format_used=loader.load_config.load_format,

@@ -27,7 +27,7 @@ from typing import Any
 from ..checkpoint import ShardPlan, model_shards, read_checkpoint, weights_source
 from ..config import StreamerConfig
 from ..errors import CheckpointError, ConfigError
-from ..content import Hashing
+from ..content import ContentPin
 from ..fallback import default_loader, fall_back, step_down
 from ..fingerprint import from_vllm
 from ..log import logger
@@ -123,17 +123,15 @@ class RunaiStreamerLoader(BaseModelLoader):
         t0 = time.perf_counter()
         report = LoadReport(load_format=LOAD_FORMAT, source=weights_source(model_config))
         reason, possible = self._why_not(model_config)
+        pin = self._content_pin(model_config, report)
         if reason:
-            loader = fall_back(LOAD_FORMAT, reason, self.config.fallback, self.load_config, possible=possible,
-                               **self._pin(model_config))
+            loader = fall_back(LOAD_FORMAT, reason, self.config.fallback, self.load_config, possible=possible, pin=pin)
             loader.load_weights(model, model_config)
             self._fell_back(report, loader, reason, t0)
             return
         tensors = self._tensors(model, model_config, report, t0)  # validates the checkpoint before the model
-        hashing = self._hashing()
-        loaded = model.load_weights(hashing.wrap(tensors) if hashing else tensors)
+        loaded = model.load_weights(pin.stream(tensors) if pin else tensors)
         self._finish(report, t0)
-        self._check_content(hashing, report, model_config)
         t_check = time.perf_counter()
         self._check_all_loaded(model, model_config, loaded)
         report.extra["check_s"] = round(time.perf_counter() - t_check, 4)
@@ -145,40 +143,37 @@ class RunaiStreamerLoader(BaseModelLoader):
         asks a loader for this method (``vllm.model_executor.model_loader.reload.inplace``, vLLM 0.32; the name and
         signature of ``DefaultModelLoader.get_all_weights``); for a new ``weights_path`` vLLM points
         ``model_config.model`` at it first. When the checkpoint cannot be streamed the fallback policy applies and
-        the fallback loader's ``get_all_weights`` yields. The load report is emitted when the iteration ends."""
+        the fallback loader's ``get_all_weights`` yields. The load report is emitted when the iteration ends.
+        With ``expected_content_digest`` the files are hashed before the first tensor is yielded (a second read),
+        because a reload writes into a model that serves: a mismatch raises
+        :class:`~vllm_fastload.errors.ContentMismatch` with the served weights untouched."""
         t0 = time.perf_counter()
         report = LoadReport(load_format=LOAD_FORMAT, source=weights_source(model_config))
         reason, possible = self._why_not(model_config)
+        pin = self._content_pin(model_config, report)
         if reason:
-            loader = fall_back(LOAD_FORMAT, reason, self.config.fallback, self.load_config, possible=possible,
-                               **self._pin(model_config))
+            loader = fall_back(LOAD_FORMAT, reason, self.config.fallback, self.load_config, possible=possible, pin=pin)
             yield from loader.get_all_weights(model_config, model)
             self._fell_back(report, loader, reason, t0)
             return
-        hashing = self._hashing()
         tensors = self._tensors(model, model_config, report, t0)
-        yield from hashing.wrap(tensors) if hashing else tensors
+        if pin is not None:
+            pin.precheck(self._checkpoint)
+        yield from pin.stream(tensors) if pin else tensors
         self._finish(report, t0)
-        self._check_content(hashing, report, model_config)
         report.emit(self.config.report_path)
 
-    def _pin(self, model_config: Any) -> dict[str, Any]:
-        """The content pin handed to the fallback policy, so a fallback load is checked the same way."""
-        return {"expected_content_digest": self.config.expected_content_digest,
-                "source": weights_source(model_config)}
-
-    def _hashing(self) -> Hashing | None:
-        """A content hasher for this load when ``content_hash`` or ``expected_content_digest`` asks for one."""
+    def _content_pin(self, model_config: Any, report: LoadReport) -> ContentPin | None:
+        """What ``content_hash`` / ``expected_content_digest`` ask of this load (None: no hashing). The digest lands
+        in the report and in :attr:`content_digest` (read by the preload daemon), also after a fallback."""
         self.content_digest = None
-        return Hashing() if self.config.hashes_content else None
+        if not self.config.hashes_content:
+            return None
 
-    def _check_content(self, hashing: Hashing | None, report: LoadReport, model_config: Any) -> None:
-        """Record the content digest (report, :attr:`content_digest` for the preload daemon) and enforce
-        ``expected_content_digest`` (raises :class:`~vllm_fastload.errors.ContentMismatch`)."""
-        if hashing is None:
-            return
-        self.content_digest = report.content_digest = hashing.digest
-        hashing.check(self.config.expected_content_digest, weights_source(model_config))
+        def record(digest: str) -> None:
+            self.content_digest = report.content_digest = digest
+
+        return ContentPin(self.config.expected_content_digest, weights_source(model_config), record)
 
     def _fell_back(self, report: LoadReport, loader: Any, reason: str, t0: float) -> None:
         report.format_used, report.fallback_reason = loader.load_config.load_format, reason
@@ -197,7 +192,7 @@ class RunaiStreamerLoader(BaseModelLoader):
         CPU path (``report`` filled in). Headers are validated, the fingerprint computed and the fan-out agreed on
         here, before the iterator is returned: a bad checkpoint fails before the model is touched."""
         plan, source = self._plan, weights_source(model_config)
-        ckpt = read_checkpoint(plan)
+        ckpt = self._checkpoint = read_checkpoint(plan)
         for warning in ckpt.warnings():
             logger.warning("fastload: %s", warning)
         # copies of duplicated names that the index assigns elsewhere are already left out of these headers

@@ -2,7 +2,7 @@
 # Run on the GPU device machine (after ../shared/gpu/README.md's staging). Usage:
 #   bash benchmarks/device.sh tests        # GPU tests (tests/gpu) and unit tests, log to $OUT/gpu-tests.log
 #   bash benchmarks/device.sh gpu          # GPU tests of the streamer only (tests/gpu without the ipc ones)
-#   bash benchmarks/device.sh ipctests [K]    # ipc_cache on CUDA (tests/gpu/test_ipc_cache_gpu.py [-k K]), logs in $OUT/pytest
+#   bash benchmarks/device.sh ipctests [K]    # ipc_cache on CUDA (tests/gpu/test_ipc_{cache,reload}_gpu.py [-k K]), logs in $OUT/pytest
 #   bash benchmarks/device.sh ipcprobe [GiB]  # legacy CUDA IPC vs VMM fds -> $OUT/ipc-probe.md
 #   bash benchmarks/device.sh bench [TP]   # 16 GB 8B-shaped model: auto, built-in runai, ours, the peers -> $OUT/
 #   bash benchmarks/device.sh pinprobe     # no staging needed: page-locking vs model construction (pin_probe.py)
@@ -37,7 +37,7 @@ case "${1:-tests}" in
   ipctests)
     # engine/daemon logs of every test land in $OUT/pytest (they come back even when the call is cut short)
     FASTLOAD_GPU_MODELS=/root/models python3 -m pytest -v -rs --tb=short --basetemp="$OUT/pytest" \
-      tests/gpu/test_ipc_cache_gpu.py ${2:+-k "$2"} 2>&1 | tee "$OUT/ipc-tests.log"; exit ${PIPESTATUS[0]} ;;
+      tests/gpu/test_ipc_cache_gpu.py tests/gpu/test_ipc_reload_gpu.py ${2:+-k "$2"} 2>&1 | tee "$OUT/ipc-tests.log"; exit ${PIPESTATUS[0]} ;;
   ipcprobe)
     python3 benchmarks/ipc_probe.py --gib ${2:-4} 2>&1 | tee "$OUT/ipc-probe.md"; exit ${PIPESTATUS[0]} ;;
   profile)

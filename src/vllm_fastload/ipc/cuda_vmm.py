@@ -259,6 +259,9 @@ class CudaVmmTransport(Transport):
 
     name = "cuda_vmm"
     device_memory = True
+    #: engines map the allocation PROT_READWRITE (``CU_MEM_ACCESS_FLAGS_PROT_READWRITE``): a write changes the
+    #: daemon's memory and what every other zero_copy engine reads
+    shares_writes = True
 
     def resolve(self, device: Any) -> Any:
         """The current CUDA device of this process (a rank uses one; :meth:`bind_rank` chose it in the daemon)."""

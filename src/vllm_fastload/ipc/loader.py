@@ -2,6 +2,8 @@
 
 ``load_model``: the daemon socket of this rank's device -> :func:`.mapping.map_model` (fingerprint, hello and
 manifest, verify, skeleton on the meta device, install, re-process, attach, release) -> done, with no disk read.
+vLLM's in-place ``reload_weights`` reads the checkpoint from disk (:meth:`IpcCacheLoader.get_all_weights`,
+:mod:`.reload`).
 Any miss (no daemon, timeout, fingerprint mismatch, checksum or layout mismatch: a
 :class:`~vllm_fastload.errors.FastloadError` raised where it was found) goes through the one fallback policy
 (:func:`vllm_fastload.fallback.fall_back_on`): a WARNING naming the reason and a full load with vLLM's default
@@ -43,8 +45,30 @@ class IpcCacheLoader(BaseModelLoader):
         """Nothing to download."""
 
     def load_weights(self, model: Any, model_config: Any) -> None:
-        """In-place (re)load of an existing model: done from disk by vLLM's default loader."""
+        """In-place (re)load of an existing model: done from disk by vLLM's default loader. Raises
+        :class:`.reload.ReloadRefused` first when ``model`` serves from daemon memory that a write would change for
+        every engine (``zero_copy`` on CUDA)."""
+        from .mapping import zero_copy_leases
+        from .reload import refuse_shared_writes
+
+        refuse_shared_writes(model, zero_copy_leases())
         default_loader(self.load_config).load_weights(model, model_config)
+
+    def get_all_weights(self, model_config: Any, model: Any) -> Any:
+        """Every ``(name, tensor)`` of ``model_config``'s checkpoint, for vLLM's in-place ``reload_weights``
+        (vLLM 0.32 ``reload.inplace``; for a new ``weights_path`` vLLM points ``model_config.model`` at it first).
+        The daemon holds post-processed tensors, the reload wants the checkpoint's: they are read from disk by
+        ``runai_streamer`` (:func:`.reload.checkpoint_loader`, with this config's ``fallback``, ``report_path`` and
+        ``expected_content_digest``; when the checkpoint cannot be streamed its fallback policy applies). Returns
+        an iterator; nothing is read until vLLM iterates it.
+
+        Raises :class:`.reload.ReloadRefused` at once, before vLLM touches the model, when ``model`` serves from
+        daemon memory that a write would change for every engine (``zero_copy`` on CUDA)."""
+        from .mapping import zero_copy_leases
+        from .reload import checkpoint_loader, refuse_shared_writes
+
+        refuse_shared_writes(model, zero_copy_leases())
+        return checkpoint_loader(self.load_config, self.config).get_all_weights(model_config, model)
 
     def get_external_weight_memory(self, vllm_config: Any) -> int:
         """vLLM >= 0.33 hook (``BaseModelLoader.get_external_weight_memory``): bytes of daemon memory this process

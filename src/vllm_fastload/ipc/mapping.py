@@ -4,9 +4,10 @@
 :func:`_fetch_entries` (connect, hello, the validated manifest, the mapped segment) -> :func:`_verify` (each
 tensor's checksum sample, before anything is built) -> :func:`_build_model` (the skeleton on the meta device) ->
 :func:`_view_tensors` (views into the segment, or clones in ``copy`` mode) -> :func:`_apply_entries` (install
-tensors, aliases and attributes) -> :func:`_reprocess` (post-processing of the modules the daemon marked) ->
-attach -> :func:`_send_release` (``copy``: the daemon may free its memory) or :func:`_keep_lease` (``zero_copy``:
-the connection lives as long as the process) -> :func:`_report`.
+tensors, aliases and attributes) -> :func:`_record_restore_device` (the real device for vLLM's ``reload_weights``)
+-> :func:`_reprocess` (post-processing of the modules the daemon marked) -> attach -> :func:`_send_release`
+(``copy``: the daemon may free its memory) or :func:`_keep_lease` (``zero_copy``: the connection lives as long as
+the process) -> :func:`_report`.
 
 Every step raises a :class:`~vllm_fastload.errors.CacheUnavailable` (or another
 :class:`~vllm_fastload.errors.FastloadError`) when the cache cannot serve the load; the loader turns that into
@@ -31,8 +32,14 @@ from .messages import Manifest
 from .transport import Transport
 
 LOAD_FORMAT = "ipc_cache"
-#: Leases (connection + mapping) of zero_copy loads: they must live as long as the process serves.
-_LEASES: list[Lease] = []
+#: Leases (connection + mapping) of zero_copy loads and their transports: they must live as long as the process
+#: serves (and tell a reload whether the served memory is the daemon's, :mod:`.reload`).
+_LEASES: list[tuple[Lease, Transport]] = []
+
+
+def zero_copy_leases() -> list[tuple[Lease, Transport]]:
+    """``(lease, transport)`` of every zero_copy load of this process (a copy of the list)."""
+    return list(_LEASES)
 
 
 class ChecksumMismatch(CacheUnavailable):
@@ -124,6 +131,7 @@ def map_model(vllm_config: Any, model_config: Any, prefix: str, path: str, confi
                 tensors = _view_tensors(lease, config.mode)
             with phases.part("install_s"):
                 _apply_entries(model, tensors, lease.manifest)
+                _record_restore_device(model, device)
             del tensors  # copy mode: the model holds the clones; nothing else may view the mapping
             phases.lap("map_verify_install_s")
             _reprocess(model, lease.manifest, model_config, transport, device)
@@ -216,6 +224,14 @@ def _apply_entries(model: Any, tensors: dict[str, tuple[str, Any]], manifest: Ma
     install(model, tensors, manifest.aliases, manifest.reprocess, manifest.attrs, manifest.object_attrs)
 
 
+def _record_restore_device(model: Any, device: Any) -> None:
+    """The skeleton was built on the meta device, so vLLM recorded meta as the device its in-place reload
+    materializes each module on; record the engine's ``device`` instead (:func:`.reload.record_restore_device`)."""
+    from .reload import record_restore_device
+
+    record_restore_device(model, device)
+
+
 def _reprocess(model: Any, manifest: Manifest, model_config: Any, transport: Transport, device: Any) -> None:
     """Run post-processing of the modules the daemon marked, on the installed tensors, and wait until the device
     is done (copies in ``copy`` mode included)."""
@@ -245,7 +261,7 @@ def _send_release(lease: Lease, transport: Transport, device: Any) -> None:
 def _keep_lease(lease: Lease, transport: Transport, device: Any) -> None:
     """``zero_copy`` mode: keep the lease for the process's life and count device memory it maps as this
     engine's weights (:mod:`.accounting`)."""
-    _LEASES.append(lease)
+    _LEASES.append((lease, transport))
     if transport.device_memory:
         from .accounting import count_as_weights
 

@@ -22,6 +22,8 @@ class MemfdTransport(Transport):
     """The ``memfd`` backend of :class:`.transport.Transport` (CPU tensors)."""
 
     name = "memfd"
+    #: engines map the memfd MAP_PRIVATE (:meth:`open`): a write copies the page into this process only
+    shares_writes = False
 
     def allocate(self, size: int, device: torch.device, label: str = "vllm-fastload") -> Segment:
         """A new memfd of ``size`` bytes (named ``label`` in ``/proc/PID/fd``), mapped shared and writable."""

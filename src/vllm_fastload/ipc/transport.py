@@ -62,6 +62,10 @@ class Transport:
     #: True when segments live in device memory that the engine's allocator never sees, so a zero_copy engine
     #: must count the mapped bytes as its weights (:mod:`.accounting`).
     device_memory: ClassVar[bool] = False
+    #: True when an engine's writes into a mapped segment land in the daemon's memory (and so in every other
+    #: engine mapping it); False when the engine's mapping is private (copy-on-write). A zero_copy engine must
+    #: never write into a segment of a transport that shares writes (``reload_weights``: :mod:`.reload`).
+    shares_writes: ClassVar[bool] = True
 
     def resolve(self, device: torch.device) -> torch.device:
         """``device`` made concrete for this process (a device index where the type has several)."""

@@ -1,0 +1,114 @@
+"""vLLM's in-place ``reload_weights`` on an engine that loaded with ``ipc_cache`` (issue 16).
+
+vLLM 0.32 (``vllm.model_executor.model_loader.reload.inplace.reload_weights``) asks the engine's loader for
+``get_all_weights(model_config, model)``, puts every layer back on the meta device, and per layer materializes it
+on the layer's recorded ``restore_device``, loads the checkpoint's tensors with the weight loaders, post-processes,
+and copies the result into the tensors the engine serves from (``param.data.copy_``, so CUDA graphs keep their
+addresses). Two things differ for a mapped model:
+
+* the skeleton was built under ``torch.device("meta")`` (:func:`.mapping._build_model`), so
+  ``initialize_model``'s ``record_metadata_for_reloading`` recorded ``restore_device = meta`` for every module and
+  the reload failed with "Cannot copy out of meta tensor": :func:`record_restore_device` records the engine's
+  device once the mapped tensors are installed;
+* in ``zero_copy`` mode the served tensors ARE the daemon's memory. The CPU transport maps it copy-on-write
+  (``MAP_PRIVATE``: the written pages become this engine's own), the CUDA transport read-write and shared
+  (``shares_writes``): a reload would change the weights of every engine mapping the daemon, so
+  :func:`refuse_shared_writes` refuses it before anything is touched (use ``"mode": "copy"``).
+
+The daemon holds post-processed tensors, vLLM's reload wants the checkpoint's: :func:`checkpoint_loader` reads them
+from disk with this plugin's ``runai_streamer`` loader.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Iterable, Optional
+
+from ..errors import FastloadError
+from ..log import logger
+
+
+class ReloadRefused(FastloadError):
+    """``reload_weights`` would write into memory this engine shares with the preload daemon (``zero_copy`` on a
+    transport that shares writes, CUDA); the message names the socket and the fix (``"mode": "copy"``)."""
+
+
+def record_restore_device(model: Any, device: Any) -> int:
+    """Record ``device`` (a ``torch.device``) as the device vLLM's layerwise reload materializes every module of
+    ``model`` on (``get_layerwise_info(module).restore_device``). Returns the number of modules recorded, 0 on a
+    vLLM without layerwise reload (no ``vllm.model_executor.model_loader.reload.layerwise`` or no
+    ``get_layerwise_info``: such a vLLM does not reload in place through this metadata, so there is nothing to
+    fix). Raises nothing else."""
+    try:
+        from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
+    except ImportError:  # a vLLM without layerwise reload
+        return 0
+    n = 0
+    for module in model.modules():
+        try:
+            get_layerwise_info(module).restore_device = device
+        except AttributeError:  # its info has another shape: leave vLLM's record as it is
+            return n
+        n += 1
+    return n
+
+
+def _storage_range(t: Any) -> Optional[tuple[str, int, int]]:
+    """``(device type, first byte address, end address)`` of ``t``'s storage; None for meta/uninitialized."""
+    try:
+        storage = t.untyped_storage()
+        start = storage.data_ptr()
+        return (t.device.type, start, start + storage.nbytes()) if start else None
+    except (RuntimeError, NotImplementedError, ValueError):
+        return None
+
+
+def _model_tensors(model: Any) -> Iterable[Any]:
+    """Every parameter and buffer of ``model`` (shared ones once)."""
+    yield from model.parameters()
+    yield from model.buffers()
+
+
+def shared_write_segments(model: Any, leases: Iterable[tuple[Any, Any]]) -> list[str]:
+    """The daemon sockets of ``leases`` (``(Lease, Transport)`` of zero_copy loads) whose transport shares writes
+    (:attr:`.transport.Transport.shares_writes`) and whose segment holds a tensor of ``model``: a write into one of
+    ``model``'s tensors could reach that daemon. Empty when the model serves from its own memory (copy mode, a
+    fallback load, a private mapping)."""
+    hits = []
+    ranges = [r for r in map(_storage_range, _model_tensors(model)) if r is not None]
+    for lease, transport in leases:
+        if not transport.shares_writes or lease.segment.buf is None:
+            continue
+        seg = lease.segment.buf
+        kind, lo, hi = seg.device.type, seg.data_ptr(), seg.data_ptr() + lease.segment.size
+        if any(k == kind and s < hi and e > lo for k, s, e in ranges):
+            hits.append(lease.path)
+    return hits
+
+
+def refuse_shared_writes(model: Any, leases: Iterable[tuple[Any, Any]]) -> None:
+    """Raise :class:`ReloadRefused` when reloading ``model`` in place would write into a daemon's memory
+    (:func:`shared_write_segments` of ``leases``). Called before vLLM touches the model."""
+    paths = shared_write_segments(model, leases)
+    if paths:
+        raise ReloadRefused(
+            f"reload_weights on an ipc_cache zero_copy engine would write into the preload daemon's memory at "
+            f"{', '.join(paths)} (this device's transport maps it read-write and shared), changing the weights of "
+            f"every engine mapping that daemon; start this engine with --model-loader-extra-config "
+            f"'{{\"mode\": \"copy\"}}' to reload its own copy, or restart the daemon on the new checkpoint")
+
+
+def checkpoint_loader(load_config: Any, config: Any) -> Any:
+    """The ``runai_streamer`` loader (:class:`~vllm_fastload.streaming.loader.RunaiStreamerLoader`) a reload
+    reads the checkpoint with: a copy of ``load_config`` with load format ``runai_streamer`` and, of the
+    ``ipc_cache`` keys (``config``, an :class:`~vllm_fastload.config.IpcCacheConfig`), only those both formats
+    share (``fallback``, ``report_path``, ``expected_content_digest``). Logs one INFO line saying why the reload
+    reads from disk. Raises :class:`~vllm_fastload.errors.ConfigError` only if the shared keys were invalid."""
+    from ..config import StreamerConfig
+    from ..streaming.loader import RunaiStreamerLoader
+
+    shared = {k: getattr(config, k) for k in StreamerConfig.model_fields.keys() & type(config).model_fields.keys()}
+    logger.info("fastload: ipc_cache reload_weights reads the checkpoint from disk with runai_streamer: the "
+                "preload daemon holds post-processed weights, vLLM's reload loads checkpoint-format tensors")
+    cfg = dataclasses.replace(load_config, load_format=StreamerConfig.LOAD_FORMAT, model_loader_extra_config=shared)
+    return RunaiStreamerLoader(cfg)

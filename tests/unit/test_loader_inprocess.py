@@ -237,3 +237,25 @@ def test_missing_local_weights_path_is_an_error_not_a_hub_download():
     loader = RunaiStreamerLoader(LoadConfig(load_format="runai_streamer"))
     with pytest.raises(CheckpointError, match="/no/such/checkpoint does not exist: pass the model directory"):
         loader._why_not(SimpleNamespace(model="/no/such/checkpoint", model_weights=None))
+
+
+def test_reload_picks_the_read_path_for_the_device_the_model_had_when_asked(tmp_path, monkeypatch):
+    """vLLM's reload_weights calls get_all_weights, then moves the layers to the meta device, then iterates: the
+    device (which decides pinned direct reads and the fan-out on a GPU) is the one at the call."""
+    ts = tensors()
+    write_safetensors(tmp_path / "model.safetensors", ts)
+    seen = []
+    real = RunaiStreamerLoader._reads_into_pinned
+
+    def spy(self, device, headers):
+        seen.append(device.type)
+        return real(self, device, headers)
+
+    monkeypatch.setattr(RunaiStreamerLoader, "_reads_into_pinned", spy)
+    loader = RunaiStreamerLoader(LoadConfig(load_format="runai_streamer", model_loader_extra_config={}))
+    sink = Sink({k: (v.shape, v.dtype) for k, v in ts.items()})
+    it = loader.get_all_weights(model_config(tmp_path), sink)
+    # what vLLM's initialize_layerwise_reload does before iterating: the layers' tensors go to the meta device
+    sink.params = torch.nn.ParameterDict({k: torch.nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=False)
+                                          for k, p in sink.params.items()})
+    assert sorted(n for n, _ in it) == sorted(ts) and seen == ["cpu"]

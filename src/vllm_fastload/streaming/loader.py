@@ -146,7 +146,12 @@ class RunaiStreamerLoader(BaseModelLoader):
         the fallback loader's ``get_all_weights`` yields. The load report is emitted when the iteration ends.
         With ``expected_content_digest`` the files are hashed before the first tensor is yielded (a second read),
         because a reload writes into a model that serves: a mismatch raises
-        :class:`~vllm_fastload.errors.ContentMismatch` with the served weights untouched."""
+        :class:`~vllm_fastload.errors.ContentMismatch` with the served weights untouched.
+        The model's device is taken when this is called: vLLM moves the layers to the meta device between this call
+        and the first ``next()``, and the read path (pinned direct reads, fan-out) depends on the device."""
+        return self._all_weights(model_config, model, _model_device(model))
+
+    def _all_weights(self, model_config: Any, model: Any, device: Any) -> Iterator[tuple[str, Any]]:
         t0 = time.perf_counter()
         report = LoadReport(load_format=LOAD_FORMAT, source=weights_source(model_config))
         reason, possible = self._why_not(model_config)
@@ -156,7 +161,7 @@ class RunaiStreamerLoader(BaseModelLoader):
             yield from loader.get_all_weights(model_config, model)
             self._fell_back(report, loader, reason, t0)
             return
-        tensors = self._tensors(model, model_config, report, t0)
+        tensors = self._tensors(model, model_config, report, t0, device)
         if pin is not None:
             pin.precheck(self._checkpoint)
         yield from pin.stream(tensors) if pin else tensors
@@ -187,7 +192,8 @@ class RunaiStreamerLoader(BaseModelLoader):
         waited = report.extra.get("consumer_wait_s", report.read_wait_s)
         report.consume_s = max(report.wall_s - waited, 0.0)
 
-    def _tensors(self, model: Any, model_config: Any, report: LoadReport, t0: float) -> Iterator[tuple[str, Any]]:
+    def _tensors(self, model: Any, model_config: Any, report: LoadReport, t0: float,
+                 device: Any = None) -> Iterator[tuple[str, Any]]:
         """``(name, tensor)`` of the checkpoint :meth:`_why_not` chose (``self._plan``) through the fan-out, GPU or
         CPU path (``report`` filled in). Headers are validated, the fingerprint computed and the fan-out agreed on
         here, before the iterator is returned: a bad checkpoint fails before the model is touched."""
@@ -200,7 +206,7 @@ class RunaiStreamerLoader(BaseModelLoader):
         self._skips_copies = bool(ckpt.duplicates)
         largest = max((h.largest for h in headers if h.largest), key=lambda t: t.nbytes, default=None)
         memory_limit = self.config.memory_limit
-        device = _model_device(model)
+        device = _model_device(model) if device is None else device
         why_not_direct = self._reads_into_pinned(device, headers)
         if (largest is not None and memory_limit is not None and 0 < memory_limit < largest.nbytes
                 and why_not_direct is not None):

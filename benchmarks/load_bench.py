@@ -70,7 +70,11 @@ if args.get("extra"):
 t1 = time.perf_counter()
 llm = LLM(**kw)
 t_llm = time.perf_counter() - t1
-out = llm.generate([{"prompt_token_ids": [1, 450, 783, 310, 344, 338]}], SamplingParams(temperature=0, max_tokens=8, detokenize=False))
+wall_ready = time.time()
+prompt = [{"prompt_token_ids": [1, 450, 783, 310, 344, 338]}]
+llm.generate(prompt, SamplingParams(temperature=0, max_tokens=1, detokenize=False))
+wall_first = time.time()
+out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=8, detokenize=False))
 used = None
 try:
     import torch
@@ -80,6 +84,7 @@ except Exception:
     pass
 blocks = llm.llm_engine.vllm_config.cache_config.num_gpu_blocks
 print("BENCH_RESULT " + json.dumps({"import_s": t_import, "llm_init_s": t_llm, "ids": list(out[0].outputs[0].token_ids),
+                                    "wall_ready": wall_ready, "wall_first_token": wall_first,
                                     "gpu_used_bytes": used, "num_gpu_blocks": blocks}), flush=True)
 """
 
@@ -107,7 +112,7 @@ def run_one(name: str, model: str, tp: int, gmu: float, report: Path, extra: dic
     if name.startswith("ipc_"):
         ex = {"socket_dir": SOCKET_DIR[0], "mode": name[4:], "report_path": str(report), "fallback": False}
     args = {"model": model, "load_format": fmt, "tp": tp, "gmu": gmu, "extra": ex}
-    t = time.perf_counter()
+    t, spawned = time.perf_counter(), time.time()
     p = subprocess.run([sys.executable, "-c", CHILD, json.dumps(args)], capture_output=True, text=True, env=env, timeout=900)
     wall = time.perf_counter() - t
     log = p.stdout + p.stderr
@@ -118,6 +123,9 @@ def run_one(name: str, model: str, tp: int, gmu: float, report: Path, extra: dic
         m = rx.findall(log)
         res[key] = (m[-1] if key == "fanout" else float(m[-1])) if m else None
     res.update(json.loads(log.split("BENCH_RESULT ", 1)[1].splitlines()[0]))
+    # restart-to-ready as an autoscaler sees it: process start -> LLM() returned -> first token generated
+    res["start_to_ready_s"] = res.pop("wall_ready") - spawned
+    res["start_to_first_token_s"] = res.pop("wall_first_token") - spawned
     if report.exists() and name != "auto":
         r = json.loads(report.read_text())
         res["report"] = {k: r.get(k) for k in ("bytes", "wall_s", "read_wait_s", "gb_per_s", "content_digest", "extra")}
@@ -173,8 +181,8 @@ def write_outputs(results: dict, out: Path) -> None:
         f"model {results['model']} ({results['model_gb']:.2f} GB); TP={results['tp']}; "
         f"H2D pinned {results['h2d'].get('pinned_h2d_gbps', '-')} GB/s, pageable {results['h2d'].get('pageable_h2d_gbps', '-')} GB/s",
         "",
-        "| loader | weights phase s | weights GB/s | \"Model loading took\" s | LLM() s | GPU used GiB (all processes) | KV blocks | greedy ids equal auto |",
-        "|---|---|---|---|---|---|---|---|",
+        "| loader | weights phase s | weights GB/s | \"Model loading took\" s | LLM() s | start -> ready s | start -> first token s | GPU used GiB (all processes) | KV blocks | greedy ids equal auto |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     ref = next((r["ids"] for r in rows if r["loader"] == "auto"), None)
     for r in rows:
@@ -183,7 +191,8 @@ def write_outputs(results: dict, out: Path) -> None:
         used = r.get("gpu_used_bytes")
         lines.append(
             f"| {r['loader']} | {w if w is not None else '-'} | {f'{gbps:.1f}' if gbps else '-'} | "
-            f"{r.get('model_loading_s') or '-'} | {r['llm_init_s']:.2f} | {f'{used / 2**30:.1f}' if used else '-'} | "
+            f"{r.get('model_loading_s') or '-'} | {r['llm_init_s']:.2f} | {r['start_to_ready_s']:.2f} | "
+            f"{r['start_to_first_token_s']:.2f} | {f'{used / 2**30:.1f}' if used else '-'} | "
             f"{r.get('num_gpu_blocks') or '-'} | {r['ids'] == ref if ref else '-'} |")
     stages = [r for r in rows if r["loader"].startswith("runai_fastload") and r.get("report")]
     if stages:

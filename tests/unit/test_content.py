@@ -9,7 +9,7 @@ import blake3
 import pytest
 import torch
 
-from tests.conftest import write_safetensors, write_zoo
+from tests.conftest import fake_model_config, write_safetensors, write_zoo
 from vllm_fastload.checkpoint import read_checkpoint, read_header, select_shards
 from vllm_fastload.config import IpcCacheConfig, StreamerConfig
 from vllm_fastload.content import Hashing, checkpoint_digest, combine
@@ -48,11 +48,9 @@ def test_in_place_rewrite_with_restored_mtime_is_invisible_to_the_fingerprint_bu
     """`cp -p` of a fine-tune over the base file: same inode, same header, same size, mtime restored."""
     pytest.importorskip("vllm")
     from vllm_fastload.fingerprint import of_model
-    import types
 
     p = write_safetensors(tmp_path / "model.safetensors", {"norm": torch.ones(8), "w": torch.ones(4, 4)})
-    mc = types.SimpleNamespace(model=str(tmp_path), model_weights=None, revision=None, dtype="bfloat16",
-                               quantization=None, architectures=["X"], hf_config=types.SimpleNamespace())
+    mc = fake_model_config(tmp_path)
     st = p.stat()
     fp_before, digest_before = of_model(mc)[1], _digest(tmp_path)
     header_len = int.from_bytes(p.read_bytes()[:8], "little")

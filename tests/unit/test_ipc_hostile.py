@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from tests.unit.ipc_fake_daemon import fingerprint, make_state, weights
-from tests.unit.test_ipc_faults import fake_daemon, records, thread_errors, wait_for  # noqa: F401 (fixtures)
+from tests.unit.test_ipc_faults import fake_daemon, thread_errors, wait_for  # noqa: F401 (fixtures)
 from vllm_fastload import cli  # noqa: F401 (imported before a child drops to a uid that cannot read the stdlib)
 from vllm_fastload.errors import SocketDirError, UntrustedPeer
 from vllm_fastload.ipc import protocol

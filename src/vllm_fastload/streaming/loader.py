@@ -122,10 +122,8 @@ class RunaiStreamerLoader(BaseModelLoader):
         StorageError, FallbackRefused; never leaves a parameter uninitialized without an error."""
         t0 = time.perf_counter()
         report = LoadReport(load_format=LOAD_FORMAT, source=weights_source(model_config))
-        reason, possible = self._why_not(model_config)
-        if reason:
-            loader = fall_back(LOAD_FORMAT, reason, self.config.fallback, self.load_config, possible=possible,
-                               **self._pin(model_config))
+        loader, reason = self._fallback_for(model_config)
+        if loader is not None:
             loader.load_weights(model, model_config)
             self._fell_back(report, loader, reason, t0)
             return
@@ -148,10 +146,8 @@ class RunaiStreamerLoader(BaseModelLoader):
         the fallback loader's ``get_all_weights`` yields. The load report is emitted when the iteration ends."""
         t0 = time.perf_counter()
         report = LoadReport(load_format=LOAD_FORMAT, source=weights_source(model_config))
-        reason, possible = self._why_not(model_config)
-        if reason:
-            loader = fall_back(LOAD_FORMAT, reason, self.config.fallback, self.load_config, possible=possible,
-                               **self._pin(model_config))
+        loader, reason = self._fallback_for(model_config)
+        if loader is not None:
             yield from loader.get_all_weights(model_config, model)
             self._fell_back(report, loader, reason, t0)
             return
@@ -161,6 +157,16 @@ class RunaiStreamerLoader(BaseModelLoader):
         self._finish(report, t0)
         self._check_content(hashing, report, model_config)
         report.emit(self.config.report_path)
+
+    def _fallback_for(self, model_config: Any) -> tuple[Any, str | None]:
+        """``(loader, reason)``: the loader the fallback policy picks when this checkpoint cannot be streamed
+        (:meth:`_why_not` says why; ``fall_back`` raises FallbackRefused where the policy forbids it), else
+        ``(None, None)``."""
+        reason, possible = self._why_not(model_config)
+        if not reason:
+            return None, None
+        return fall_back(LOAD_FORMAT, reason, self.config.fallback, self.load_config, possible=possible,
+                         **self._pin(model_config)), reason
 
     def _pin(self, model_config: Any) -> dict[str, Any]:
         """The content pin handed to the fallback policy, so a fallback load is checked the same way."""

@@ -315,14 +315,7 @@ def test_listing_and_reading_endpoints_that_differ_are_refused(s3env, monkeypatc
 
 # --- issue 15, items 2 and 7: object sizes checked as local sizes are; shard identity from the store -------------
 def _put(moto, bucket, key, body, versioned=False):
-    import boto3
-
-    s3 = boto3.client("s3", endpoint_url=moto.endpoint, region_name="us-east-1", aws_access_key_id="testing",
-                      aws_secret_access_key="testing")
-    try:
-        s3.create_bucket(Bucket=bucket)
-    except s3.exceptions.BucketAlreadyOwnedByYou:
-        pass
+    s3 = moto.bucket(bucket)
     if versioned:
         s3.put_bucket_versioning(Bucket=bucket, VersioningConfiguration={"Status": "Enabled"})
     return s3.put_object(Bucket=bucket, Key=key, Body=body)

@@ -19,6 +19,13 @@ from vllm_fastload.servers import free_port  # noqa: E402
 from vllm_fastload.storage import list_safetensors, read_range  # noqa: E402
 
 
+def point_s3_at(monkeypatch, url: str) -> str:
+    """Point both S3 clients (boto3's ``AWS_ENDPOINT_URL``, runai's ``RUNAI_STREAMER_S3_ENDPOINT``) at ``url``."""
+    monkeypatch.setenv("AWS_ENDPOINT_URL", url)
+    monkeypatch.setenv("RUNAI_STREAMER_S3_ENDPOINT", url)
+    return url
+
+
 @pytest.fixture
 def s3env(moto_s3, monkeypatch, tmp_path):
     for k, v in moto_s3.env().items():
@@ -61,9 +68,7 @@ def test_missing_key_names_it(s3env):
 
 
 def test_unreachable_endpoint_fails_with_the_cause(s3env, monkeypatch):
-    dead = f"http://127.0.0.1:{free_port()}"
-    monkeypatch.setenv("AWS_ENDPOINT_URL", dead)
-    monkeypatch.setenv("RUNAI_STREAMER_S3_ENDPOINT", dead)
+    dead = point_s3_at(monkeypatch, f"http://127.0.0.1:{free_port()}")
     t = time.monotonic()
     with pytest.raises(StorageError) as e:
         list_safetensors("s3://bucket-ok/models/tiny")
@@ -122,8 +127,7 @@ def no_creds(moto_s3, monkeypatch, tmp_path, imds_black_hole):
     (its endpoint is the black hole above)."""
     for k in CRED_VARS:
         monkeypatch.delenv(k, raising=False)
-    monkeypatch.setenv("AWS_ENDPOINT_URL", moto_s3.endpoint)
-    monkeypatch.setenv("RUNAI_STREAMER_S3_ENDPOINT", moto_s3.endpoint)
+    point_s3_at(monkeypatch, moto_s3.endpoint)
     monkeypatch.setenv("RUNAI_STREAMER_S3_USE_VIRTUAL_ADDRESSING", "0")
     monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
     monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "no-credentials"))
@@ -246,9 +250,7 @@ def test_wrong_keys_name_the_status_and_the_variable(buckets, auth_on, case):
 
 
 def test_refused_endpoint_fails_within_seconds_for_list_read_and_load(s3env, monkeypatch):
-    dead = f"http://127.0.0.1:{free_port()}"
-    monkeypatch.setenv("AWS_ENDPOINT_URL", dead)
-    monkeypatch.setenv("RUNAI_STREAMER_S3_ENDPOINT", dead)
+    dead = point_s3_at(monkeypatch, f"http://127.0.0.1:{free_port()}")
     for what, call in (("list", lambda: list_safetensors("s3://bucket-ok/models/tiny")),
                        ("read", lambda: read_range("s3://bucket-ok/models/tiny/model.safetensors", 0, 8)),
                        ("list", lambda: load_with_streamer("s3://bucket-ok/models/tiny"))):
@@ -265,8 +267,7 @@ def test_an_endpoint_that_never_answers_is_bounded_by_the_listing_timeouts(s3env
     from vllm_fastload import storage
 
     with tcp_black_hole() as url:
-        monkeypatch.setenv("AWS_ENDPOINT_URL", url)
-        monkeypatch.setenv("RUNAI_STREAMER_S3_ENDPOINT", url)
+        point_s3_at(monkeypatch, url)
         # the defaults bound a hung listing to ~20 s (runai's own listing: 60 s read timeout with retries, ~3 min);
         # the test shortens them to keep it quick
         d = storage.LIST_TIMEOUTS

@@ -1,10 +1,27 @@
-"""Shared fixtures: small safetensors files made by the tests, the demo model, a moto S3 server."""
+"""What the tests share: small safetensors files (``write_safetensors``, ``write_raw``, ``write_zoo``) and the
+checks of what a loader made of them (``assert_zoo_bit_exact``, ``zoo_digests``), stand-ins for vLLM's and the
+daemon's objects (``make_fingerprint``, ``fake_model_config``), log capture (``log_records`` and the fixtures
+``records`` / ``warnings_logged``), raw socket listeners (``unix_listener``, ``tcp_black_hole``), a vLLM engine in
+its own process (``Engine``, ``one_shot``), and the fixtures ``demo_model`` and ``moto_s3``.
+
+Test modules import the plain functions from here (``from tests.conftest import ...``); the fixtures reach every
+test under tests/ without an import.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import json
+import logging
+import os
+import socket
 import struct
+import subprocess
+import sys
+import time
 from pathlib import Path
+from typing import Callable, Iterator
 
 import pytest
 
@@ -112,3 +129,189 @@ def write_zoo(path: Path, seed: int = 0) -> dict:
     pad = (8 - (len(raw_h) % 8) + 3) % 8
     write_raw(path, header, bytes(data), pad_to=len(raw_h) + pad)
     return expected
+
+
+def assert_zoo_bit_exact(got: dict, expected: dict) -> None:
+    """``got`` (name -> tensor, on any device) holds exactly the names of ``expected`` (what :func:`write_zoo`
+    returns), each with its dtype, its shape and, bit for bit, its raw bytes."""
+    import torch
+
+    assert set(got) == set(expected)
+    for name, (dtype, shape, raw) in expected.items():
+        t = got[name]
+        assert t.dtype == dtype and tuple(t.shape) == shape, name
+        assert t.cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes() == raw, name
+
+
+def zoo_digests(expected: dict) -> dict:
+    """name -> ``[str(dtype), list(shape), sha256 of the raw bytes]`` of :func:`write_zoo`'s ``expected``: the form in
+    which tests/unit/fanout_worker.py reports every tensor a rank received."""
+    return {n: [str(d), list(s), hashlib.sha256(raw).hexdigest()] for n, (d, s, raw) in expected.items()}
+
+
+# --- stand-ins for vLLM's and the daemon's objects -------------------------------------------------------------
+def make_fingerprint(**fields):
+    """A :class:`~vllm_fastload.fingerprint.Fingerprint` of one shard (``model.safetensors``, 100 bytes), TP/PP/DP 1
+    rank 0, bf16; ``fields`` replace any of its fields."""
+    from vllm_fastload.fingerprint import Fingerprint, ShardFacts
+
+    base = dict(shards=(ShardFacts("model.safetensors", 100, "ab"),), architecture="X", dtype="bfloat16",
+                quantization=None, rope=None, revision=None, kv_cache_dtype="auto", tp_size=1, tp_rank=0, pp_size=1,
+                pp_rank=0, dp_size=1, dp_rank=0, vllm_version="0")
+    base.update(fields)
+    return Fingerprint(**base)
+
+
+def fake_model_config(path, quantization=None, architecture: str = "Sink"):
+    """What the loaders and ``fingerprint.of_model`` read of vLLM's ``ModelConfig``, for the checkpoint at ``path``
+    (a directory or a URI): bf16, no revision, no ``model_weights``, an empty ``hf_config``."""
+    import types
+
+    import torch
+
+    return types.SimpleNamespace(model=str(path), model_weights=None, revision=None, dtype=torch.bfloat16,
+                                 quantization=quantization, architectures=[architecture],
+                                 hf_config=types.SimpleNamespace())
+
+
+# --- log capture -----------------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def log_records(level: int = logging.INFO, logger: str = "vllm.fastload",
+                keep: Callable[[logging.LogRecord], object] = lambda r: r) -> Iterator[list]:
+    """``keep(record)`` of every record of ``logger`` at ``level`` or above while the block runs, straight from a
+    handler of our own (vLLM's logging config may stop records from reaching pytest's caplog). The logger is let
+    through down to ``level`` meanwhile; its level and handlers are restored afterwards."""
+    got: list = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            got.append(keep(record))
+
+    lg = logging.getLogger(logger)
+    h, old = Keep(level), lg.level
+    lg.addHandler(h)
+    if lg.getEffectiveLevel() > level:
+        lg.setLevel(level)
+    try:
+        yield got
+    finally:
+        lg.removeHandler(h)
+        lg.setLevel(old)
+
+
+@pytest.fixture
+def records():
+    """Records of the ``vllm.fastload`` logger (INFO and up) while the test runs."""
+    with log_records(logging.INFO) as got:
+        yield got
+
+
+@pytest.fixture
+def warnings_logged():
+    """Messages (``getMessage()``) of the ``vllm.fastload`` logger's warnings and errors while the test runs."""
+    with log_records(logging.WARNING, keep=logging.LogRecord.getMessage) as got:
+        yield got
+
+
+# --- raw socket listeners --------------------------------------------------------------------------------------
+def unix_listener(path, backlog: int = 1) -> socket.socket:
+    """A Unix stream socket bound at ``path`` and listening: a stand-in daemon whose every byte the test writes."""
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.bind(str(path))
+    s.listen(backlog)
+    return s
+
+
+@contextlib.contextmanager
+def tcp_black_hole() -> Iterator[str]:
+    """``http://127.0.0.1:PORT`` of a TCP listener that accepts into its backlog and never answers (an endpoint that
+    hangs); closed at the end of the block."""
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen(64)
+    try:
+        yield f"http://127.0.0.1:{s.getsockname()[1]}"
+    finally:
+        s.close()
+
+
+# --- a vLLM engine in its own process (tests/gpu) --------------------------------------------------------------
+#: the child script of :class:`Engine`; its argument is JSON with model, fmt (load format), tp, extra
+#: (model_loader_extra_config) and quant (an optional quantization)
+VLLM_CHILD = r"""
+import json, sys, torch
+from vllm import LLM, SamplingParams
+a = json.loads(sys.argv[1])
+kw = dict(model=a["model"], load_format=a["fmt"], enforce_eager=True, skip_tokenizer_init=True,
+          tensor_parallel_size=a["tp"], max_model_len=512, gpu_memory_utilization=0.3,
+          model_loader_extra_config=a["extra"])
+if a.get("quant"):
+    kw["quantization"] = a["quant"]
+llm = LLM(**kw)
+prompts = [{"prompt_token_ids": p} for p in ([1, 5, 9, 200, 31], [7, 7, 7, 1000], [42])]
+def ids():
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, detokenize=False))
+    return [list(o.outputs[0].token_ids) for o in outs]
+print("RESULT " + json.dumps({"ids": ids(), "blocks": llm.llm_engine.vllm_config.cache_config.num_gpu_blocks}), flush=True)
+for line in sys.stdin:
+    if line.strip() != "gen":
+        break
+    print("RESULT " + json.dumps({"ids": ids()}), flush=True)
+"""
+
+
+class Engine:
+    """A vLLM ``LLM`` in its own process (:data:`VLLM_CHILD`): greedy ids of three token prompts (12 tokens each) and
+    the KV cache's block count as a RESULT line once loaded, again for each ``gen`` on stdin; its stdout and stderr
+    go to ``log``; stopped by its PID."""
+
+    def __init__(self, model, fmt, tp=1, extra=None, quant=None, log=None):
+        self.log_path = Path(log)
+        self.fh = open(self.log_path, "w")
+        arg = json.dumps({"model": str(model), "fmt": fmt, "tp": tp, "extra": extra or {}, "quant": quant})
+        self.p = subprocess.Popen([sys.executable, "-c", VLLM_CHILD, arg], stdin=subprocess.PIPE, stdout=self.fh,
+                                  stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        self.seen = 0
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def result(self, timeout=600) -> dict:
+        """The next RESULT line (``ids``, and ``blocks`` in the first); fails when the engine exits first."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            lines = [ln for ln in self.log().splitlines() if ln.startswith("RESULT ")]
+            if len(lines) > self.seen:
+                self.seen += 1
+                return json.loads(lines[self.seen - 1][7:])
+            if self.p.poll() is not None:
+                raise AssertionError(f"engine exited {self.p.returncode}:\n{self.log()[-4000:]}")
+            time.sleep(0.5)
+        raise TimeoutError(self.log()[-3000:])
+
+    def gen(self) -> dict:
+        self.p.stdin.write("gen\n")
+        self.p.stdin.flush()
+        return self.result()
+
+    def stop(self) -> int:
+        """Ask the engine to quit (killed after 60 s); returns its exit code."""
+        if self.p.poll() is None:
+            try:
+                self.p.stdin.write("quit\n")
+                self.p.stdin.flush()
+                self.p.wait(60)
+            except (BrokenPipeError, subprocess.TimeoutExpired):
+                self.p.kill()
+                self.p.wait()
+        self.fh.close()
+        return self.p.returncode
+
+
+def one_shot(model, fmt, log, **kw) -> tuple[dict, str]:
+    """The first RESULT of an :class:`Engine` (stopped afterwards) and its log."""
+    e = Engine(model, fmt, log=log, **kw)
+    try:
+        return e.result(), e.log()
+    finally:
+        e.stop()

@@ -246,8 +246,8 @@ class MotoS3(ManagedProcess):
             "AWS_DEFAULT_REGION": "us-east-1",
         }
 
-    def upload_dir(self, local: Path, bucket: str, prefix: str) -> str:
-        """Create ``bucket`` (if needed) and upload every file of ``local`` under ``prefix``. Returns the URI."""
+    def bucket(self, bucket: str) -> Any:
+        """A boto3 S3 client of this server (fake credentials) once ``bucket`` exists (created if needed)."""
         import boto3
 
         s3 = boto3.client("s3", endpoint_url=self.endpoint, region_name="us-east-1",
@@ -256,6 +256,11 @@ class MotoS3(ManagedProcess):
             s3.create_bucket(Bucket=bucket)
         except s3.exceptions.BucketAlreadyOwnedByYou:
             pass
+        return s3
+
+    def upload_dir(self, local: Path, bucket: str, prefix: str) -> str:
+        """Create ``bucket`` (if needed) and upload every file of ``local`` under ``prefix``. Returns the URI."""
+        s3 = self.bucket(bucket)
         for f in sorted(Path(local).iterdir()):
             if f.is_file():
                 s3.upload_file(str(f), bucket, f"{prefix.strip('/')}/{f.name}")

@@ -10,6 +10,15 @@ def ids_of(srv):
     return [srv.greedy_ids(p) for p in PROMPTS]
 
 
+def failed_startup_log(srv, exit_wait_s: float = 60) -> str:
+    """The log of a server that must fail at start-up: it never becomes healthy and exits non-zero (its process
+    waited for ``exit_wait_s`` once it stopped answering)."""
+    assert srv.wait_ready() is False
+    srv.proc.wait(exit_wait_s)
+    assert srv.proc.returncode != 0
+    return srv.log()
+
+
 @pytest.fixture(scope="session")
 def e2e_logs(tmp_path_factory):
     return tmp_path_factory.mktemp("e2e-logs")

@@ -18,7 +18,7 @@ import pytest
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.e2e
 
-from tests.e2e_cpu.conftest import ids_of  # noqa: E402
+from tests.e2e_cpu.conftest import failed_startup_log, ids_of  # noqa: E402
 from vllm_fastload.ipc import protocol  # noqa: E402
 from vllm_fastload.ipc.client import status_of  # noqa: E402
 from vllm_fastload.servers import PreloadDaemon, VllmServer, free_port  # noqa: E402
@@ -41,16 +41,21 @@ def sock_dir(tmp_path_factory):
     return d
 
 
-@pytest.fixture(scope="module")
-def daemon(demo_model, sock_dir, e2e_logs):
-    # hashes its load (issue 15, item 7): the second engine below pins the digest
-    d = PreloadDaemon(str(demo_model), sock_dir, log_path=e2e_logs / "preload.log", health_port=free_port(),
-                      extra_args=["--model-loader-extra-config", '{"content_hash": true}'])
+def ready(d: PreloadDaemon):
+    """Yield the daemon ``d`` once it is ready (fails the fixture with its log otherwise); stopped afterwards."""
     try:
         assert d.wait_ready(), d.log()[-3000:]
         yield d
     finally:
         d.stop()
+
+
+@pytest.fixture(scope="module")
+def daemon(demo_model, sock_dir, e2e_logs):
+    # hashes its load (issue 15, item 7): the second engine below pins the digest
+    yield from ready(PreloadDaemon(str(demo_model), sock_dir, log_path=e2e_logs / "preload.log",
+                                   health_port=free_port(),
+                                   extra_args=["--model-loader-extra-config", '{"content_hash": true}']))
 
 
 def daemon_status(sock_dir):
@@ -133,10 +138,7 @@ def test_engine_survives_daemon_sigkill_and_next_start_falls_back(demo_model, so
         assert ids_of(srv) == reference_ids
         assert report(e2e_logs, "after-kill")["format_used"] == "auto"
     with engine(demo_model, sock_dir, e2e_logs, "after-kill-strict", connect_timeout_s=2, fallback=False) as srv:
-        assert srv.wait_ready() is False
-        srv.proc.wait(60)
-        assert srv.proc.returncode != 0
-        log = srv.log()
+        log = failed_startup_log(srv)
         assert "FallbackRefused" in log and "no preload daemon at" in log and "Loading weights took" not in log
 
 
@@ -145,12 +147,7 @@ def daemon2(demo_model, sock_dir, e2e_logs, daemon):
     daemon.stop()  # the first daemon (killed above, or still alive when run alone)
     # Without --enforce-eager, unlike the engines: settings that only shape model construction (vLLM's
     # do_not_compile) must not travel from the daemon (an eager engine crashed at its first request when they did).
-    d = PreloadDaemon(str(demo_model), sock_dir, log_path=e2e_logs / "preload-b.log", enforce_eager=False)
-    try:
-        assert d.wait_ready(), d.log()[-3000:]
-        yield d
-    finally:
-        d.stop()
+    yield from ready(PreloadDaemon(str(demo_model), sock_dir, log_path=e2e_logs / "preload-b.log", enforce_eager=False))
 
 
 def test_restarted_daemon_replaced_the_stale_socket(daemon2):
@@ -203,10 +200,7 @@ def test_corrupt_daemon_memory_is_caught_by_the_checksum_sample(demo_model, sock
     with corrupted_tensor(sock_dir) as name:
         reason = f"tensor {name!r} in the daemon's memory does not match its checksum sample"
         with engine(demo_model, sock_dir, e2e_logs, "corrupt-strict", fallback=False) as srv:
-            assert srv.wait_ready() is False
-            srv.proc.wait(120)
-            assert srv.proc.returncode != 0
-            log = srv.log()
+            log = failed_startup_log(srv, exit_wait_s=120)
             assert "FallbackRefused" in log and reason in log, log[-3000:]
             assert "Loading weights took" not in log and "Mapped " not in log
         with engine(demo_model, sock_dir, e2e_logs, "corrupt-fallback") as srv:

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.e2e
 from vllm_fastload.checkpoint import read_header  # noqa: E402
 from vllm_fastload.servers import VllmServer  # noqa: E402
 
-from tests.e2e_cpu.conftest import ids_of  # noqa: E402
+from tests.e2e_cpu.conftest import failed_startup_log, ids_of  # noqa: E402
 
 
 def serve(model, args, log, env=None):
@@ -117,20 +117,14 @@ def test_bin_only_falls_back_with_warning(bin_only_model, logs, reference_ids):
 
 def test_bin_only_with_fallback_false_fails_at_startup(bin_only_model, logs):
     with _runai(bin_only_model, logs, "runai-bin-strict", {"fallback": False}) as srv:
-        assert srv.wait_ready() is False
-        srv.proc.wait(60)
-        assert srv.proc.returncode != 0
-        log = srv.log()
+        log = failed_startup_log(srv)
     assert "FallbackRefused" in log and "no *.safetensors files in" in log and '"fallback": false' in log
     assert "Loading weights took" not in log
 
 
 def test_bad_extra_config_exits_nonzero_before_loading(demo_model, logs):
     with _runai(demo_model, logs, "runai-badcfg", {"concurency": 16}) as srv:
-        assert srv.wait_ready() is False
-        srv.proc.wait(60)
-        assert srv.proc.returncode != 0
-        log = srv.log()
+        log = failed_startup_log(srv)
     assert "unknown key 'concurency'" in log and "did you mean 'concurrency'" in log
     assert "Loading weights took" not in log and "fastload: runai_streamer loaded" not in log
 

@@ -13,7 +13,7 @@ if not torch.cuda.is_available():
 
 pytest.importorskip("runai_model_streamer")
 
-from tests.conftest import write_zoo  # noqa: E402
+from tests.conftest import assert_zoo_bit_exact, write_zoo  # noqa: E402
 from vllm_fastload.checkpoint import read_header  # noqa: E402
 from vllm_fastload.streaming import direct  # noqa: E402
 from vllm_fastload.streaming.hostmem import page_locked  # noqa: E402
@@ -34,11 +34,7 @@ def test_zoo_bit_exact_through_a_registered_arena_made_on_a_thread(tmp_path, pie
         torch.cuda._sleep(1000)  # a slow consumer: a slot must not be refilled before its copies finished
     arena = None
     torch.cuda.synchronize()
-    assert set(got) == set(expected)
-    for name, (dtype, shape, raw) in expected.items():
-        t = got[name]
-        assert t.dtype == dtype and tuple(t.shape) == shape, name
-        assert t.cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes() == raw, name
+    assert_zoo_bit_exact(got, expected)
     assert stats["pinned_extra_bytes"] == 0
 
 

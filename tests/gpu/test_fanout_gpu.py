@@ -3,8 +3,6 @@ its GPU and the group broadcasts the rest. With two GPUs the tensors cross over 
 runs TP=2); with one GPU two ranks share it and the tensors cross over gloo (NCCL refuses two ranks on one GPU):
 the direct reader's subset reads, the CUDA stream ordering and the byte-exact delivery are the same."""
 
-import hashlib
-
 import pytest
 import torch
 
@@ -15,7 +13,7 @@ if not torch.cuda.is_available():
 
 pytest.importorskip("runai_model_streamer")
 
-from tests.conftest import write_zoo  # noqa: E402
+from tests.conftest import write_zoo, zoo_digests  # noqa: E402
 from tests.unit.fanout_worker import run_ranks  # noqa: E402
 
 
@@ -27,7 +25,7 @@ def test_zoo_bit_exact_through_fanout_on_cuda(tmp_path, piece):
                     gpus=[0, 1] if two else [0, 0], data_backend="nccl" if two else "gloo", piece=piece,
                     distributed=True)
     total = sum(len(raw) for _, _, raw in expected.values())
-    want = {n: [str(d), list(s), hashlib.sha256(raw).hexdigest()] for n, (d, s, raw) in expected.items()}
+    want = zoo_digests(expected)
     for r in res:
         assert "error" not in r and r.get("fan"), r
         assert {n: g[0] for n, g in r["tensors"].items()} == want

@@ -31,6 +31,7 @@ pytest.importorskip("vllm")
 
 ROOT = Path(__file__).resolve().parents[2]
 
+from tests.conftest import Engine, one_shot  # noqa: E402
 from tests.gpu.zoo_cuda import zoo  # noqa: E402
 
 from vllm_fastload.ipc.client import status_of  # noqa: E402
@@ -105,80 +106,6 @@ def test_vmm_transport_across_processes_and_exporter_sigkill(expandable):
 
 
 # --- real vLLM ----------------------------------------------------------------------------------------------------
-CHILD = r"""
-import json, sys, torch
-from vllm import LLM, SamplingParams
-a = json.loads(sys.argv[1])
-kw = dict(model=a["model"], load_format=a["fmt"], enforce_eager=True, skip_tokenizer_init=True,
-          tensor_parallel_size=a["tp"], max_model_len=512, gpu_memory_utilization=0.3,
-          model_loader_extra_config=a["extra"])
-if a.get("quant"):
-    kw["quantization"] = a["quant"]
-llm = LLM(**kw)
-prompts = [{"prompt_token_ids": p} for p in ([1, 5, 9, 200, 31], [7, 7, 7, 1000], [42])]
-def ids():
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, detokenize=False))
-    return [list(o.outputs[0].token_ids) for o in outs]
-print("RESULT " + json.dumps({"ids": ids(), "blocks": llm.llm_engine.vllm_config.cache_config.num_gpu_blocks}), flush=True)
-for line in sys.stdin:
-    if line.strip() != "gen":
-        break
-    print("RESULT " + json.dumps({"ids": ids()}), flush=True)
-"""
-
-
-class Engine:
-    """A vLLM ``LLM`` in its own process; prints RESULT lines, answers ``gen`` on stdin; stopped by its PID."""
-
-    def __init__(self, model, fmt, tp=1, extra=None, quant=None, log=None):
-        self.log_path = Path(log)
-        self.fh = open(self.log_path, "w")
-        arg = json.dumps({"model": str(model), "fmt": fmt, "tp": tp, "extra": extra or {}, "quant": quant})
-        self.p = subprocess.Popen([sys.executable, "-c", CHILD, arg], stdin=subprocess.PIPE, stdout=self.fh,
-                                  stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        self.seen = 0
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def result(self, timeout=600) -> dict:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            lines = [ln for ln in self.log().splitlines() if ln.startswith("RESULT ")]
-            if len(lines) > self.seen:
-                self.seen += 1
-                return json.loads(lines[self.seen - 1][7:])
-            if self.p.poll() is not None:
-                raise AssertionError(f"engine exited {self.p.returncode}:\n{self.log()[-4000:]}")
-            time.sleep(0.5)
-        raise TimeoutError(self.log()[-3000:])
-
-    def gen(self) -> dict:
-        self.p.stdin.write("gen\n")
-        self.p.stdin.flush()
-        return self.result()
-
-    def stop(self) -> int:
-        if self.p.poll() is None:
-            try:
-                self.p.stdin.write("quit\n")
-                self.p.stdin.flush()
-                self.p.wait(60)
-            except (BrokenPipeError, subprocess.TimeoutExpired):
-                self.p.kill()
-                self.p.wait()
-        self.fh.close()
-        return self.p.returncode
-
-
-def one_shot(model, fmt, log, **kw) -> tuple[dict, str]:
-    e = Engine(model, fmt, log=log, **kw)
-    try:
-        return e.result(), e.log()
-    finally:
-        e.stop()
-
-
 @pytest.fixture
 def sock():
     """A short socket dir (GPU socket names carry the 36-character UUID; Unix paths stop at 107 bytes)."""

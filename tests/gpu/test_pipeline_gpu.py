@@ -10,8 +10,7 @@ if not torch.cuda.is_available():
 
 pytest.importorskip("vllm")
 
-from tests.conftest import write_zoo  # noqa: E402
-from tests.unit.test_loader_inprocess import model_config  # noqa: E402
+from tests.conftest import assert_zoo_bit_exact, fake_model_config, write_zoo  # noqa: E402
 from vllm.config.load import LoadConfig  # noqa: E402
 from vllm_fastload.streaming.loader import RunaiStreamerLoader  # noqa: E402
 from vllm_fastload.streaming.pipeline import H2DPipeline  # noqa: E402
@@ -42,13 +41,9 @@ def test_zoo_bit_exact_on_gpu(tmp_path, pinned_slot_bytes, pinned_reader, pipeli
     extra = {"pinned_slot_bytes": pinned_slot_bytes, "pinned_slots": 2, "report_path": str(tmp_path / "r.json"),
              "pinned_reader": pinned_reader, "pipeline_thread": pipeline_thread}
     RunaiStreamerLoader(LoadConfig(load_format="runai_streamer", model_loader_extra_config=extra)).load_weights(
-        m, model_config(tmp_path))
+        m, fake_model_config(tmp_path))
     torch.cuda.synchronize()
-    assert set(m.got) == set(expected)
-    for name, (dtype, shape, raw) in expected.items():
-        t = m.got[name]
-        assert t.dtype == dtype and tuple(t.shape) == shape, name
-        assert t.cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes() == raw, name
+    assert_zoo_bit_exact(m.got, expected)
     import json
 
     extra = json.loads((tmp_path / "r.json").read_text())["extra"]

@@ -22,21 +22,14 @@ from pathlib import Path
 
 import torch
 
-from vllm_fastload.fingerprint import Fingerprint, ShardFacts
+from tests.conftest import make_fingerprint as fingerprint, unix_listener  # importers use `fingerprint` from here
+from vllm_fastload.fingerprint import Fingerprint
 from vllm_fastload.ipc import protocol
 from vllm_fastload.ipc.health import start_health_server
 from vllm_fastload.ipc.export import pack
 from vllm_fastload.ipc.messages import Manifest, SegmentMeta, to_frame
 from vllm_fastload.ipc.shm import MemfdTransport
 from vllm_fastload.ipc.server import Limits, RankServer, RankState, acquire
-
-
-def fingerprint(**kw) -> Fingerprint:
-    base = dict(shards=(ShardFacts("model.safetensors", 100, "ab"),), architecture="X", dtype="bfloat16",
-                quantization=None, rope=None, revision=None, kv_cache_dtype="auto", tp_size=1, tp_rank=0, pp_size=1,
-                pp_rank=0, dp_size=1, dp_rank=0, vllm_version="0")
-    base.update(kw)
-    return Fingerprint(**base)
 
 
 def weights(n_extra: int = 0) -> dict[str, torch.Tensor]:
@@ -75,9 +68,7 @@ def serve(path: str, limits: Limits, health_port: int = 0) -> None:
 
 def half_manifest(path: str) -> None:
     st = make_state(path, fingerprint(), weights(2000))
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    s.bind(path)
-    s.listen(1)
+    s = unix_listener(path)
     print("ready", flush=True)
     conn, _ = s.accept()
     protocol.recv(conn)  # the hello

@@ -9,7 +9,7 @@ import blake3
 import pytest
 import torch
 
-from tests.conftest import write_safetensors, write_zoo
+from tests.conftest import fake_model_config, write_safetensors, write_zoo
 from vllm_fastload.checkpoint import read_checkpoint, read_header, select_shards
 from vllm_fastload.config import IpcCacheConfig, StreamerConfig
 from vllm_fastload.content import ContentPin, Hashing, checkpoint_digest, combine, record
@@ -49,11 +49,9 @@ def test_in_place_rewrite_with_restored_mtime_is_invisible_to_the_fingerprint_bu
     """`cp -p` of a fine-tune over the base file: same inode, same header, same size, mtime restored."""
     pytest.importorskip("vllm")
     from vllm_fastload.fingerprint import of_model
-    import types
 
     p = write_safetensors(tmp_path / "model.safetensors", {"norm": torch.ones(8), "w": torch.ones(4, 4)})
-    mc = types.SimpleNamespace(model=str(tmp_path), model_weights=None, revision=None, dtype="bfloat16",
-                               quantization=None, architectures=["X"], hf_config=types.SimpleNamespace())
+    mc = fake_model_config(tmp_path)
     st = p.stat()
     fp_before, digest_before = of_model(mc)[1], _digest(tmp_path)
     header_len = int.from_bytes(p.read_bytes()[:8], "little")
@@ -240,7 +238,8 @@ def test_content_hash_survives_a_fallback_and_a_pinned_reload_leaves_the_model_u
     from vllm.config.load import LoadConfig
     from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
-    from tests.unit.test_loader_inprocess import Sink, model_config, run, tensors
+    from tests.conftest import fake_model_config as model_config
+    from tests.unit.test_loader_inprocess import Sink, run, tensors
     from vllm_fastload.streaming.loader import RunaiStreamerLoader
 
     ts = tensors()

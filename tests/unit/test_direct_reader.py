@@ -13,7 +13,7 @@ import logging
 import pytest
 import torch
 
-from tests.conftest import write_zoo
+from tests.conftest import assert_zoo_bit_exact, write_zoo
 from vllm_fastload.checkpoint import read_header
 from vllm_fastload.streaming import direct
 from vllm_fastload.streaming.timing import StageTimes
@@ -97,11 +97,7 @@ def test_zoo_reassembled_bit_exact_from_pieces(tmp_path, fake_cuda, piece, depth
     consumer, extra = fake_cuda
     expected = write_zoo(tmp_path / "model.safetensors")
     got, times, stats = _stream(tmp_path / "model.safetensors", piece, depth)
-    assert set(got) == set(expected)
-    for name, (dtype, shape, raw) in expected.items():
-        t = got[name]
-        assert t.dtype == dtype and tuple(t.shape) == shape, name
-        assert t.contiguous().view(-1).view(torch.uint8).numpy().tobytes() == raw, name
+    assert_zoo_bit_exact(got, expected)
     assert times.bytes == sum(len(raw) for _, _, raw in expected.values())
     assert times.tensors == len(expected)
     assert consumer.waited == sum(1 for _, _, raw in expected.values() if raw)  # one wait per non-empty tensor

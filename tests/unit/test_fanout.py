@@ -3,12 +3,11 @@ and host layouts, and real multi-process runs over gloo on CPU (the real runai r
 every rank gets every tensor bit for bit, each byte is read once per host, a failing, dying or stopping rank fails
 the others with its reason within the timeout. The NCCL path runs in tests/gpu on the device."""
 
-import hashlib
 import time
 
 import pytest
 
-from tests.conftest import write_zoo
+from tests.conftest import write_zoo, zoo_digests
 from tests.unit.fanout_worker import run_ranks
 from vllm_fastload.streaming.fanout import assign_owners, fanout_groups
 
@@ -67,15 +66,11 @@ def _run(tmp_path, files, world, tp, hosts, mode=None, faulty_rank=None, timeout
                      distributed=distributed)
 
 
-def _expected_hashes(expected):
-    return {n: [str(d), list(s), hashlib.sha256(raw).hexdigest()] for n, (d, s, raw) in expected.items()}
-
-
 def test_two_ranks_get_every_tensor_bit_exact_each_byte_read_once(tmp_path, zoo):
     files, expected = zoo
     res = _run(tmp_path, files, world=2, tp=2, hosts=["h", "h"])
     total = sum(len(raw) for e in expected for _, _, raw in e.values())
-    want = [_expected_hashes(e) for e in expected]
+    want = [zoo_digests(e) for e in expected]
     for r in res:
         assert "error" not in r and r["fan"] is not None, r
         for name, got in r["tensors"].items():
@@ -95,7 +90,7 @@ def test_tp_group_over_two_hosts_reads_once_per_host(tmp_path, zoo):
     assert [tuple(r["fan"]["ranks"]) for r in res] == [(0, 1), (0, 1), (2, 3), (2, 3)]
     assert sum(r["fan"]["read_bytes"] for r in res[:2]) == total
     assert sum(r["fan"]["read_bytes"] for r in res[2:]) == total
-    want = _expected_hashes(expected[0])
+    want = zoo_digests(expected[0])
     for r in res:
         assert "error" not in r, r
         assert all(want[n] in got for n, got in r["tensors"].items() if n in want)

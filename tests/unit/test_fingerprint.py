@@ -1,23 +1,18 @@
 import dataclasses
+import functools
 import os
 
 import pytest
 import torch
 
-from tests.conftest import write_safetensors
+from tests.conftest import fake_model_config, make_fingerprint, write_safetensors
 from vllm_fastload.checkpoint import read_header
 from vllm_fastload.fingerprint import Fingerprint, ShardFacts
 
-
-def fp(**kw):
-    base = dict(
-        shards=(ShardFacts("b.safetensors", 20, "bb"), ShardFacts("a.safetensors", 10, "aa")),
-        architecture="LlamaForCausalLM", dtype="bfloat16", quantization=None, rope='{"rope_theta": 10000}',
-        revision=None, kv_cache_dtype="auto", tp_size=1, tp_rank=0, pp_size=1, pp_rank=0, dp_size=1, dp_rank=0,
-        vllm_version="0.32.0",
-    )
-    base.update(kw)
-    return Fingerprint(**base)
+#: two shards (given out of order), a Llama with RoPE settings; keywords replace fields
+fp = functools.partial(make_fingerprint,
+                       shards=(ShardFacts("b.safetensors", 20, "bb"), ShardFacts("a.safetensors", 10, "aa")),
+                       architecture="LlamaForCausalLM", rope='{"rope_theta": 10000}', vllm_version="0.32.0")
 
 
 def test_stable_and_order_independent():
@@ -44,18 +39,11 @@ def test_shard_change_names_the_shard_and_the_fact():
     assert a.mismatched_fields(c) == [("shards", ["b.safetensors"], [])]
 
 
-def _model_config(path):
-    import types
-
-    return types.SimpleNamespace(model=str(path), model_weights=None, revision=None, dtype="bfloat16",
-                                 quantization=None, architectures=["X"], hf_config=types.SimpleNamespace())
-
-
 def _fingerprint(path):
     pytest.importorskip("vllm")
     from vllm_fastload.fingerprint import of_model
 
-    return of_model(_model_config(path))[1]
+    return of_model(fake_model_config(path))[1]
 
 
 def test_values_written_over_the_files_change_the_fingerprint(tmp_path):

@@ -13,7 +13,7 @@ import torch
 pytest.importorskip("vllm")
 
 from tests.conftest import write_safetensors  # noqa: E402
-from tests.unit.test_ipc_tp_mismatch import ipc_loader, parallel, setup, warnings_logged  # noqa: E402,F401
+from tests.unit.test_ipc_tp_mismatch import ipc_loader, parallel, setup  # noqa: E402,F401
 from vllm_fastload.errors import CheckpointError  # noqa: E402
 
 

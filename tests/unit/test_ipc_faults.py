@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.conftest import unix_listener
 from tests.unit.ipc_fake_daemon import fingerprint, make_state, weights
 from vllm_fastload.ipc import protocol
 from vllm_fastload.ipc.client import CacheUnavailable, fetch, status_of
@@ -58,27 +59,6 @@ def child(argv: list[str], log: Path, ready: str = "ready"):
 
 def fake_daemon(sock: Path, tmp_path: Path, *args: str, name: str = "daemon"):
     return child(["-m", "tests.unit.ipc_fake_daemon", str(sock), *args], tmp_path / f"{name}.log")
-
-
-@pytest.fixture
-def records():
-    """Records of the ``vllm.fastload`` logger (INFO and up) while the test runs (vLLM's logging config may stop
-    them from reaching pytest's caplog)."""
-    got: list[logging.LogRecord] = []
-
-    class Keep(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            got.append(record)
-
-    lg = logging.getLogger("vllm.fastload")
-    h, old = Keep(logging.INFO), lg.level
-    lg.addHandler(h)
-    lg.setLevel(logging.INFO)
-    try:
-        yield got
-    finally:
-        lg.removeHandler(h)
-        lg.setLevel(old)
 
 
 @pytest.fixture
@@ -124,9 +104,7 @@ def test_daemon_killed_mid_manifest_is_named_quickly_and_leaks_no_fd(tmp_path):
 
 def test_daemon_stalled_mid_manifest_times_out_at_state_timeout_and_leaks_no_fd(tmp_path):
     path = tmp_path / "stall.sock"
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    s.bind(str(path))
-    s.listen(1)
+    s = unix_listener(path)
     memfd = os.memfd_create("fake-segment")
     release = threading.Event()
     body = json.dumps(to_frame(make_state(path, fingerprint(), weights(200)).manifest)).encode()

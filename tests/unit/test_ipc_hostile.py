@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from tests.unit.ipc_fake_daemon import fingerprint, make_state, weights
-from tests.unit.test_ipc_faults import fake_daemon, records, thread_errors, wait_for  # noqa: F401 (fixtures)
+from tests.unit.test_ipc_faults import fake_daemon, thread_errors, wait_for  # noqa: F401 (fixtures)
 from vllm_fastload import cli  # noqa: F401 (imported before a child drops to a uid that cannot read the stdlib)
 from vllm_fastload.errors import SocketDirError, UntrustedPeer
 from vllm_fastload.ipc import protocol
@@ -603,17 +603,25 @@ def test_a_refused_peer_of_another_uid_is_logged(shared_tmp, records):
 
 
 # --- 5. the torch.distributed rendezvous file is private and removed on every exit -------------------------------
-@pytest.mark.parametrize("outcome", ["returns", "raises"])
-def test_preload_removes_its_dist_init_dir_on_every_exit(tmp_path, monkeypatch, outcome):
+def preload_without_vllm(monkeypatch, model_dir) -> None:
+    """Let ``vllm-fastload preload`` run in this process without building vLLM's config: TP=1, PP=1 for the model
+    at ``model_dir``, and no fd limit raised."""
     from vllm.engine.arg_utils import EngineArgs
 
-    from vllm_fastload.cli import main as cli_main
     from vllm_fastload.ipc import daemon
 
     cfg = types.SimpleNamespace(parallel_config=types.SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1),
-                                model_config=types.SimpleNamespace(model=str(tmp_path)))
+                                model_config=types.SimpleNamespace(model=str(model_dir)))
     monkeypatch.setattr(EngineArgs, "create_engine_config", lambda self: cfg)
     monkeypatch.setattr(daemon, "raise_fd_limit", lambda limits: 1024)
+
+
+@pytest.mark.parametrize("outcome", ["returns", "raises"])
+def test_preload_removes_its_dist_init_dir_on_every_exit(tmp_path, monkeypatch, outcome):
+    from vllm_fastload.cli import main as cli_main
+    from vllm_fastload.ipc import daemon
+
+    preload_without_vllm(monkeypatch, tmp_path)
     seen = {}
 
     def fake_serve_rank(vllm_config, local_rank, rank, world, init_method, spec, ready, limits):
@@ -639,17 +647,12 @@ def test_preload_removes_its_dist_init_dir_on_every_exit(tmp_path, monkeypatch, 
 
 
 def test_a_second_daemon_gets_the_lock_message_before_the_health_port_error(tmp_path, capsys, monkeypatch):
-    from vllm.engine.arg_utils import EngineArgs
     from vllm.platforms import current_platform
 
     from vllm_fastload.cli import main as cli_main
-    from vllm_fastload.ipc import daemon
     from vllm_fastload.ipc.paths import device_identity, socket_path
 
-    cfg = types.SimpleNamespace(parallel_config=types.SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1),
-                                model_config=types.SimpleNamespace(model=str(tmp_path)))
-    monkeypatch.setattr(EngineArgs, "create_engine_config", lambda self: cfg)
-    monkeypatch.setattr(daemon, "raise_fd_limit", lambda limits: 1024)
+    preload_without_vllm(monkeypatch, tmp_path)
     sock_dir = tmp_path / "sock"
     sock_dir.mkdir(mode=0o700)
     port = free_port()

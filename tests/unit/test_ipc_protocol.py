@@ -9,37 +9,23 @@ from pathlib import Path
 import pytest
 import torch
 
-from vllm_fastload.fingerprint import Fingerprint, ShardFacts
+from tests.conftest import make_fingerprint as fingerprint, unix_listener
+from tests.unit.ipc_fake_daemon import make_state
 from vllm_fastload.ipc import protocol
 from vllm_fastload.ipc.client import CacheUnavailable, FingerprintMismatch, fetch, status_of
-from vllm_fastload.ipc.server import RankServer, RankState, acquire
+from vllm_fastload.ipc.server import RankServer, acquire
 from vllm_fastload.ipc.layout import view_at
-from vllm_fastload.ipc.export import pack
-from vllm_fastload.ipc.messages import Manifest
-from vllm_fastload.ipc.shm import MemfdTransport
 from vllm_fastload.errors import FastloadError
-
-
-def fingerprint(**kw):
-    base = dict(shards=(ShardFacts("model.safetensors", 100, "ab"),), architecture="X", dtype="bfloat16",
-                quantization=None, rope=None, revision=None, kv_cache_dtype="auto", tp_size=1, tp_rank=0, pp_size=1,
-                pp_rank=0, dp_size=1, dp_rank=0, vllm_version="0")
-    base.update(kw)
-    return Fingerprint(**base)
 
 
 @pytest.fixture
 def server(tmp_path):
     w = torch.arange(1000, dtype=torch.float32)
-    seg, entries = pack({"w": w})
     fp = fingerprint()
-    manifest = Manifest(version=protocol.PROTOCOL_VERSION, fingerprint=fp.to_dict(), fingerprint_short=fp.short(),
-                        segments=[MemfdTransport().describe(seg, torch.device("cpu"))], tensors=entries)
     path = tmp_path / "dev-target.sock"
     lock = acquire(path)
-    st = RankState(fingerprint=fp.to_dict(), segment=seg, manifest=manifest, model="m", device="dev",
-                   socket=str(path), load_s=0.0, nbytes=4000)
-    st.ready.set()
+    st = make_state(path, fp, {"w": w})
+    assert st.nbytes == 4000 and st.ready.is_set()
     srv = RankServer(st, path)
     srv.bind()
     t = threading.Thread(target=srv.serve_forever, daemon=True)
@@ -105,9 +91,7 @@ def test_no_daemon_fails_within_connect_timeout(tmp_path):
 
 def test_a_pickle_speaking_daemon_is_named(tmp_path):
     path = tmp_path / "upstream.sock"
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    s.bind(str(path))
-    s.listen(1)
+    s = unix_listener(path)
 
     def serve():
         c, _ = s.accept()
@@ -126,9 +110,7 @@ def test_a_daemon_of_another_protocol_version_is_named_with_both_versions(tmp_pa
     """The engine checks the manifest's version before its fields (they may differ between versions) and says
     which version each side speaks."""
     path = tmp_path / "old.sock"
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    s.bind(str(path))
-    s.listen(1)
+    s = unix_listener(path)
     old = protocol.PROTOCOL_VERSION - 1
 
     def serve():

@@ -9,7 +9,6 @@ is replaced by a stub.
 
 from __future__ import annotations
 
-import logging
 import os
 import threading
 import types
@@ -21,7 +20,7 @@ pytest.importorskip("vllm")
 
 from vllm.config.load import LoadConfig  # noqa: E402
 
-from tests.conftest import write_safetensors  # noqa: E402
+from tests.conftest import fake_model_config, write_safetensors  # noqa: E402
 from tests.unit.ipc_fake_daemon import make_state  # noqa: E402
 from vllm_fastload.errors import FallbackRefused  # noqa: E402
 from vllm_fastload.fingerprint import of_model  # noqa: E402
@@ -46,9 +45,7 @@ def parallel(monkeypatch, tp_size: int, tp_rank: int) -> None:
 def setup(tmp_path, monkeypatch):
     """A checkpoint, its vLLM-like configs, and a daemon (TP=1, rank 0) serving it on a socket in tmp_path."""
     write_safetensors(tmp_path / "ckpt" / "model.safetensors", {"w": torch.arange(1000, dtype=torch.float32)})
-    model_config = types.SimpleNamespace(model=str(tmp_path / "ckpt"), model_weights=None, revision=None,
-                                         dtype=torch.bfloat16, quantization=None, architectures=["Tiny"],
-                                         hf_config=types.SimpleNamespace())
+    model_config = fake_model_config(tmp_path / "ckpt")
     vllm_config = types.SimpleNamespace(device_config=types.SimpleNamespace(device="cpu"),
                                         cache_config=types.SimpleNamespace(cache_dtype="auto"))
     with monkeypatch.context() as m:
@@ -64,24 +61,6 @@ def setup(tmp_path, monkeypatch):
     finally:
         srv.close()
         os.close(lock)
-
-
-@pytest.fixture
-def warnings_logged():
-    got: list[str] = []
-
-    class Keep(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            if record.levelno >= logging.WARNING:
-                got.append(record.getMessage())
-
-    lg = logging.getLogger("vllm.fastload")
-    h = Keep()
-    lg.addHandler(h)
-    try:
-        yield got
-    finally:
-        lg.removeHandler(h)
 
 
 def ipc_loader(path, **extra):

@@ -10,7 +10,7 @@ pytest.importorskip("vllm")
 
 from vllm.config.load import LoadConfig  # noqa: E402
 
-from tests.conftest import demo_plus_overlay, write_safetensors  # noqa: E402
+from tests.conftest import demo_plus_overlay, fake_model_config, write_safetensors  # noqa: E402
 from vllm_fastload.errors import CheckpointError, ConfigError, FallbackRefused  # noqa: E402
 from vllm_fastload.streaming.loader import RunaiStreamerLoader  # noqa: E402
 
@@ -33,11 +33,6 @@ class Sink(torch.nn.Module):
         return loaded
 
 
-def model_config(path, quantization=None):
-    return types.SimpleNamespace(model=str(path), model_weights=None, revision=None, dtype=torch.bfloat16,
-                                 quantization=quantization, architectures=["Sink"], hf_config=types.SimpleNamespace())
-
-
 def tensors():
     g = torch.Generator().manual_seed(0)
     return {
@@ -56,7 +51,7 @@ def run(path, extra=None, report=None):
     loader = RunaiStreamerLoader(LoadConfig(load_format="runai_streamer", model_loader_extra_config=extra))
     ts = tensors()
     sink = Sink({k: (v.shape, v.dtype) for k, v in ts.items()})
-    loader.load_weights(sink, model_config(path))
+    loader.load_weights(sink, fake_model_config(path))
     return sink, ts
 
 
@@ -107,7 +102,7 @@ def test_malformed_shard_fails_before_loading_anything(tmp_path):
     loader = RunaiStreamerLoader(LoadConfig(load_format="runai_streamer"))
     sink = Sink({k: (v.shape, v.dtype) for k, v in ts.items()})
     with pytest.raises(CheckpointError, match="model-00002-of-00002.safetensors: 4 bytes of trailing data"):
-        loader.load_weights(sink, model_config(tmp_path))
+        loader.load_weights(sink, fake_model_config(tmp_path))
     assert sink.seen == {}
 
 
@@ -138,7 +133,7 @@ def test_demo_model_plus_overlay_without_index_is_refused_before_reading(demo_mo
     loader = RunaiStreamerLoader(LoadConfig(load_format="runai_streamer"))
     sink = Sink({})
     with pytest.raises(CheckpointError) as e:
-        loader.load_weights(sink, model_config(d))
+        loader.load_weights(sink, fake_model_config(d))
     assert str(e.value).startswith(f"tensor 'model.norm.weight' is stored in 2 shards ({d}/model.safetensors, "
                                    f"{d}/overlay.safetensors) and no safetensors index (model.safetensors.index.json) "
                                    f"says which copy to load")
@@ -171,7 +166,7 @@ def test_with_an_index_each_name_loads_once_from_its_shard_whatever_the_read_ord
     real = sink.load_weights
     sink.load_weights = lambda weights: real((names.append(n) or (n, t)) for n, t in weights)
     with caplog.at_level("WARNING", logger="vllm.fastload"):
-        loader.load_weights(sink, model_config(tmp_path))
+        loader.load_weights(sink, fake_model_config(tmp_path))
     assert sorted(names) == sorted(ts)  # each name once: 6 tensors, not 7
     want = 0.0 if assigned == 1 else 1.0
     assert sink.seen["norm"].tolist() == [want] * 300
@@ -219,7 +214,7 @@ def test_missing_hf_blob_fails_in_download_model_before_the_model_is_built(tmp_p
     loader = RunaiStreamerLoader(LoadConfig(load_format="runai_streamer"))
     with pytest.raises(CheckpointError, match=r"incomplete or evicted download; download it again \(`hf download "
                                               r"org/m --revision r1`\)"):
-        loader.download_model(model_config(snap))
+        loader.download_model(fake_model_config(snap))
 
 
 def test_missing_local_weights_path_is_an_error_not_a_hub_download():
@@ -254,7 +249,7 @@ def test_reload_picks_the_read_path_for_the_device_the_model_had_when_asked(tmp_
     monkeypatch.setattr(RunaiStreamerLoader, "_reads_into_pinned", spy)
     loader = RunaiStreamerLoader(LoadConfig(load_format="runai_streamer", model_loader_extra_config={}))
     sink = Sink({k: (v.shape, v.dtype) for k, v in ts.items()})
-    it = loader.get_all_weights(model_config(tmp_path), sink)
+    it = loader.get_all_weights(fake_model_config(tmp_path), sink)
     # what vLLM's initialize_layerwise_reload does before iterating: the layers' tensors go to the meta device
     sink.params = torch.nn.ParameterDict({k: torch.nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=False)
                                           for k, p in sink.params.items()})

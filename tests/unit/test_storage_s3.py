@@ -2,7 +2,6 @@
 
 import json
 import os
-import socket
 import time
 
 import pytest
@@ -13,10 +12,18 @@ pytest.importorskip("moto")
 import requests  # noqa: E402
 import torch  # noqa: E402
 
+from tests.conftest import tcp_black_hole  # noqa: E402
 from vllm_fastload.checkpoint import read_header, select_shards  # noqa: E402
 from vllm_fastload.errors import StorageError  # noqa: E402
 from vllm_fastload.servers import free_port  # noqa: E402
 from vllm_fastload.storage import list_safetensors, read_range  # noqa: E402
+
+
+def point_s3_at(monkeypatch, url: str) -> str:
+    """Point both S3 clients (boto3's ``AWS_ENDPOINT_URL``, runai's ``RUNAI_STREAMER_S3_ENDPOINT``) at ``url``."""
+    monkeypatch.setenv("AWS_ENDPOINT_URL", url)
+    monkeypatch.setenv("RUNAI_STREAMER_S3_ENDPOINT", url)
+    return url
 
 
 @pytest.fixture
@@ -61,9 +68,7 @@ def test_missing_key_names_it(s3env):
 
 
 def test_unreachable_endpoint_fails_with_the_cause(s3env, monkeypatch):
-    dead = f"http://127.0.0.1:{free_port()}"
-    monkeypatch.setenv("AWS_ENDPOINT_URL", dead)
-    monkeypatch.setenv("RUNAI_STREAMER_S3_ENDPOINT", dead)
+    dead = point_s3_at(monkeypatch, f"http://127.0.0.1:{free_port()}")
     t = time.monotonic()
     with pytest.raises(StorageError) as e:
         list_safetensors("s3://bucket-ok/models/tiny")
@@ -112,11 +117,8 @@ def buckets(moto_s3, tmp_path_factory):
 def imds_black_hole():
     """A TCP listener on 127.0.0.1 that never answers: stands in for an instance metadata service that does not
     reply (outside EC2), so no request leaves the host."""
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    s.listen(64)
-    yield f"http://127.0.0.1:{s.getsockname()[1]}"
-    s.close()
+    with tcp_black_hole() as url:
+        yield url
 
 
 @pytest.fixture
@@ -125,8 +127,7 @@ def no_creds(moto_s3, monkeypatch, tmp_path, imds_black_hole):
     (its endpoint is the black hole above)."""
     for k in CRED_VARS:
         monkeypatch.delenv(k, raising=False)
-    monkeypatch.setenv("AWS_ENDPOINT_URL", moto_s3.endpoint)
-    monkeypatch.setenv("RUNAI_STREAMER_S3_ENDPOINT", moto_s3.endpoint)
+    point_s3_at(monkeypatch, moto_s3.endpoint)
     monkeypatch.setenv("RUNAI_STREAMER_S3_USE_VIRTUAL_ADDRESSING", "0")
     monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
     monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "no-credentials"))
@@ -153,14 +154,15 @@ def load_with_streamer(uri, extra=None, timing=None):
     pytest.importorskip("vllm")
     from vllm.config.load import LoadConfig
 
-    from tests.unit.test_loader_inprocess import Sink, model_config
+    from tests.conftest import fake_model_config
+    from tests.unit.test_loader_inprocess import Sink
     from vllm_fastload.streaming.loader import RunaiStreamerLoader
 
     loader = RunaiStreamerLoader(LoadConfig(load_format="runai_streamer", model_loader_extra_config=extra or {}))
     sink = Sink({"w": ((64,), torch.float32), "b": ((3, 5), torch.bfloat16)})
     t = time.monotonic()
     try:
-        loader.load_weights(sink, model_config(uri))
+        loader.load_weights(sink, fake_model_config(uri))
     finally:
         if timing is not None:
             timing.append(time.monotonic() - t)
@@ -248,9 +250,7 @@ def test_wrong_keys_name_the_status_and_the_variable(buckets, auth_on, case):
 
 
 def test_refused_endpoint_fails_within_seconds_for_list_read_and_load(s3env, monkeypatch):
-    dead = f"http://127.0.0.1:{free_port()}"
-    monkeypatch.setenv("AWS_ENDPOINT_URL", dead)
-    monkeypatch.setenv("RUNAI_STREAMER_S3_ENDPOINT", dead)
+    dead = point_s3_at(monkeypatch, f"http://127.0.0.1:{free_port()}")
     for what, call in (("list", lambda: list_safetensors("s3://bucket-ok/models/tiny")),
                        ("read", lambda: read_range("s3://bucket-ok/models/tiny/model.safetensors", 0, 8)),
                        ("list", lambda: load_with_streamer("s3://bucket-ok/models/tiny"))):
@@ -266,13 +266,8 @@ def test_refused_endpoint_fails_within_seconds_for_list_read_and_load(s3env, mon
 def test_an_endpoint_that_never_answers_is_bounded_by_the_listing_timeouts(s3env, monkeypatch):
     from vllm_fastload import storage
 
-    hole = socket.socket()
-    hole.bind(("127.0.0.1", 0))
-    hole.listen(64)
-    try:
-        url = f"http://127.0.0.1:{hole.getsockname()[1]}"
-        monkeypatch.setenv("AWS_ENDPOINT_URL", url)
-        monkeypatch.setenv("RUNAI_STREAMER_S3_ENDPOINT", url)
+    with tcp_black_hole() as url:
+        point_s3_at(monkeypatch, url)
         # the defaults bound a hung listing to ~20 s (runai's own listing: 60 s read timeout with retries, ~3 min);
         # the test shortens them to keep it quick
         d = storage.LIST_TIMEOUTS
@@ -285,8 +280,6 @@ def test_an_endpoint_that_never_answers_is_bounded_by_the_listing_timeouts(s3env
         msg = str(e.value)
         assert "cannot list s3://bucket-ok/models/tiny: ReadTimeoutError: Read timeout on endpoint URL" in msg
         assert url in msg
-    finally:
-        hole.close()
 
 
 def test_endpoint_only_in_aws_endpoint_url_loads_the_same_bytes(s3env, monkeypatch):
@@ -294,7 +287,7 @@ def test_endpoint_only_in_aws_endpoint_url_loads_the_same_bytes(s3env, monkeypat
     for listing and for the streamer's reads: a full load returns the file's bytes."""
     from vllm.config.load import LoadConfig
 
-    from tests.unit.test_loader_inprocess import model_config
+    from tests.conftest import fake_model_config
     from vllm_fastload.streaming.loader import RunaiStreamerLoader
 
     moto, uri, d = s3env
@@ -307,7 +300,7 @@ def test_endpoint_only_in_aws_endpoint_url_loads_the_same_bytes(s3env, monkeypat
             def load_weights(self, weights):
                 got.update({k: t.clone() for k, t in weights})
 
-        cfg = model_config(d)
+        cfg = fake_model_config(d)
         cfg.model_weights = src
         RunaiStreamerLoader(LoadConfig(load_format="runai_streamer")).load_weights(Collect(), cfg)
         assert torch.equal(got["w"], torch.arange(10, dtype=torch.float32))
@@ -323,14 +316,7 @@ def test_listing_and_reading_endpoints_that_differ_are_refused(s3env, monkeypatc
 
 # --- issue 15, items 2 and 7: object sizes checked as local sizes are; shard identity from the store -------------
 def _put(moto, bucket, key, body, versioned=False):
-    import boto3
-
-    s3 = boto3.client("s3", endpoint_url=moto.endpoint, region_name="us-east-1", aws_access_key_id="testing",
-                      aws_secret_access_key="testing")
-    try:
-        s3.create_bucket(Bucket=bucket)
-    except s3.exceptions.BucketAlreadyOwnedByYou:
-        pass
+    s3 = moto.bucket(bucket)
     if versioned:
         s3.put_bucket_versioning(Bucket=bucket, VersioningConfiguration={"Status": "Enabled"})
     return s3.put_object(Bucket=bucket, Key=key, Body=body)
@@ -347,7 +333,7 @@ def test_damaged_object_gets_the_local_message_before_any_data_is_read(s3env, tm
     with the message a local file gets, naming the URI; no 'transient (timeout, throttling)' diagnosis."""
     from vllm.config.load import LoadConfig
 
-    from tests.unit.test_loader_inprocess import model_config
+    from tests.conftest import fake_model_config
     from vllm_fastload.cli import main
     from vllm_fastload.errors import CheckpointError
     from vllm_fastload.streaming.loader import RunaiStreamerLoader
@@ -367,7 +353,7 @@ def test_damaged_object_gets_the_local_message_before_any_data_is_read(s3env, tm
     for src, shard in ((str(local.parent), str(local)), (uri, f"{uri}/model.safetensors")):
         assert main(["inspect", src, "--no-fingerprint", "--json"]) == 1
         assert json.loads(capsys.readouterr().out)["problems"] == [f"{shard}: {text}"]
-    cfg = model_config(d)
+    cfg = fake_model_config(d)
     cfg.model_weights = uri
     with pytest.raises(CheckpointError) as e:
         RunaiStreamerLoader(LoadConfig(load_format="runai_streamer")).load_weights(torch.nn.Module(), cfg)

@@ -5,8 +5,7 @@ import torch
 
 pytest.importorskip("vllm")
 
-from tests.conftest import write_zoo  # noqa: E402
-from tests.unit.test_loader_inprocess import model_config  # noqa: E402
+from tests.conftest import assert_zoo_bit_exact, fake_model_config, write_zoo  # noqa: E402
 from vllm.config.load import LoadConfig  # noqa: E402
 from vllm_fastload.streaming.loader import RunaiStreamerLoader  # noqa: E402
 
@@ -25,12 +24,8 @@ class Collect(torch.nn.Module):
 def test_zoo_bit_exact_cpu(tmp_path):
     expected = write_zoo(tmp_path / "model.safetensors")
     m = Collect()
-    RunaiStreamerLoader(LoadConfig(load_format="runai_streamer")).load_weights(m, model_config(tmp_path))
-    assert set(m.got) == set(expected)
-    for name, (dtype, shape, raw) in expected.items():
-        t = m.got[name]
-        assert t.dtype == dtype and tuple(t.shape) == shape, name
-        assert t.contiguous().view(-1).view(torch.uint8).numpy().tobytes() == raw, name
+    RunaiStreamerLoader(LoadConfig(load_format="runai_streamer")).load_weights(m, fake_model_config(tmp_path))
+    assert_zoo_bit_exact(m.got, expected)
 
 
 def test_held_tensor_keeps_its_values_under_the_smallest_memory_limit(tmp_path):
@@ -44,6 +39,6 @@ def test_held_tensor_keeps_its_values_under_the_smallest_memory_limit(tmp_path):
     write_safetensors(tmp_path / "model.safetensors", ts)
     m = Collect()
     RunaiStreamerLoader(LoadConfig(load_format="runai_streamer", model_loader_extra_config={"memory_limit": 0})) \
-        .load_weights(m, model_config(tmp_path))
+        .load_weights(m, fake_model_config(tmp_path))
     for k, v in ts.items():
         assert torch.equal(m.got[k], v), k

@@ -122,10 +122,9 @@ class RunaiStreamerLoader(BaseModelLoader):
         StorageError, FallbackRefused; never leaves a parameter uninitialized without an error."""
         t0 = time.perf_counter()
         report = LoadReport(load_format=LOAD_FORMAT, source=weights_source(model_config))
-        reason, possible = self._why_not(model_config)
         pin = self._content_pin(model_config, report)
-        if reason:
-            loader = fall_back(LOAD_FORMAT, reason, self.config.fallback, self.load_config, possible=possible, pin=pin)
+        loader, reason = self._fallback_for(model_config, pin)
+        if loader is not None:
             loader.load_weights(model, model_config)
             self._fell_back(report, loader, reason, t0)
             return
@@ -154,10 +153,9 @@ class RunaiStreamerLoader(BaseModelLoader):
     def _all_weights(self, model_config: Any, model: Any, device: Any) -> Iterator[tuple[str, Any]]:
         t0 = time.perf_counter()
         report = LoadReport(load_format=LOAD_FORMAT, source=weights_source(model_config))
-        reason, possible = self._why_not(model_config)
         pin = self._content_pin(model_config, report)
-        if reason:
-            loader = fall_back(LOAD_FORMAT, reason, self.config.fallback, self.load_config, possible=possible, pin=pin)
+        loader, reason = self._fallback_for(model_config, pin)
+        if loader is not None:
             yield from loader.get_all_weights(model_config, model)
             self._fell_back(report, loader, reason, t0)
             return
@@ -167,6 +165,16 @@ class RunaiStreamerLoader(BaseModelLoader):
         yield from pin.stream(tensors) if pin else tensors
         self._finish(report, t0)
         report.emit(self.config.report_path)
+
+    def _fallback_for(self, model_config: Any, pin: ContentPin | None) -> tuple[Any, str | None]:
+        """``(loader, reason)``: the loader the fallback policy picks when this checkpoint cannot be streamed
+        (:meth:`_why_not` says why; ``fall_back`` raises FallbackRefused where the policy forbids it; ``pin``
+        keeps hashing and checking on the fallback's stream), else ``(None, None)``."""
+        reason, possible = self._why_not(model_config)
+        if not reason:
+            return None, None
+        return fall_back(LOAD_FORMAT, reason, self.config.fallback, self.load_config, possible=possible,
+                         pin=pin), reason
 
     def _content_pin(self, model_config: Any, report: LoadReport) -> ContentPin | None:
         """What ``content_hash`` / ``expected_content_digest`` ask of this load (None: no hashing). The digest lands

@@ -87,6 +87,8 @@ def main(argv: list[str] | None = None) -> int:
                           content_digest=args.content_digest)
         except (FastloadError, OSError) as e:
             print(f"vllm-fastload inspect: error: {e}", file=sys.stderr)
+            if args.json:  # a script reading stdout gets the reason too, not an empty document
+                print(json.dumps({"source": args.source, "error": str(e)}, indent=2))
             return 2
         print(json.dumps(rep, indent=2) if args.json else render(rep))
         return 1 if rep["problems"] else 0

@@ -122,3 +122,12 @@ def test_bad_engine_args_fail_the_fingerprint_alone_in_one_line(demo_model, caps
     assert ("PROBLEM (engine args): fingerprint not computed: ValidationError: Total number of attention heads (9) must be "
             "divisible by tensor parallel size (2).") in out
     assert len(out.splitlines()) == 4  # source, shard, problem, suggestion: no vLLM log lines in the report
+
+
+def test_inspect_json_gives_the_reason_on_stdout_when_it_cannot_inspect(tmp_path, capsys):
+    """Exit 2 (cannot inspect): with --json a script reading stdout gets a document naming the error."""
+    (tmp_path / SAFE_INDEX).write_text(json.dumps({"weight_map": {"a": "missing.safetensors"}}))
+    assert main(["inspect", str(tmp_path), "--no-fingerprint", "--json"]) == 2
+    out, err = capsys.readouterr()
+    doc = json.loads(out)
+    assert doc["source"] == str(tmp_path) and "missing.safetensors" in doc["error"] and doc["error"] in err

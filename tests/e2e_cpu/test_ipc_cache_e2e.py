@@ -107,6 +107,7 @@ def test_zero_copy_matches_default_and_restart_maps_again(demo_model, sock_dir, 
             r = report(e2e_logs, run)
             assert r["fallback_reason"] is None and r["note"].startswith("no disk read (re-processing ")
             assert r["tensors"] == st.tensors and r["extra"]["weights_phase_s"] < r["wall_s"]
+            assert r["content_digest"] == digest and f"content {digest}" in log  # the engine's line names it
     code, text = daemon.http("/metrics")
     assert 'vllm_fastload_attaches_total{rank="0"} 2.0' in text and "vllm_fastload_attaches_total counter" in text
     deadline = time.monotonic() + 30  # the daemon sees the second engine's connection close a moment after it exits

@@ -176,7 +176,8 @@ def _check_content(lease: Lease, path: str, expected: Optional[str]) -> None:
     if got != expected:
         raise CacheUnavailable(f"the daemon at {path} holds weights with content digest {got}, but "
                                f"expected_content_digest is {expected}: restart `vllm-fastload preload` on the pinned "
-                               f"checkpoint")
+                               f"checkpoint, or check the pin (`vllm-fastload inspect --content-digest` of the files "
+                               f"you mean to serve)")
 
 
 def _verify(lease: Lease, path: str) -> None:
@@ -271,7 +272,8 @@ def _keep_lease(lease: Lease, transport: Transport, device: Any) -> None:
 def _report(manifest: Manifest, path: str, fp: Any, plan: Any, mode: str, phases: _Phases, t0: float) -> LoadReport:
     """The load report of a mapped load; ``weights_phase_s`` is the span comparable to a disk loader's weight
     loading (fetch + map + verify + install, + the copy and release), ``thread_cpu_s`` far below the wall time
-    means the load waited (device copies, the daemon, other threads holding the GIL)."""
+    means the load waited (device copies, the daemon, other threads holding the GIL). ``content_digest``: the
+    daemon's, when it hashed its load (then the log line names it: what an ``expected_content_digest`` matched)."""
     phases["thread_cpu_s"] = phases.thread_cpu_s()
     phases["weights_phase_s"] = round(phases["connect_manifest_s"] + phases["map_verify_install_s"]
                                       + phases["release_s"], 4)
@@ -280,7 +282,7 @@ def _report(manifest: Manifest, path: str, fp: Any, plan: Any, mode: str, phases
                         bytes=sum(e.nbytes for e in manifest.tensors.values()), wall_s=time.perf_counter() - t0,
                         fingerprint=fp.short(), weights_phase_s=phases["weights_phase_s"],
                         note=f"no disk read (re-processing {n_re} module(s) {phases['reprocess_s']:.3f} s)",
-                        shards=len(plan.files))
+                        shards=len(plan.files), content_digest=manifest.content_digest)
     report.extra.update(mode=mode, reprocessed_modules=n_re, **phases)
     return report
 

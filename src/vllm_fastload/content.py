@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator, Optional
 
 from .errors import CheckpointError, ContentMismatch
+from .storage import is_object_uri
 
 PREFIX = "blake3:"
 _DIGEST_RE = re.compile(r"blake3:[0-9a-f]{64}")
@@ -86,16 +87,16 @@ def checkpoint_digest(checkpoint: Any) -> str:
     changed since its header was read, and ``OSError`` when a file cannot be read."""
     digests: dict[str, bytes] = {}
     for header in checkpoint.headers:
-        if "://" in header.path:
+        if is_object_uri(header.path):
             raise CheckpointError(f"{header.path}: the content digest of object-storage shards is not computed by "
                                   f"inspect (it would download every byte); hash a local copy, or start the "
                                   f"preload daemon with \"content_hash\": true and read the digest from "
                                   f"`vllm-fastload status`")
         base = 8 + header.header_len
         with open(header.path, "rb") as f:
-            _unchanged(header, os.fstat(f.fileno()))
-            size = os.fstat(f.fileno()).st_size
-            with (mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else _Empty()) as m:
+            st = os.fstat(f.fileno())
+            _unchanged(header, st)
+            with (mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if st.st_size else _Empty()) as m:
                 view = memoryview(m)
                 try:
                     for name, t in header.tensors.items():
@@ -160,14 +161,15 @@ class Hashing:
         finally:
             self._pieces = None
 
-    def check(self, expected: Optional[str], source: str, key: str = "expected_content_digest") -> None:
+    def check(self, expected: Optional[str], source: str) -> None:
         """Raise :class:`ContentMismatch` naming both digests and ``source`` unless ``expected`` is None or equals
         :attr:`digest` (which must be set: call after the stream ended)."""
         if expected is None:
             return
         if self.digest != expected:
             raise ContentMismatch(
-                f"the tensors loaded from {source} have content digest {self.digest}, but {key} is {expected}: these "
+                f"the tensors loaded from {source} have content digest {self.digest}, but expected_content_digest is "
+                f"{expected}: these "
                 f"are not the pinned weights (a checkpoint rewritten in place, a wrong copy, a different revision"
                 + (f"; {', '.join(self.repeated[:3])} came in several copies and the last one counted" if self.repeated
                    else "") + f"). Restore the pinned files, or pin the new digest (`vllm-fastload inspect "
@@ -250,7 +252,7 @@ class ContentPin:
         """Before a model that already serves is overwritten (vLLM's in-place ``reload_weights``): read and hash the
         files first and raise :class:`ContentMismatch` before the first tensor is written. Object storage: not
         possible without a download; the stream's own check after the last tensor stays."""
-        if self.expected is None or any("://" in h.path for h in checkpoint.headers):
+        if self.expected is None or any(is_object_uri(h.path) for h in checkpoint.headers):
             return
         got = checkpoint_digest(checkpoint)
         if got != self.expected:

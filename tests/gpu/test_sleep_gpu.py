@@ -25,7 +25,7 @@ if not torch.cuda.is_available():
 
 pytest.importorskip("vllm")
 
-from vllm_fastload.servers import PreloadDaemon  # noqa: E402
+from tests.gpu.test_ipc_cache_gpu import sock, start_daemon  # noqa: E402,F401 (sock: a fixture)
 
 SLEEPER = r"""
 import json, sys, time, torch
@@ -61,25 +61,13 @@ def sleeper(model, fmt, extra, reload_after_level2, log):
     return json.loads(text.split("SLEEP ", 1)[1].splitlines()[0]), text
 
 
-@pytest.fixture
-def sock():
-    import shutil
-    import tempfile
-
-    d = Path(tempfile.mkdtemp(prefix="fl", dir="/tmp"))
-    os.chmod(d, 0o700)
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
-
-
 @pytest.mark.parametrize("case", ["runai_streamer", "zero_copy", "copy"])
 def test_sleep_and_wake_keep_greedy_ids(tiny, sock, tmp_path, case):
     daemon = None
     if case == "runai_streamer":
         fmt, extra = "runai_streamer", {}
     else:
-        daemon = PreloadDaemon(str(tiny), sock, [], log_path=tmp_path / "preload.log")
-        assert daemon.wait_ready(600), daemon.log()[-4000:]
+        daemon = start_daemon(tiny, sock, tmp_path, "preload")
         fmt, extra = "ipc_cache", {"socket_dir": str(sock), "mode": case, "fallback": False}
     try:
         out, log = sleeper(tiny, fmt, extra, reload_after_level2=case != "zero_copy", log=tmp_path / f"{case}.log")

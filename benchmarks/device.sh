@@ -6,8 +6,9 @@
 #   bash benchmarks/device.sh ipcprobe [GiB]  # legacy CUDA IPC vs VMM fds -> $OUT/ipc-probe.md
 #   bash benchmarks/device.sh bench [TP]   # 16 GB 8B-shaped model: auto, built-in runai, ours, the peers -> $OUT/
 #   bash benchmarks/device.sh pinprobe     # no staging needed: page-locking vs model construction (pin_probe.py)
-#   bash benchmarks/device.sh profile      # cProfile of "Model loading took" (ipc_cache zero_copy, ours, auto) -> $OUT/profile-*
+#   bash benchmarks/device.sh profile      # where "Model loading took" goes (ipc_cache zero_copy and copy, ours, auto) -> $OUT/profile-*
 #   bash benchmarks/device.sh sleep        # sleep mode with our loaders (tests/gpu/test_sleep_gpu.py)
+#   bash benchmarks/device.sh sleepbench   # sleep / wake / reload seconds on the 16 GB model (sleep_bench.py) -> $OUT/sleep-8b
 #   bash benchmarks/device.sh content      # content digest cost on the 16 GB model: inspect, ours hashed, daemon -> $OUT/
 set -uo pipefail
 if [ "${1:-}" = pinprobe ]; then
@@ -41,12 +42,17 @@ case "${1:-tests}" in
   ipcprobe)
     python3 benchmarks/ipc_probe.py --gib ${2:-4} 2>&1 | tee "$OUT/ipc-probe.md"; exit ${PIPESTATUS[0]} ;;
   profile)
+    # where "Model loading took" goes (load_profile.py: spans, samples, GC pauses, imports), for each load format
     M=/root/models/llama3-8b-shape
     python3 benchmarks/make_model.py $M --shape 8b >/dev/null; cat $M/*.safetensors > /dev/null
-    python3 benchmarks/load_profile.py --model $M --load-format ipc_cache --daemon --out "$OUT/profile-ipc" > /dev/null 2>&1
-    python3 benchmarks/load_profile.py --model $M --load-format runai_streamer --out "$OUT/profile-runai" > /dev/null 2>&1
-    python3 benchmarks/load_profile.py --model $M --load-format auto --out "$OUT/profile-auto" > /dev/null 2>&1
-    head -c 6000 "$OUT"/profile-ipc/profile.txt; exit 0 ;;
+    python3 benchmarks/load_profile.py --model $M --load-format ipc_cache --daemon --out "$OUT/profile-ipc" > "$OUT/profile-ipc.log" 2>&1
+    python3 benchmarks/load_profile.py --model $M --load-format ipc_cache --daemon --extra '{"mode": "copy"}' --out "$OUT/profile-ipc-copy" > "$OUT/profile-ipc-copy.log" 2>&1
+    python3 benchmarks/load_profile.py --model $M --load-format runai_streamer --out "$OUT/profile-runai" > "$OUT/profile-runai.log" 2>&1
+    python3 benchmarks/load_profile.py --model $M --load-format auto --out "$OUT/profile-auto" > "$OUT/profile-auto.log" 2>&1
+    for d in ipc ipc-copy runai auto; do echo "== $d"; grep -h "Model loading took\|fastload: " "$OUT/profile-$d.log" | cut -c1-300; head -c 3500 "$OUT/profile-$d/profile.txt"; done; exit 0 ;;
+  sleepbench)
+    # sleep mode on the 16 GB model: sleep / wake / reload seconds per loader, greedy ids after each wake
+    python3 benchmarks/sleep_bench.py --model /root/models/llama3-8b-shape --make 8b --out "$OUT/sleep-8b" 2>&1 | tail -20; exit ${PIPESTATUS[0]} ;;
   sleep)
     FASTLOAD_GPU_MODELS=/root/models python3 -m pytest -v -rs -s --tb=short --basetemp="$OUT/pytest-sleep" \
       tests/gpu/test_sleep_gpu.py 2>&1 | tee "$OUT/sleep-tests.log"; exit ${PIPESTATUS[0]} ;;

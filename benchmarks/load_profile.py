@@ -89,6 +89,8 @@ class Window:
 
         @functools.wraps(fn)
         def timed(*args, **kwargs):
+            if self.t0 is not None:  # a nested or later call (the other model runner's): not the window
+                return fn(*args, **kwargs)
             self.modules_before = set(sys.modules)
             self._main = threading.get_ident()  # the thread that loads (the engine core's, in this process)
             gc.callbacks.append(self._on_gc)
@@ -174,11 +176,24 @@ def instrument(w: Window) -> None:
         w.window(runner.CPUModelRunner, "load_model")
         w.wrap(runner, "get_model", "get_model")
     else:
+        # vLLM 0.26 runs its second model runner (v1/worker/gpu/model_runner.py) by default; the first one is kept
         from vllm.v1.worker import gpu_model_runner as runner
 
         w.window(runner.GPUModelRunner, "load_model")
         w.wrap(runner, "get_model_loader", "get_model_loader")
         w.wrap(runner, "is_mixture_of_experts", "is_mixture_of_experts")
+        try:
+            from vllm.v1.worker.gpu import model_runner as runner2
+
+            w.window(runner2.GPUModelRunner, "load_model")
+            w.wrap(runner2, "get_model_loader", "get_model_loader")
+        except ImportError:
+            pass
+    from vllm.utils import mem_utils
+
+    w.wrap(mem_utils.DeviceMemoryProfiler, "__enter__", "DeviceMemoryProfiler.__enter__")
+    w.wrap(mem_utils.DeviceMemoryProfiler, "__exit__", "DeviceMemoryProfiler.__exit__")
+    w.wrap(gc, "collect", "gc.collect")
     w.wrap(ml, "get_model_loader", "get_model_loader")
     w.wrap(runner.GPUModelRunner, "_setup_eagle3_aux_hidden_state_outputs", "_setup_eagle3_aux_hidden_state_outputs")
     from vllm.model_executor.model_loader.default_loader import DefaultModelLoader

@@ -42,14 +42,23 @@ case "${1:-tests}" in
   ipcprobe)
     python3 benchmarks/ipc_probe.py --gib ${2:-4} 2>&1 | tee "$OUT/ipc-probe.md"; exit ${PIPESTATUS[0]} ;;
   profile)
-    # where "Model loading took" goes (load_profile.py: spans, samples, GC pauses, imports), for each load format
+    # where "Model loading took" goes (load_profile.py: spans, samples, GC pauses, imports), per load format;
+    # PROFILE="ipc ipc-copy runai auto ipc-nofreeze runai-nofreeze" picks the runs
     M=/root/models/llama3-8b-shape
     python3 benchmarks/make_model.py $M --shape 8b >/dev/null; cat $M/*.safetensors > /dev/null
-    python3 benchmarks/load_profile.py --model $M --load-format ipc_cache --daemon --out "$OUT/profile-ipc" > "$OUT/profile-ipc.log" 2>&1
-    python3 benchmarks/load_profile.py --model $M --load-format ipc_cache --daemon --extra '{"mode": "copy"}' --out "$OUT/profile-ipc-copy" > "$OUT/profile-ipc-copy.log" 2>&1
-    python3 benchmarks/load_profile.py --model $M --load-format runai_streamer --out "$OUT/profile-runai" > "$OUT/profile-runai.log" 2>&1
-    python3 benchmarks/load_profile.py --model $M --load-format auto --out "$OUT/profile-auto" > "$OUT/profile-auto.log" 2>&1
-    for d in ipc ipc-copy runai auto; do echo "== $d"; grep -h "Model loading took\|fastload: " "$OUT/profile-$d.log" | cut -c1-300; head -c 3500 "$OUT/profile-$d/profile.txt"; done; exit 0 ;;
+    for d in ${PROFILE:-ipc ipc-copy runai auto}; do
+      case $d in
+        ipc) args=(--load-format ipc_cache --daemon) ;;
+        ipc-copy) args=(--load-format ipc_cache --daemon --extra '{"mode": "copy"}') ;;
+        ipc-nofreeze) args=(--load-format ipc_cache --daemon --extra '{"freeze_gc": false}') ;;
+        runai) args=(--load-format runai_streamer) ;;
+        runai-nofreeze) args=(--load-format runai_streamer --extra '{"freeze_gc": false}') ;;
+        auto) args=(--load-format auto) ;;
+      esac
+      python3 benchmarks/load_profile.py --model $M "${args[@]}" --out "$OUT/profile-$d" > "$OUT/profile-$d.log" 2>&1
+      echo "== $d"; grep -h "Model loading took\|fastload: " "$OUT/profile-$d.log" | cut -c1-300
+      head -c 2500 "$OUT/profile-$d/profile.txt"
+    done; exit 0 ;;
   sleepbench)
     # sleep mode on the 16 GB model: sleep / wake / reload seconds per loader, greedy ids after each wake
     python3 benchmarks/sleep_bench.py --model /root/models/llama3-8b-shape --make 8b --out "$OUT/sleep-8b" 2>&1 | tail -20; exit ${PIPESTATUS[0]} ;;

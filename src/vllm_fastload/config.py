@@ -58,6 +58,7 @@ class _LoaderConfig(BaseModel):
     LOAD_FORMAT: ClassVar[str] = ""
     ALLOWED: ClassVar[dict[str, str]] = {
         "fallback": "true or false (JSON bool)",
+        "freeze_gc": "true or false (JSON bool)",
         "report_path": "a file path (string) where a JSON load report is written",
         "expected_content_digest": "'blake3:' and 64 lowercase hex digits, as `vllm-fastload inspect --content-digest` "
         "prints",
@@ -77,6 +78,12 @@ class _LoaderConfig(BaseModel):
         "(no fallback: any loader reads the same files). ipc_cache: a daemon's weights are mapped only when the "
         "daemon hashed them (\"content_hash\": true) to this digest, else the fallback policy applies and the disk "
         "load is checked the same way.",
+    )
+    freeze_gc: bool = Field(
+        True,
+        description="Freeze Python's garbage-collector heap (gc.freeze()) when the load starts, as vLLM does when "
+        "the engine start ends, so the full collections vLLM runs around the load (its memory profiler's) walk only "
+        "the objects made since (docs/design.md, garbage collector); false leaves the heap as vLLM has it.",
     )
 
     @field_validator("expected_content_digest", mode="before")

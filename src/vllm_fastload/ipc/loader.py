@@ -20,6 +20,7 @@ from ..config import IpcCacheConfig
 from ..content import ContentPin
 from ..errors import FastloadError
 from ..fallback import default_loader, fall_back_on
+from ..heap import freeze_heap
 from ..log import logger
 from ..report import LoadReport
 from .mapping import LOAD_FORMAT, ChecksumMismatch, engine_device, map_model
@@ -108,10 +109,13 @@ class IpcCacheLoader(BaseModelLoader):
         return str(socket_path(d, device_identity(current_platform.device_type, local_rank), role))
 
     def load_model(self, vllm_config: Any, model_config: Any, prefix: str = "") -> Any:
-        """Map the model from the daemon, or fall back (see module docstring). Raises
+        """Map the model from the daemon, or fall back (see module docstring); with ``freeze_gc`` the garbage
+        collector's heap is frozen first (:mod:`vllm_fastload.heap`). Raises
         :class:`~vllm_fastload.errors.CheckpointError` (the checkpoint itself is unusable) and
         :class:`~vllm_fastload.errors.FallbackRefused` (``"fallback": false``)."""
         t0 = time.perf_counter()
+        if self.config.freeze_gc:
+            freeze_heap()
         try:
             path = self.socket_for_this_rank()
             logger.info("Loading weights via ipc_cache (mode=%s) from %s", self.config.mode, path)

@@ -29,6 +29,7 @@ from ..config import StreamerConfig
 from ..errors import CheckpointError, ConfigError
 from ..content import ContentPin
 from ..fallback import default_loader, fall_back, step_down
+from ..heap import freeze_heap
 from ..fingerprint import from_vllm
 from ..log import logger
 from ..report import LoadReport
@@ -72,9 +73,12 @@ class RunaiStreamerLoader(BaseModelLoader):
 
     def load_model(self, *args: Any, **kwargs: Any) -> Any:
         """vLLM's ``load_model``, plus one log line splitting its seconds into phases, so the time vLLM spends
-        around the weights (model construction, post-processing, garbage collection) is visible."""
+        around the weights (model construction, post-processing, garbage collection) is visible. With
+        ``freeze_gc`` the garbage collector's heap is frozen first (:mod:`vllm_fastload.heap`)."""
         self._create_s = self._weights_s = None
         t = time.perf_counter()
+        if self.config.freeze_gc:
+            freeze_heap()
         self._arena_future = self._start_pinning()
         try:
             model = super().load_model(*args, **kwargs)

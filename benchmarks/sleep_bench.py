@@ -68,7 +68,6 @@ def run_case(model: Path, case: str, socket_dir: str | None, log: Path, gmu: flo
     tail when the child fails."""
     fmt, extra, reload_after = CASES[case]
     extra = dict(extra, **({"socket_dir": socket_dir} if fmt == "ipc_cache" else {}))
-    extra = extra or None  # vLLM's own loaders take no extra config
     arg = json.dumps({"model": str(model), "fmt": fmt, "extra": extra, "reload_after_level2": reload_after,
                       "gmu": gmu})
     p = subprocess.run([sys.executable, "-c", CHILD, arg], capture_output=True, text=True, timeout=900,

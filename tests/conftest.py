@@ -11,6 +11,7 @@ test under tests/ without an import.
 from __future__ import annotations
 
 import contextlib
+import gc
 import hashlib
 import json
 import logging
@@ -24,6 +25,14 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 import pytest
+
+
+@pytest.fixture(autouse=True)
+def _thaw_gc_heap():
+    """Loads run in this pytest process freeze its garbage-collector heap (``freeze_gc``, vllm_fastload.heap),
+    as they would an engine's once; thaw it after each test so the next one starts with a normal heap."""
+    yield
+    gc.unfreeze()
 
 
 def write_safetensors(path: Path, tensors: dict, metadata=None) -> Path:

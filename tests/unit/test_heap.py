@@ -28,8 +28,8 @@ def thawed():
 
 def test_freeze_heap_moves_live_objects_out_of_later_collections(thawed):
     kept = [object() for _ in range(10)]  # noqa: F841 (live: tracked lists and objects)
-    frozen = freeze_heap()
-    assert frozen == gc.get_freeze_count() > 1000  # everything this pytest process tracks, not a handful
+    freeze_heap()
+    assert gc.get_freeze_count() > 1000  # everything this pytest process tracks, not a handful
     before = len(gc.get_objects(generation=2))
     gc.collect()
     assert len(gc.get_objects(generation=2)) <= before  # frozen objects are not promoted back

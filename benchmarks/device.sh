@@ -54,6 +54,7 @@ case "${1:-tests}" in
         runai) args=(--load-format runai_streamer) ;;
         runai-nofreeze) args=(--load-format runai_streamer --extra '{"freeze_gc": false}') ;;
         auto) args=(--load-format auto) ;;
+        *) echo "PROFILE: unknown run '$d' (ipc ipc-copy ipc-nofreeze runai runai-nofreeze auto)"; exit 2 ;;
       esac
       python3 benchmarks/load_profile.py --model $M "${args[@]}" --out "$OUT/profile-$d" > "$OUT/profile-$d.log" 2>&1
       echo "== $d"; grep -h "Model loading took\|fastload: " "$OUT/profile-$d.log" | cut -c1-300

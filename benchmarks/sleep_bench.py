@@ -104,6 +104,9 @@ def main() -> int:
     if a.make:
         subprocess.run([sys.executable, str(HERE / "make_model.py"), str(a.model), "--shape", a.make], check=True,
                        stdout=subprocess.DEVNULL)
+    unknown = sorted(set(a.cases.split(",")) - set(CASES))
+    if unknown:
+        ap.error(f"--cases: unknown {', '.join(unknown)} (known: {', '.join(CASES)})")
     cases = [c for c in CASES if c in a.cases.split(",")]  # copy after zero_copy: it frees the daemon's memory
     results: dict = {"model": str(a.model), "date": time.strftime("%Y-%m-%d"), "cases": {}}
     daemon = None
@@ -128,9 +131,10 @@ def main() -> int:
     finally:
         if daemon is not None:
             daemon.stop()
-    (a.out / "sleep.json").write_text(json.dumps(results, indent=1))
-    (a.out / "sleep.md").write_text(table(results))
-    print(table(results))
+        # also when a case failed: the finished cases' numbers are kept
+        (a.out / "sleep.json").write_text(json.dumps(results, indent=1))
+        (a.out / "sleep.md").write_text(table(results))
+        print(table(results))
     return 0
 
 

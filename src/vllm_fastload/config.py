@@ -81,9 +81,11 @@ class _LoaderConfig(BaseModel):
     )
     freeze_gc: bool = Field(
         True,
-        description="Freeze Python's garbage-collector heap (gc.freeze()) when the load starts, as vLLM does when "
-        "the engine start ends, so the full collections vLLM runs around the load (its memory profiler's) walk only "
-        "the objects made since (docs/design.md, garbage collector); false leaves the heap as vLLM has it.",
+        description="GPU: freeze Python's garbage-collector heap (gc.freeze()) when the load starts, once per "
+        "process, as vLLM does when the engine start ends, so the full collections vLLM's memory profiler runs after "
+        "the load walk only the objects made since. Like vLLM's own freeze, frozen objects that later become "
+        "garbage wait for the engine's shutdown: a process that outlives a failed LLM() start keeps its weights; set "
+        "false there (docs/design.md, garbage collector).",
     )
 
     @field_validator("expected_content_digest", mode="before")

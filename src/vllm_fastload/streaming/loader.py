@@ -29,7 +29,7 @@ from ..config import StreamerConfig
 from ..errors import CheckpointError, ConfigError
 from ..content import ContentPin
 from ..fallback import default_loader, fall_back, step_down
-from ..heap import freeze_heap
+from ..heap import freeze_for_load
 from ..fingerprint import from_vllm
 from ..log import logger
 from ..report import LoadReport
@@ -77,8 +77,7 @@ class RunaiStreamerLoader(BaseModelLoader):
         ``freeze_gc`` the garbage collector's heap is frozen first (:mod:`vllm_fastload.heap`)."""
         self._create_s = self._weights_s = None
         t = time.perf_counter()
-        if self.config.freeze_gc:
-            freeze_heap()
+        freeze_for_load(self.config.freeze_gc)
         self._arena_future = self._start_pinning()
         try:
             model = super().load_model(*args, **kwargs)

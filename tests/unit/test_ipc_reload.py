@@ -196,6 +196,6 @@ def test_the_reload_streams_the_checkpoint_with_runai_streamer_and_the_shared_ke
         loader = checkpoint_loader(load_config, IpcCacheConfig.from_extra(extra))
     assert isinstance(loader, RunaiStreamerLoader) and loader.load_config.load_format == "runai_streamer"
     assert loader.load_config.model_loader_extra_config == {"fallback": False, "report_path": "/tmp/r.json",
-                                                            "expected_content_digest": None}
+                                                            "expected_content_digest": None, "freeze_gc": True}
     assert load_config.model_loader_extra_config == extra  # the engine's own config is left as it is
     assert "reload_weights reads the checkpoint from disk with runai_streamer" in caplog.text

@@ -31,13 +31,6 @@ DTYPE_BYTES: dict[str, float] = {
     "I64": 8, "U64": 8, "F64": 8, "C64": 8,
     "F4": 0.5,
 }
-#: The torch dtype (attribute of ``torch``) each safetensors dtype is read as, as the safetensors library maps them.
-TORCH_DTYPE_NAMES: dict[str, str] = {
-    "BOOL": "bool", "U8": "uint8", "I8": "int8", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
-    "F8_E8M0": "float8_e8m0fnu", "I16": "int16", "U16": "uint16", "F16": "float16", "BF16": "bfloat16",
-    "I32": "int32", "U32": "uint32", "F32": "float32", "I64": "int64", "U64": "uint64", "F64": "float64",
-    "C64": "complex64", "F4": "float4_e2m1fn_x2",
-}
 #: Largest header accepted (bytes); the safetensors library and runai-model-streamer use 100 MB too.
 MAX_HEADER_BYTES = 100 * 1024 * 1024
 SAFE_INDEX = "model.safetensors.index.json"
@@ -88,6 +81,14 @@ class SafetensorsHeader:
     def largest(self) -> Optional[TensorInfo]:
         """The tensor with the most bytes (None for a file without tensors)."""
         return max(self.tensors.values(), key=lambda t: t.nbytes, default=None)
+
+
+def torch_dtypes() -> dict[str, Any]:
+    """Safetensors dtype string -> torch dtype, as runai-model-streamer maps them (its ``safetensors_pytorch``): the
+    dtypes the loaders read tensors as, and (inverted) the names the content digest gives a tensor's dtype."""
+    from runai_model_streamer.safetensors_streamer.safetensors_pytorch import safetensors_to_torch_dtype
+
+    return dict(safetensors_to_torch_dtype)
 
 
 def _no_duplicates(path: str):

@@ -71,11 +71,9 @@ def safetensors_dtype(dtype: Any) -> str:
     """The safetensors dtype string of a torch dtype (``torch.bfloat16`` -> ``BF16``); ``str(dtype)`` for one that
     safetensors has no name for (such a tensor cannot match a digest computed from files)."""
     if not _ST_DTYPE:
-        import torch
+        from .checkpoint import torch_dtypes
 
-        from .checkpoint import TORCH_DTYPE_NAMES
-
-        _ST_DTYPE.update({getattr(torch, n): st for st, n in TORCH_DTYPE_NAMES.items() if hasattr(torch, n)})
+        _ST_DTYPE.update({t: st for st, t in torch_dtypes().items()})
     return _ST_DTYPE.get(dtype, str(dtype))
 
 

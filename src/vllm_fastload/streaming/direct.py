@@ -45,7 +45,7 @@ from typing import Any, Optional
 
 import torch
 
-from ..checkpoint import SafetensorsHeader
+from ..checkpoint import SafetensorsHeader, torch_dtypes
 from .runai_env import MAX_PADS, ring_env
 from .timing import StageTimes, next_timed
 
@@ -53,13 +53,6 @@ from .timing import StageTimes, next_timed
 SPARE_SLOTS = 2
 #: Page size assumed for the pads when sizing the arena (runai probes the mount's block; larger -> own allocations).
 PAGE = 4096
-
-
-def torch_dtypes() -> dict[str, torch.dtype]:
-    """Safetensors dtype string -> torch dtype, as runai-model-streamer maps them (its ``safetensors_pytorch``)."""
-    from runai_model_streamer.safetensors_streamer.safetensors_pytorch import safetensors_to_torch_dtype
-
-    return dict(safetensors_to_torch_dtype)
 
 
 #: How a reason from :func:`internals_changed` starts (the loader logs those at WARNING: an upgrade broke the path).

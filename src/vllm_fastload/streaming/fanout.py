@@ -293,7 +293,7 @@ class Fanout:
 def entries_of(headers: Sequence[Any]) -> list[Entry]:
     """Every tensor of ``headers`` (parsed safetensors headers) as an :class:`Entry`, in file then offset order
     (the same on every rank)."""
-    from .direct import torch_dtypes
+    from ..checkpoint import torch_dtypes
 
     dtypes = torch_dtypes()
     return [Entry((i, t.name), dtypes[t.dtype], t.shape, t.nbytes)

@@ -304,10 +304,7 @@ def start_daemon(a: argparse.Namespace, results: dict):
     args = ["--tensor-parallel-size", str(a.tp), "--max-model-len", "1024"]
     if a.daemon_extra:
         args += ["--model-loader-extra-config", a.daemon_extra]
-    daemon = PreloadDaemon(str(a.model), sock, args, log_path=a.out / "preload.log")
-    if not daemon.wait_ready():
-        daemon.stop()
-        raise RuntimeError("preload daemon exited:\n" + daemon.log()[-4000:])
+    daemon = PreloadDaemon(str(a.model), sock, args, log_path=a.out / "preload.log").ready_or_raise()
     results["daemon"] = {"ready_s": time.perf_counter() - t, "gpu_used_bytes": gpu_used(), "extra": a.daemon_extra}
     return daemon
 

@@ -263,10 +263,8 @@ def main() -> int:
         from vllm_fastload.servers import PreloadDaemon
 
         sock = Path(tempfile.mkdtemp(prefix="flprof", dir="/tmp"))
-        daemon = PreloadDaemon(str(a.model), sock, ["--max-model-len", "1024"], log_path=a.out / "preload.log")
-        if not daemon.wait_ready():
-            daemon.stop()
-            raise SystemExit("preload daemon exited:\n" + daemon.log()[-4000:])
+        daemon = PreloadDaemon(str(a.model), sock, ["--max-model-len", "1024"],
+                               log_path=a.out / "preload.log").ready_or_raise()
         extra.setdefault("socket_dir", str(sock))
         extra.setdefault("fallback", False)
     try:

@@ -120,9 +120,7 @@ def main() -> int:
                 sock = tempfile.mkdtemp(prefix="fastload-sleep-sock-")
                 t = time.perf_counter()
                 daemon = PreloadDaemon(str(a.model), Path(sock), ["--max-model-len", "512"],
-                                       log_path=a.out / "preload.log")
-                if not daemon.wait_ready(900):
-                    raise RuntimeError("preload daemon exited:\n" + daemon.log()[-4000:])
+                                       log_path=a.out / "preload.log").ready_or_raise(900)
                 results["daemon_ready_s"] = time.perf_counter() - t
             r, _ = run_case(a.model, case, sock, a.out / f"{case}.log", a.gmu)
             results["cases"][case] = r

@@ -192,6 +192,14 @@ class PreloadDaemon(ManagedProcess):
             time.sleep(0.5)
         raise TimeoutError(f"preload daemon pid {self.pid} not ready after {timeout_s} s; log: {self.log_path}")
 
+    def ready_or_raise(self, timeout_s: float = 600.0) -> "PreloadDaemon":
+        """:meth:`wait_ready`, returning this daemon; when it exited first, stop it and raise ``RuntimeError`` with
+        the tail of its log (the benchmarks' start of a daemon)."""
+        if not self.wait_ready(timeout_s):
+            self.stop()
+            raise RuntimeError("preload daemon exited:\n" + self.log()[-4000:])
+        return self
+
     def http(self, path: str) -> tuple[int, Any]:
         """GET ``path`` from the health server."""
         return _http("GET", f"http://127.0.0.1:{self.health_port}{path}", timeout=10)

@@ -102,3 +102,15 @@ def test_status_with_only_stale_sockets_is_no_daemon(tmp_path, capsys):
     assert "not answering (stale socket?)" in capsys.readouterr().out
     assert cli.main(["status", "--weight-cache-socket-dir", str(tmp_path / "missing")]) == 1
     assert "(the directory does not exist)" in capsys.readouterr().out
+
+
+def test_a_daemon_that_exits_before_ready_raises_with_its_log(tmp_path):
+    """PreloadDaemon.ready_or_raise (the benchmarks start their daemon with it): a daemon that cannot start is
+    stopped and its refusal is in the error, not a hang or a bare False."""
+    from vllm_fastload.servers import PreloadDaemon
+
+    d = PreloadDaemon("/no/such/model", tmp_path / "socks", log_path=tmp_path / "preload.log")
+    with pytest.raises(RuntimeError, match=r"(?s)preload daemon exited:.*model directory /no/such/model does not "
+                                           r"exist"):
+        d.ready_or_raise(60)
+    assert not d.alive()

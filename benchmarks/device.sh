@@ -10,6 +10,7 @@
 #   bash benchmarks/device.sh sleep        # sleep mode with our loaders (tests/gpu/test_sleep_gpu.py)
 #   bash benchmarks/device.sh sleepbench   # sleep / wake / reload seconds on the 16 GB model (sleep_bench.py) -> $OUT/sleep-8b
 #   bash benchmarks/device.sh content      # content digest cost on the 16 GB model: inspect, ours hashed, daemon -> $OUT/
+#   bash benchmarks/device.sh cmd 'CMD'    # CMD with this checkout's plugin installed and the staged vLLM on the path
 set -uo pipefail
 if [ "${1:-}" = pinprobe ]; then
   PYTHONPATH=$PWD/src python3 benchmarks/pin_probe.py; exit $?
@@ -25,6 +26,8 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv | tee "$OUT/nvidia-smi.txt"
 case "${1:-tests}" in
+  cmd)
+    bash -c "$2"; exit $? ;;
   tests)
     python3 -m pytest -v -rs -x tests/gpu tests/unit 2>&1 | tee "$OUT/gpu-tests.log"; exit ${PIPESTATUS[0]} ;;
   gpu)
@@ -43,10 +46,14 @@ case "${1:-tests}" in
     python3 benchmarks/ipc_probe.py --gib ${2:-4} 2>&1 | tee "$OUT/ipc-probe.md"; exit ${PIPESTATUS[0]} ;;
   profile)
     # where "Model loading took" goes (load_profile.py: spans, samples, GC pauses, imports), per load format;
-    # PROFILE="ipc ipc-copy runai auto ipc-nofreeze runai-nofreeze" picks the runs
+    # PROFILE="ipc ipc-copy runai auto ipc-nofreeze runai-nofreeze" picks the runs (a name may repeat); a run
+    # name ending in -first also freezes the heap just before LLM() (load_profile.py --freeze-first)
     M=/root/models/llama3-8b-shape
     python3 benchmarks/make_model.py $M --shape 8b >/dev/null; cat $M/*.safetensors > /dev/null
+    n=0
     for d in ${PROFILE:-ipc ipc-copy runai auto}; do
+      n=$((n + 1)); first=()
+      case $d in *-first) first=(--freeze-first); d=${d%-first} ;; esac
       case $d in
         ipc) args=(--load-format ipc_cache --daemon) ;;
         ipc-copy) args=(--load-format ipc_cache --daemon --extra '{"mode": "copy"}') ;;
@@ -54,11 +61,14 @@ case "${1:-tests}" in
         runai) args=(--load-format runai_streamer) ;;
         runai-nofreeze) args=(--load-format runai_streamer --extra '{"freeze_gc": false}') ;;
         auto) args=(--load-format auto) ;;
-        *) echo "PROFILE: unknown run '$d' (ipc ipc-copy ipc-nofreeze runai runai-nofreeze auto)"; exit 2 ;;
+        *) echo "PROFILE: unknown run '$d' (ipc ipc-copy ipc-nofreeze runai runai-nofreeze auto, each also -first)"
+           exit 2 ;;
       esac
-      python3 benchmarks/load_profile.py --model $M "${args[@]}" --out "$OUT/profile-$d" > "$OUT/profile-$d.log" 2>&1
-      echo "== $d"; grep -h "Model loading took\|fastload: " "$OUT/profile-$d.log" | cut -c1-300
-      head -c 2500 "$OUT/profile-$d/profile.txt"
+      tag=$n-$d${first:+-first}
+      python3 benchmarks/load_profile.py --model $M "${args[@]}" "${first[@]}" --out "$OUT/profile-$tag" \
+        > "$OUT/profile-$tag.log" 2>&1
+      echo "== $tag"; grep -h "Model loading took\|fastload: " "$OUT/profile-$tag.log" | cut -c1-300
+      head -c ${PROFILE_HEAD:-2500} "$OUT/profile-$tag/profile.txt"
     done; exit 0 ;;
   sleepbench)
     # sleep mode on the 16 GB model: sleep / wake / reload seconds per loader, greedy ids after each wake

@@ -9,8 +9,10 @@ after each wake. Level 2 discards what vLLM allocated, so the engine reloads its
 (``collective_rpc("reload_weights")``, the RL loops' flow) except ``ipc_cache`` zero_copy, whose weights are the
 daemon's memory (outside vLLM's sleep allocator, they stay mapped). The ``ipc_cache`` cases map from a
 ``vllm-fastload preload`` daemon this script starts (copy mode runs last: it lets the daemon free its memory).
-Writes ``sleep.json`` and ``sleep.md`` under ``--out``. ``tests/gpu/test_sleep_gpu.py`` runs the same child
-(:func:`run_case`) on a tiny model and checks the ids.
+After ``LLM()`` the child also asks the engine (``collective_rpc``) what it holds: KV cache blocks, vLLM's weights
+memory, PyTorch's allocated and reserved bytes and vLLM's sleep allocator per tag (a KV cache larger than
+``auto``'s means memory was counted wrong). Writes ``sleep.json`` and ``sleep.md`` under ``--out``.
+``tests/gpu/test_sleep_gpu.py`` runs the same child (:func:`run_case`) on small models: greedy ids, KV blocks.
 """
 
 from __future__ import annotations
@@ -34,6 +36,17 @@ t = time.perf_counter()
 llm = LLM(model=a["model"], load_format=a["fmt"], enforce_eager=True, skip_tokenizer_init=True, max_model_len=512,
           gpu_memory_utilization=a["gmu"], model_loader_extra_config=a["extra"], enable_sleep_mode=True)
 out = {"llm_s": time.perf_counter() - t}
+def engine_memory(worker):
+    # what the engine holds once loaded: torch's counters, vLLM's sleep allocator per tag, the KV cache's blocks
+    import collections, torch
+    from vllm.device_allocator.cumem import CuMemAllocator
+    tags = collections.Counter()
+    for data in CuMemAllocator.get_instance().pointer_to_data.values():
+        tags[data.tag] += data.handle[1]
+    return {"allocated": torch.cuda.memory_allocated(), "reserved": torch.cuda.memory_reserved(),
+            "sleep_pool_by_tag": dict(tags), "weights_memory": int(worker.model_runner.model_memory_usage),
+            "kv_blocks": worker.cache_config.num_gpu_blocks}
+out["memory"] = llm.collective_rpc(engine_memory)[0]
 prompts = [{"prompt_token_ids": p} for p in ([1, 5, 9, 200, 31], [7, 7, 7, 1000], [42])]
 def ids():
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, detokenize=False), use_tqdm=False)
@@ -71,7 +84,10 @@ def run_case(model: Path, case: str, socket_dir: str | None, log: Path, gmu: flo
     arg = json.dumps({"model": str(model), "fmt": fmt, "extra": extra, "reload_after_level2": reload_after,
                       "gmu": gmu})
     p = subprocess.run([sys.executable, "-c", CHILD, arg], capture_output=True, text=True, timeout=900,
-                       env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                       env={**os.environ, "PYTHONUNBUFFERED": "1",
+                            # the child's memory report is a function sent to the engine (collective_rpc): vLLM
+                            # pickles it only when this is set; benchmark-only, nothing of ours crosses a socket
+                            "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"})
     text = p.stdout + p.stderr
     Path(log).write_text(text)
     if p.returncode != 0 or "SLEEP " not in text:
@@ -89,6 +105,14 @@ def table(results: dict) -> str:
         rows.append(f"| {case} | {r['llm_s']:.2f} | {r['sleep1_s']:.3f} | {r['wake1_s']:.3f} | {r['sleep2_s']:.3f} | "
                     f"{r['wake2_s']:.3f} | {reload} | {r['freed1_bytes'] / 1e9:.1f} | {r['freed2_bytes'] / 1e9:.1f} | "
                     f"{'yes' if same else 'NO'} |")
+    rows += ["", "| case | KV blocks | vLLM's weights memory GB | torch allocated GB | torch reserved GB | "
+             "sleep allocator by tag GB |", "|---|---|---|---|---|---|"]
+    for case, r in results["cases"].items():
+        m = r.get("memory")
+        if m:
+            tags = ", ".join(f"{k} {v / 1e9:.1f}" for k, v in sorted(m["sleep_pool_by_tag"].items()))
+            rows.append(f"| {case} | {m['kv_blocks']} | {m['weights_memory'] / 1e9:.1f} | {m['allocated'] / 1e9:.1f} | "
+                        f"{m['reserved'] / 1e9:.1f} | {tags} |")
     return "\n".join(rows) + "\n"
 
 

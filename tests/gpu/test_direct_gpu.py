@@ -55,3 +55,34 @@ def test_page_locked_copies_asynchronously_and_unregisters(monkeypatch):
     del t
     gc.collect()
     assert unregistered == [(ptr, torch.cuda.current_device())]
+
+
+
+def test_device_buffers_stay_out_of_a_memory_pool_the_loading_thread_routes_to(tmp_path):
+    """vLLM's sleep mode loads inside ``torch.cuda.use_mem_pool`` (its sleep allocator); buffers the streamer gives
+    back must not be cached in that pool (vLLM frees the pool's empty segments behind PyTorch's counters and sizes
+    the KV cache from them, streaming/devmem.py). Both read paths, bytes checked; the pool must end up empty."""
+    from vllm_fastload.streaming.pipeline import H2DPipeline
+
+    expected = write_zoo(tmp_path / "model.safetensors")
+    dev = torch.device("cuda", torch.cuda.current_device())
+    params = {name: torch.empty(len(raw), dtype=torch.uint8, device=dev) for name, (_, _, raw) in expected.items()}
+    pool = torch.cuda.MemPool()
+    with torch.cuda.use_mem_pool(pool):
+        for name, t in direct.stream_to_device([read_header(str(tmp_path / "model.safetensors"))], dev, 4096, 2,
+                                               StageTimes()):
+            params[name].copy_(t.reshape(-1).view(torch.uint8))
+            del t
+        torch.cuda.synchronize()
+        direct_pool = pool.snapshot()
+        with H2DPipeline(dev, pinned_slot_bytes=4096, pinned_slots=2) as pipe:
+            host = {name: torch.frombuffer(bytearray(raw), dtype=torch.uint8) for name, (_, _, raw) in expected.items()
+                    if raw}
+            for name, t in pipe.run(iter(host.items())):
+                assert torch.equal(t.cpu(), host[name]), name
+                del t
+        torch.cuda.synchronize()
+    assert direct_pool == [], f"the direct path left {len(direct_pool)} segment(s) in the loading thread's pool"
+    assert pool.snapshot() == [], "the pipeline left segments in the loading thread's pool"
+    for name, (_, _, raw) in expected.items():
+        assert params[name].cpu().numpy().tobytes() == raw, name

@@ -43,3 +43,16 @@ def test_sleep_and_wake_keep_greedy_ids(tiny, sock, tmp_path, case):
     assert out["after2"] == out["before"], log[-3000:]
     if case != "runai_streamer":
         assert "Mapped " in log  # mapped from the daemon, not a fallback
+
+
+def test_sleep_mode_kv_cache_is_sized_as_with_the_default_loader(small, tmp_path):
+    """With ``enable_sleep_mode`` vLLM allocates the weights in its sleep allocator's pool and, when the load ends,
+    frees the pool's empty segments behind PyTorch's counters, which the KV cache is then sized from: memory our
+    streamer's device buffers took and gave back during the load must not become KV cache beyond
+    ``gpu_memory_utilization``. A KV block of the 0.4 GB model holds 128 KiB, so a leftover of the weights' size
+    would be about 3,000 blocks beyond ``auto``'s; the loaders' own difference is a block or two."""
+    got = {case: sleep_bench.run_case(small, case, None, tmp_path / f"{case}.log")[0]["memory"]
+           for case in ("auto", "runai_streamer")}
+    print(got)
+    auto, ours = got["auto"]["kv_blocks"], got["runai_streamer"]["kv_blocks"]
+    assert abs(ours - auto) <= max(4, auto // 10000), got

@@ -26,7 +26,8 @@ Data flow (:func:`stream_to_device`)::
   (:func:`release_pinned_cache`).
   Device: each yielded tensor is its own allocation (never a view into a reused buffer; valid for as long as the
   consumer holds it, e.g. an FP8 weight waiting for its scale); tensors still being assembled are bounded by the
-  ring's span plus the largest tensor.
+  ring's span plus the largest tensor. These buffers are allocated outside vLLM's sleep-mode memory pool
+  (:mod:`.devmem` says why).
 
 PyTorch facts used (docs "CUDA semantics", "Tensor.record_stream"): ``non_blocking=True`` host-to-device copies
 are asynchronous only from pinned memory; a stream must ``wait_event`` before using data produced on another
@@ -46,6 +47,7 @@ from typing import Any, Optional
 import torch
 
 from ..checkpoint import SafetensorsHeader, torch_dtypes
+from .devmem import empty_outside_pools
 from .runai_env import MAX_PADS, ring_env
 from .timing import StageTimes, next_timed
 
@@ -382,8 +384,8 @@ def stream_tensors(headers: list[SafetensorsHeader], device: torch.device, pinne
                 key, off = where[file_id][range_index]
                 dst = building.get(key)
                 if dst is None:
-                    with torch.cuda.stream(copy_stream) if use_pinned else contextlib.nullcontext():
-                        dst = torch.empty(info[key].nbytes, dtype=torch.uint8, device=device)
+                    dst = empty_outside_pools(info[key].nbytes, torch.uint8, device,
+                                              copy_stream if use_pinned else None)
                     if dst.device.type == "cuda":
                         dst.record_stream(consumer)
                     building[key] = dst

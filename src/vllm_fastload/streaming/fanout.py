@@ -155,6 +155,9 @@ class Fanout:
         import torch
         import torch.distributed as dist
 
+        from .devmem import empty_outside_pools
+
+        device = torch.device(device)
         index = {e.key: i for i, e in enumerate(entries)}
         n = len(self.ranks)
         slots = [torch.zeros(1, dtype=torch.int64) for _ in range(n)]
@@ -194,7 +197,7 @@ class Fanout:
                         self.stats.read_bytes += e.nbytes
                         self.stats.tensors_read += 1
                     else:
-                        t = torch.empty(e.shape, dtype=e.dtype, device=device)
+                        t = empty_outside_pools(e.shape, e.dtype, device)  # given back: not in vLLM's sleep pool
                         self.stats.received_bytes += e.nbytes
                         self.stats.tensors_received += 1
                     dist.broadcast(t.reshape(-1).view(torch.uint8), src=self.ranks[src], group=self.data_group)

@@ -11,7 +11,8 @@ Data flow per tensor (``H2DPipeline.run``)::
   the largest tensor never has to fit one slot.
 * Every yielded tensor is its own device allocation (never a view into a reused buffer); it stays valid for as
   long as the consumer holds it. The allocation is made on the copy stream and ``record_stream``-ed on the
-  consumer stream, as PyTorch's CUDA semantics notes prescribe for cross-stream use.
+  consumer stream, as PyTorch's CUDA semantics notes prescribe for cross-stream use, and outside vLLM's sleep-mode
+  memory pool (:mod:`.devmem` says why).
 * The host memcpy into the slot is split across ``copy_threads`` threads (``Tensor.copy_`` releases the GIL),
   since vLLM workers often run with ``OMP_NUM_THREADS=1``.
 * With ``pipeline_thread=True``, :meth:`H2DPipeline.run` drives reader, memcpy and copy issue from a producer thread,
@@ -35,6 +36,7 @@ from typing import Any
 
 import torch
 
+from .devmem import empty_outside_pools
 from .timing import StageTimes, next_timed
 
 
@@ -96,8 +98,7 @@ class H2DPipeline:
             return torch.empty(src.shape, dtype=src.dtype, device=self.device), None
         flat = src.reshape(-1).view(torch.uint8)
         nbytes = flat.numel()
-        with torch.cuda.stream(self.copy_stream):
-            dst = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        dst = empty_outside_pools(nbytes, torch.uint8, self.device, self.copy_stream)
         dst.record_stream(consumer)
         end = None
         for off in range(0, nbytes, self.pinned_slot_bytes):

@@ -1,9 +1,13 @@
-"""streaming/devmem.py on the CPU machine: CUDA buffers are made by the module's own thread, on the stream asked
-for; other devices are a plain allocation in the caller. (tests/gpu/test_direct_gpu.py checks on the GPU that such
-buffers stay out of a memory pool the loading thread routes to.)"""
+"""streaming/devmem.py on the CPU machine, with stand-ins for CUDA: inside ``outside_pools`` CUDA buffers are made
+by the module's own thread (on the stream asked for, the buffer's device made current there), outside it in the
+caller; a consumer buffer is made on the consumer's stream and the copy stream waits for it. (On the GPU,
+tests/gpu/test_direct_gpu.py checks that such buffers stay out of a pool and are reused during the load.)"""
 
 import contextlib
+import os
+import signal
 import threading
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -13,7 +17,7 @@ from vllm_fastload.streaming import devmem
 
 @pytest.fixture
 def fake_cuda_alloc(monkeypatch):
-    """torch.empty on a CUDA device answers a CPU tensor and records (thread name, stream made current)."""
+    """torch.empty on a CUDA device answers a CPU tensor and records (thread name, stream made current, device)."""
     calls, current = [], []
     real_empty = torch.empty
 
@@ -38,8 +42,9 @@ def fake_cuda_alloc(monkeypatch):
     return calls
 
 
-def test_cuda_buffers_are_made_on_the_modules_thread_on_the_stream_asked_for(fake_cuda_alloc):
-    t = devmem.empty_outside_pools((3, 5), torch.bfloat16, torch.device("cuda", 2), stream="copy stream")
+def test_inside_outside_pools_cuda_buffers_are_made_on_the_modules_thread(fake_cuda_alloc):
+    with devmem.outside_pools(True):
+        t = devmem.transient_empty((3, 5), torch.bfloat16, torch.device("cuda", 2), stream="copy stream")
     assert t.shape == (3, 5) and t.dtype == torch.bfloat16
     (thread, _, index), (thread2, stream, device) = fake_cuda_alloc
     assert thread.startswith("fastload-devmem") and thread != threading.current_thread().name and thread2 == thread
@@ -47,14 +52,27 @@ def test_cuda_buffers_are_made_on_the_modules_thread_on_the_stream_asked_for(fak
     assert (stream, device) == ("copy stream", "cuda:2")
 
 
-def test_default_stream_and_device_are_the_callers_current_ones(fake_cuda_alloc):
-    devmem.empty_outside_pools(7, torch.uint8, torch.device("cuda"))
-    assert fake_cuda_alloc[0][1:] == ("set_device", 5)
-    assert fake_cuda_alloc[1][1:] == ("caller's stream", "cuda:5")
+def test_without_a_pool_buffers_are_made_in_the_caller_on_its_current_stream_and_device(fake_cuda_alloc):
+    with devmem.outside_pools(False):
+        devmem.transient_empty(7, torch.uint8, torch.device("cuda"))
+    assert fake_cuda_alloc == [(threading.current_thread().name, "caller's stream", "cuda:5")]
+
+
+def test_outside_pools_is_counted_and_closed():
+    with devmem.outside_pools(True):
+        with devmem.outside_pools(True):
+            assert devmem._outside == 2
+        assert devmem._outside == 1
+    assert devmem._outside == 0
+    with pytest.raises(RuntimeError):
+        with devmem.outside_pools(True):
+            raise RuntimeError("load failed")
+    assert devmem._outside == 0
 
 
 def test_cpu_buffers_are_plain_allocations_in_the_caller(fake_cuda_alloc):
-    t = devmem.empty_outside_pools(4, torch.int32, torch.device("cpu"))
+    with devmem.outside_pools(True):
+        t = devmem.transient_empty(4, torch.int32, torch.device("cpu"))
     assert t.numel() == 4
     assert fake_cuda_alloc == [(threading.current_thread().name, None, "cpu")]
 
@@ -66,5 +84,53 @@ def test_allocation_errors_reach_the_caller(monkeypatch):
     monkeypatch.setattr(torch, "empty", oom)
     monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "set_device", lambda i: None)
-    with pytest.raises(torch.OutOfMemoryError, match="Tried to allocate 2.00 GiB"):
-        devmem.empty_outside_pools(2**30, torch.uint8, torch.device("cuda", 0), stream="s")
+    with devmem.outside_pools(True), pytest.raises(torch.OutOfMemoryError, match="Tried to allocate 2.00 GiB"):
+        devmem.transient_empty(2**30, torch.uint8, torch.device("cuda", 0), stream="s")
+
+
+def test_consumer_buffer_is_made_on_the_consumer_and_the_copy_stream_waits_for_it(fake_cuda_alloc):
+    class Stream:
+        def __init__(self):
+            self.waited_for = []
+
+        def wait_stream(self, other):
+            self.waited_for.append(other)
+
+    copy = Stream()
+    t = devmem.consumer_buffer(11, torch.device("cuda", 1), "consumer", copy)
+    assert t.numel() == 11 and t.dtype == torch.uint8
+    assert fake_cuda_alloc[-1][1:] == ("consumer", "cuda:1")
+    assert copy.waited_for == ["consumer"]
+
+
+@pytest.mark.parametrize("config, expected", [
+    (SimpleNamespace(enable_cumem_allocator=True, enable_sleep_mode=True), True),  # vLLM 0.26, CUDA, sleep mode
+    (SimpleNamespace(enable_cumem_allocator=True, enable_sleep_mode=False), True),  # --enable-cumem-allocator
+    (SimpleNamespace(enable_sleep_mode=True), True),  # a version without the cumem field
+    (SimpleNamespace(enable_cumem_allocator=False, enable_sleep_mode=False), False),
+    (SimpleNamespace(), False),
+])
+def test_uses_cumem_pool_follows_vllms_condition(config, expected):
+    assert devmem.uses_cumem_pool(config) is expected
+
+
+def test_a_forked_child_gets_its_own_helper_thread(fake_cuda_alloc):
+    with devmem.outside_pools(True):
+        devmem.transient_empty(1, torch.uint8, torch.device("cuda", 0), stream="s")  # the parent's executor exists
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # child: the inherited executor has no thread; a new one must answer
+            try:
+                devmem.transient_empty(1, torch.uint8, torch.device("cuda", 0), stream="s")
+                os.write(w, b"ok")
+            finally:
+                os._exit(0)
+        os.close(w)
+        import select
+
+        ready, _, _ = select.select([r], [], [], 20)
+        got = os.read(r, 2) if ready else b"timeout"
+        if not ready:
+            os.kill(pid, signal.SIGKILL)  # the child waits for ever on the dead executor
+        os.waitpid(pid, 0)
+    assert got == b"ok"

@@ -39,9 +39,13 @@ class FakeEvent:
 class FakeStream:
     def __init__(self, *a, **k):
         self.waited = 0
+        self.waited_for = []
 
     def wait_event(self, ev):
         self.waited += 1
+
+    def wait_stream(self, other):
+        self.waited_for.append(other)
 
     def synchronize(self):
         pass
@@ -50,7 +54,9 @@ class FakeStream:
 @pytest.fixture
 def fake_cuda(monkeypatch):
     consumer = FakeStream()
-    monkeypatch.setattr(torch.cuda, "Stream", FakeStream)
+    consumer.copy_streams = []  # the streams the path made (its copy stream)
+    monkeypatch.setattr(torch.cuda, "Stream", lambda *a, **k: consumer.copy_streams.append(FakeStream()) or
+                        consumer.copy_streams[-1])
     monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: consumer)
     monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
@@ -102,6 +108,21 @@ def test_zoo_reassembled_bit_exact_from_pieces(tmp_path, fake_cuda, piece, depth
     assert times.tensors == len(expected)
     assert consumer.waited == sum(1 for _, _, raw in expected.values() if raw)  # one wait per non-empty tensor
     assert extra == [] and stats["pinned_extra_bytes"] == 0  # the arena sufficed: slots were recycled
+
+
+def test_each_buffer_is_the_consumers_and_the_copy_stream_waits_for_it(tmp_path, fake_cuda, monkeypatch):
+    """Every non-empty tensor's buffer comes from ``devmem.consumer_buffer`` with the consumer's stream: the copy
+    stream waits for the consumer once per tensor (the buffer may be memory the consumer just dropped) and nothing
+    is ``record_stream``-ed (inside a memory pool PyTorch would never reuse such a buffer during the load)."""
+    consumer, _ = fake_cuda
+    expected = write_zoo(tmp_path / "model.safetensors")
+    recorded = []
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, s: recorded.append(s), raising=False)
+    got, _, _ = _stream(tmp_path / "model.safetensors", 4096, 2)
+    assert_zoo_bit_exact(got, expected)
+    (copy_stream,) = consumer.copy_streams
+    assert copy_stream.waited_for == [consumer] * sum(1 for _, _, raw in expected.values() if raw)
+    assert recorded == []
 
 
 def test_released_slots_are_reused_not_reallocated(tmp_path, fake_cuda, monkeypatch):

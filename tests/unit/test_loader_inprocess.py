@@ -254,3 +254,23 @@ def test_reload_picks_the_read_path_for_the_device_the_model_had_when_asked(tmp_
     sink.params = torch.nn.ParameterDict({k: torch.nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=False)
                                           for k, p in sink.params.items()})
     assert sorted(n for n, _ in it) == sorted(ts) and seen == ["cpu"]
+
+
+@pytest.mark.parametrize("sleep_mode", [True, False])
+def test_the_stream_runs_outside_pools_exactly_when_vllm_loads_inside_its_sleep_pool(tmp_path, sleep_mode):
+    """With ``enable_cumem_allocator`` (vLLM's sleep mode) the whole stream runs inside ``devmem.outside_pools``, so
+    the buffers it gives back stay out of vLLM's sleep pool; without it, no helper-thread hop per tensor."""
+    from vllm_fastload.streaming import devmem
+
+    ts = tensors()
+    write_safetensors(tmp_path / "model.safetensors", ts)
+    during = []  # devmem's count of open outside_pools contexts whenever the model receives a tensor
+    loader = RunaiStreamerLoader(LoadConfig(load_format="runai_streamer", model_loader_extra_config={}))
+    sink = Sink({k: (v.shape, v.dtype) for k, v in ts.items()})
+    config = fake_model_config(tmp_path)
+    config.enable_cumem_allocator = sleep_mode
+    real_load = sink.load_weights
+    sink.load_weights = lambda weights: real_load((during.append(devmem._outside) or (n, t)) for n, t in weights)
+    loader.load_weights(sink, config)
+    assert len(during) == len(ts) and set(during) == {1 if sleep_mode else 0}
+    assert devmem._outside == 0  # closed with the stream

@@ -1,36 +1,73 @@
-"""Device buffers a load gives back (the streamers' per-tensor buffers), allocated outside any memory pool.
+"""Device buffers a load gives back (the streamers' per-tensor buffers): on which stream, and outside which pool.
 
-Why: with ``--enable-sleep-mode`` vLLM builds and loads the model inside ``torch.cuda.use_mem_pool`` with its sleep
-allocator (``CuMemAllocator.use_memory_pool(tag="weights")``, vllm/device_allocator/cumem.py, 0.26). When that
-context ends, vLLM unmaps the pool's segments that hold no live tensor itself, and PyTorch still counts them as
-reserved. vLLM then sizes the KV cache from CUDA's free memory and PyTorch's reserved bytes (its "non-torch memory"
-is the difference, vllm/utils/mem_utils.py), so every byte a loader allocated in the pool and gave back before the
-load ended becomes KV cache beyond ``gpu_memory_utilization``: measured on one H200 with the 16 GB model, 16 GB
-more KV cache than vLLM's default loader gives (docs/benchmarks.md, sleep mode).
+**Outside vLLM's sleep pool.** With ``--enable-sleep-mode`` (which turns on ``enable_cumem_allocator``) vLLM builds
+and loads the model inside ``torch.cuda.use_mem_pool`` with its sleep allocator
+(``CuMemAllocator.use_memory_pool(tag="weights")``, vllm/device_allocator/cumem.py; the condition is
+``Worker._maybe_get_memory_pool_context``, vllm/v1/worker/gpu_worker.py, 0.26). When that context ends, vLLM unmaps
+the pool's segments that hold no live tensor itself, and PyTorch still counts them as reserved. vLLM then sizes the
+KV cache from CUDA's free memory and PyTorch's reserved bytes (its "non-torch memory" is the difference,
+vllm/utils/mem_utils.py), so every byte a loader allocated in the pool and gave back became KV cache beyond
+``gpu_memory_utilization`` (16 GB for the 16 GB model on one H200, docs/benchmarks.md, sleep mode). PyTorch routes
+only the calling thread's allocations to the pool ("This context manager makes only current thread's allocations
+route to the given pool. If a new thread is spawned inside the context manager ... the allocations in that thread
+will not route to the given pool", ``torch.cuda.use_mem_pool``'s docstring). So while a load runs inside
+:func:`outside_pools` (the streaming loader enters it when :func:`uses_cumem_pool`), these buffers are allocated by
+one helper thread of this module. Without a pool they are allocated in the caller: the hop costs tens of
+microseconds per tensor, which a checkpoint of 10^5 tensors would feel.
 
-How: PyTorch routes only the calling thread's allocations to the pool ("This context manager makes only current
-thread's allocations route to the given pool. If a new thread is spawned inside the context manager ... the
-allocations in that thread will not route to the given pool", ``torch.cuda.use_mem_pool``'s docstring).
-So these buffers are allocated by one helper thread of this module: they come from PyTorch's default caching
-allocator, go back to it when freed, and vLLM's ``torch.cuda.empty_cache()`` after the load returns them to CUDA.
-The weights themselves stay where vLLM allocates them (its parameters, in the pool, offloaded and restored by sleep
-mode). Without a pool the helper thread changes nothing but the thread that calls ``cudaMalloc``.
+**On the consumer's stream** (:func:`consumer_buffer`). While any memory pool is in use, PyTorch's caching
+allocator does not free a block that ``record_stream`` marked as used on another stream: it defers its end-of-life
+events "until no captures are underway" (``CUDACachingAllocator.cpp``, ``free``; ``use_mem_pool`` counts as a
+capture), so nothing freed during the load would be reused and the load would hold the whole checkpoint a second
+time at its peak. A buffer allocated on the stream that reads and frees it needs no ``record_stream`` and is
+reused at once, in that stream's order; the copy stream waits for that stream before its first copy into it (the
+block may be one the consumer just dropped, whose last reads are still queued there).
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 
 _lock = threading.Lock()
 _executor: Optional[ThreadPoolExecutor] = None
+#: Loads now running inside :func:`outside_pools` (process-wide: the ring pipeline's producer thread and the
+#: fan-out allocate for the same load from other threads).
+_outside = 0
+
+
+def uses_cumem_pool(model_config: Any) -> bool:
+    """Whether vLLM loads this model inside its sleep allocator's memory pool: ``enable_cumem_allocator`` (vLLM 0.26
+    sets it for ``enable_sleep_mode`` on CUDA) or ``enable_sleep_mode`` (XPU's condition); False for a config
+    without either field."""
+    return bool(getattr(model_config, "enable_cumem_allocator", False) or
+                getattr(model_config, "enable_sleep_mode", False))
+
+
+@contextlib.contextmanager
+def outside_pools(enabled: bool) -> Iterator[None]:
+    """While this context is open (``enabled``), :func:`transient_empty` allocates CUDA buffers on the helper
+    thread, outside any memory pool the loading thread routes to. Nesting and concurrent loads are counted."""
+    global _outside
+    if not enabled:
+        yield
+        return
+    with _lock:
+        _outside += 1
+    try:
+        yield
+    finally:
+        with _lock:
+            _outside -= 1
 
 
 def _allocator() -> ThreadPoolExecutor:
-    """The process's one allocation thread (started on first use; idle threads cost nothing)."""
+    """The process's one allocation thread (started on first use)."""
     global _executor
     with _lock:
         if _executor is None:
@@ -38,12 +75,22 @@ def _allocator() -> ThreadPoolExecutor:
         return _executor
 
 
-def empty_outside_pools(shape: Any, dtype: torch.dtype, device: torch.device, stream: Any = None) -> torch.Tensor:
-    """``torch.empty(shape, dtype=dtype, device=device)``, allocated on ``stream`` (default: the caller's current
-    stream of ``device``) but never in a memory pool the calling thread routes its allocations to (see the module
-    docstring). ``device`` without an index means the caller's current CUDA device. Non-CUDA devices: a plain
-    ``torch.empty`` in the calling thread. Errors of the allocation (CUDA out of memory) are raised in the
-    caller."""
+def _forget_allocator_in_child() -> None:
+    """After ``fork`` the child has no thread behind an inherited executor (a submit would wait for ever)."""
+    global _executor, _lock
+    _executor, _lock = None, threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_allocator_in_child)
+
+
+def transient_empty(shape: Any, dtype: torch.dtype, device: torch.device, stream: Any = None) -> torch.Tensor:
+    """``torch.empty(shape, dtype=dtype, device=device)`` on ``stream`` (default: the caller's current stream of
+    ``device``), for a buffer the load gives back: inside :func:`outside_pools`, allocated by the helper thread
+    (never in a pool the calling thread routes to), else in the caller. ``device`` without an index means the
+    caller's current CUDA device. Non-CUDA devices: a plain ``torch.empty``. Errors of the allocation (CUDA out of
+    memory) are raised in the caller."""
     if device.type != "cuda":
         return torch.empty(shape, dtype=dtype, device=device)
     index = torch.cuda.current_device() if device.index is None else device.index
@@ -52,10 +99,27 @@ def empty_outside_pools(shape: Any, dtype: torch.dtype, device: torch.device, st
         stream = torch.cuda.current_stream(device)
 
     def allocate() -> torch.Tensor:
-        # a new thread's current device is device 0: without this, a TP rank's helper would touch GPU 0 (its
-        # streams, and a CUDA context there) when it makes the stream current
-        torch.cuda.set_device(index)
         with torch.cuda.stream(stream):
             return torch.empty(shape, dtype=dtype, device=device)
 
-    return _allocator().submit(allocate).result()
+    if not _outside:
+        return allocate()
+
+    def on_helper() -> torch.Tensor:
+        # a new thread's current device is device 0: without this, a TP rank's helper would touch GPU 0 (its
+        # streams, and a CUDA context there) when it makes the stream current
+        torch.cuda.set_device(index)
+        return allocate()
+
+    return _allocator().submit(on_helper).result()
+
+
+def consumer_buffer(nbytes: int, device: torch.device, consumer: Any, copy_stream: Any) -> torch.Tensor:
+    """A ``nbytes`` uint8 buffer on ``device`` that ``copy_stream`` fills and ``consumer`` reads and frees (see the
+    module docstring): allocated on ``consumer`` with :func:`transient_empty`, then ``copy_stream`` waits for
+    ``consumer``. The consumer must wait for the copies before it reads the buffer (then no ``record_stream`` is
+    needed). ``copy_stream`` None (CPU, or copies made in the consumer's stream): a plain :func:`transient_empty`."""
+    dst = transient_empty(nbytes, torch.uint8, device, consumer)
+    if copy_stream is not None:
+        copy_stream.wait_stream(consumer)
+    return dst

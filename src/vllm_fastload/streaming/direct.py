@@ -26,12 +26,11 @@ Data flow (:func:`stream_to_device`)::
   (:func:`release_pinned_cache`).
   Device: each yielded tensor is its own allocation (never a view into a reused buffer; valid for as long as the
   consumer holds it, e.g. an FP8 weight waiting for its scale); tensors still being assembled are bounded by the
-  ring's span plus the largest tensor. These buffers are allocated outside vLLM's sleep-mode memory pool
-  (:mod:`.devmem` says why).
+  ring's span plus the largest tensor. Each buffer is allocated on the consumer's stream (no ``record_stream``),
+  outside vLLM's sleep-mode memory pool when the load runs inside one (:mod:`.devmem` says why for both).
 
-PyTorch facts used (docs "CUDA semantics", "Tensor.record_stream"): ``non_blocking=True`` host-to-device copies
-are asynchronous only from pinned memory; a stream must ``wait_event`` before using data produced on another
-stream; memory allocated on one stream and used on another needs ``record_stream``.
+PyTorch facts used (docs "CUDA semantics"): ``non_blocking=True`` host-to-device copies are asynchronous only from
+pinned memory; a stream must ``wait_event`` before using data produced on another stream.
 """
 
 from __future__ import annotations
@@ -47,7 +46,7 @@ from typing import Any, Optional
 import torch
 
 from ..checkpoint import SafetensorsHeader, torch_dtypes
-from .devmem import empty_outside_pools
+from .devmem import consumer_buffer
 from .runai_env import MAX_PADS, ring_env
 from .timing import StageTimes, next_timed
 
@@ -366,6 +365,7 @@ def stream_tensors(headers: list[SafetensorsHeader], device: torch.device, pinne
             stats["pinned_bytes"] = arena.numel()
     arena = None  # PinnedSlots holds it until close()
     left = Counter(key for places in where for key, _ in places)  # pieces still to come, per tensor
+    building: dict[tuple[int, str], torch.Tensor] = {}  # tensors whose pieces are still being copied
     try:
         # get_chunks is a generator: it starts reading at the first next(), after stream_files built the ring
         with FileStreamer() as fs, contextlib.closing(fs.get_chunks()) as chunks_it:
@@ -374,7 +374,6 @@ def stream_tensors(headers: list[SafetensorsHeader], device: torch.device, pinne
             with scoped_environ(ring_env(pinned_slots)), allocator:
                 fs.stream_files(requests, device="cpu", memory_limit=pinned_slots * pinned_slot_bytes,
                                 owned=True)
-            building: dict[tuple[int, str], torch.Tensor] = {}
             while True:
                 item, waited = next_timed(chunks_it)
                 times.read_wait_s += waited
@@ -384,10 +383,7 @@ def stream_tensors(headers: list[SafetensorsHeader], device: torch.device, pinne
                 key, off = where[file_id][range_index]
                 dst = building.get(key)
                 if dst is None:
-                    dst = empty_outside_pools(info[key].nbytes, torch.uint8, device,
-                                              copy_stream if use_pinned else None)
-                    if dst.device.type == "cuda":
-                        dst.record_stream(consumer)
+                    dst = consumer_buffer(info[key].nbytes, device, consumer, copy_stream)
                     building[key] = dst
                 src = host.view(-1)
                 n = src.numel()
@@ -407,7 +403,8 @@ def stream_tensors(headers: list[SafetensorsHeader], device: torch.device, pinne
                     yield key, dst.view(dtypes[t.dtype]).view(t.shape)
     finally:
         if slots is not None:
-            slots.close()
+            slots.close()  # waits for the copy stream: only then may a half-built tensor's buffer be reused
             if stats is not None:
                 stats["pinned_extra_bytes"] = slots.extra_bytes
+        building.clear()
     times.settle_h2d()

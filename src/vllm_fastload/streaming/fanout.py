@@ -155,7 +155,7 @@ class Fanout:
         import torch
         import torch.distributed as dist
 
-        from .devmem import empty_outside_pools
+        from .devmem import transient_empty
 
         device = torch.device(device)
         index = {e.key: i for i, e in enumerate(entries)}
@@ -197,7 +197,7 @@ class Fanout:
                         self.stats.read_bytes += e.nbytes
                         self.stats.tensors_read += 1
                     else:
-                        t = empty_outside_pools(e.shape, e.dtype, device)  # given back: not in vLLM's sleep pool
+                        t = transient_empty(e.shape, e.dtype, device)  # given back: outside vLLM's sleep pool (devmem)
                         self.stats.received_bytes += e.nbytes
                         self.stats.tensors_received += 1
                     dist.broadcast(t.reshape(-1).view(torch.uint8), src=self.ranks[src], group=self.data_group)

@@ -235,10 +235,14 @@ class RunaiStreamerLoader(BaseModelLoader):
         self._total = ckpt.tensor_count
         report.extra["prepare_s"] = round(time.perf_counter() - t0, 4)  # shards, headers, fingerprint, strategy
         fan = self._fanout(device, why_not_direct, headers)
+        from .devmem import outside_pools, uses_cumem_pool
+
+        in_sleep_pool = uses_cumem_pool(model_config)
 
         def stream() -> Iterator[tuple[str, Any]]:
             # runai reads its settings from the environment when a stream starts: set them for this load only.
-            with scoped_environ(env):
+            # In sleep mode vLLM loads inside its allocator's pool, which must not keep our buffers (devmem.py).
+            with scoped_environ(env), outside_pools(in_sleep_pool):
                 try:
                     if fan is not None:
                         yield from self._fanned_out_tensors(plan, headers, device, report, fan)

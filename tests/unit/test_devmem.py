@@ -88,19 +88,34 @@ def test_allocation_errors_reach_the_caller(monkeypatch):
         devmem.transient_empty(2**30, torch.uint8, torch.device("cuda", 0), stream="s")
 
 
-def test_consumer_buffer_is_made_on_the_consumer_and_the_copy_stream_waits_for_it(fake_cuda_alloc):
-    class Stream:
-        def __init__(self):
-            self.waited_for = []
+class _Stream:
+    def __init__(self):
+        self.waited_for = []
 
-        def wait_stream(self, other):
-            self.waited_for.append(other)
+    def wait_stream(self, other):
+        self.waited_for.append(other)
 
-    copy = Stream()
-    t = devmem.consumer_buffer(11, torch.device("cuda", 1), "consumer", copy)
+
+def test_copy_target_in_a_pool_is_the_consumers_and_the_copy_stream_waits_for_it(fake_cuda_alloc):
+    copy = _Stream()
+    with devmem.outside_pools(True):
+        t = devmem.copy_target(11, torch.device("cuda", 1), "consumer", copy)
     assert t.numel() == 11 and t.dtype == torch.uint8
+    assert fake_cuda_alloc[-1][0].startswith("fastload-devmem")
     assert fake_cuda_alloc[-1][1:] == ("consumer", "cuda:1")
     assert copy.waited_for == ["consumer"]
+
+
+def test_copy_target_without_a_pool_is_the_copy_streams_recorded_on_the_consumer(fake_cuda_alloc, monkeypatch):
+    """The scheme every GPU measurement ran: allocated on the copy stream in the caller, ``record_stream``-ed on
+    the consumer; the copy stream does not wait for the consumer."""
+    copy = _Stream()
+    recorded = []
+
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, s: recorded.append(s), raising=False)
+    devmem.copy_target(11, torch.device("cuda", 1), "consumer", copy)
+    assert fake_cuda_alloc[-1] == (threading.current_thread().name, copy, "cuda:1")
+    assert recorded == ["consumer"] and copy.waited_for == []
 
 
 @pytest.mark.parametrize("config, expected", [

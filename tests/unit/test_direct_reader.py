@@ -110,19 +110,26 @@ def test_zoo_reassembled_bit_exact_from_pieces(tmp_path, fake_cuda, piece, depth
     assert extra == [] and stats["pinned_extra_bytes"] == 0  # the arena sufficed: slots were recycled
 
 
-def test_each_buffer_is_the_consumers_and_the_copy_stream_waits_for_it(tmp_path, fake_cuda, monkeypatch):
-    """Every non-empty tensor's buffer comes from ``devmem.consumer_buffer`` with the consumer's stream: the copy
-    stream waits for the consumer once per tensor (the buffer may be memory the consumer just dropped) and nothing
-    is ``record_stream``-ed (inside a memory pool PyTorch would never reuse such a buffer during the load)."""
+@pytest.mark.parametrize("in_pool", [True, False])
+def test_in_a_pool_each_buffer_is_the_consumers_and_the_copy_stream_waits_for_it(tmp_path, fake_cuda, monkeypatch,
+                                                                                 in_pool):
+    """Inside ``devmem.outside_pools`` (vLLM's sleep mode) each non-empty tensor's buffer comes from
+    ``devmem.copy_target`` on the consumer's stream: the copy stream waits for the consumer once per buffer, before
+    its first copy (copy_target returns only after the wait), and nothing is ``record_stream``-ed. Outside a pool
+    the measured scheme stays: no such wait."""
+    from vllm_fastload.streaming import devmem
+
     consumer, _ = fake_cuda
     expected = write_zoo(tmp_path / "model.safetensors")
     recorded = []
     monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, s: recorded.append(s), raising=False)
-    got, _, _ = _stream(tmp_path / "model.safetensors", 4096, 2)
+    with devmem.outside_pools(in_pool):
+        got, _, _ = _stream(tmp_path / "model.safetensors", 4096, 2)
     assert_zoo_bit_exact(got, expected)
     (copy_stream,) = consumer.copy_streams
-    assert copy_stream.waited_for == [consumer] * sum(1 for _, _, raw in expected.values() if raw)
-    assert recorded == []
+    n = sum(1 for _, _, raw in expected.values() if raw)
+    assert copy_stream.waited_for == ([consumer] * n if in_pool else [])
+    assert recorded == []  # CPU stand-in: record_stream is only called for CUDA buffers
 
 
 def test_released_slots_are_reused_not_reallocated(tmp_path, fake_cuda, monkeypatch):

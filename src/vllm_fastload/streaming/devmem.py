@@ -15,13 +15,16 @@ will not route to the given pool", ``torch.cuda.use_mem_pool``'s docstring). So 
 one helper thread of this module. Without a pool they are allocated in the caller: the hop costs tens of
 microseconds per tensor, which a checkpoint of 10^5 tensors would feel.
 
-**On the consumer's stream** (:func:`consumer_buffer`). While any memory pool is in use, PyTorch's caching
-allocator does not free a block that ``record_stream`` marked as used on another stream: it defers its end-of-life
-events "until no captures are underway" (``CUDACachingAllocator.cpp``, ``free``; ``use_mem_pool`` counts as a
-capture), so nothing freed during the load would be reused and the load would hold the whole checkpoint a second
-time at its peak. A buffer allocated on the stream that reads and frees it needs no ``record_stream`` and is
-reused at once, in that stream's order; the copy stream waits for that stream before its first copy into it (the
-block may be one the consumer just dropped, whose last reads are still queued there).
+**On which stream** (:func:`copy_target`). Outside a pool a buffer is allocated on the copy stream and
+``record_stream``-ed on the consumer, as PyTorch's CUDA semantics notes prescribe for cross-stream use (the path
+every GPU measurement in docs/benchmarks.md ran). Inside one that does not work: while any memory pool is in use,
+PyTorch's caching allocator does not free a block that ``record_stream`` marked as used on another stream, it
+defers its end-of-life events "until no captures are underway" (``CUDACachingAllocator.cpp``, ``free``;
+``use_mem_pool`` counts as a capture), so no buffer freed during the load would be reused. So inside
+:func:`outside_pools` a buffer is allocated on the consumer's stream, which needs no ``record_stream`` and is reused
+at once in that stream's order, and the copy stream waits for the consumer before its first copy into it (the block
+may be one the consumer just dropped, whose last reads are still queued there). That wait makes each new tensor's
+copies follow the consumer's work queued so far, which is why it is not the default.
 """
 
 from __future__ import annotations
@@ -114,12 +117,21 @@ def transient_empty(shape: Any, dtype: torch.dtype, device: torch.device, stream
     return _allocator().submit(on_helper).result()
 
 
-def consumer_buffer(nbytes: int, device: torch.device, consumer: Any, copy_stream: Any) -> torch.Tensor:
-    """A ``nbytes`` uint8 buffer on ``device`` that ``copy_stream`` fills and ``consumer`` reads and frees (see the
-    module docstring): allocated on ``consumer`` with :func:`transient_empty`, then ``copy_stream`` waits for
-    ``consumer``. The consumer must wait for the copies before it reads the buffer (then no ``record_stream`` is
-    needed). ``copy_stream`` None (CPU, or copies made in the consumer's stream): a plain :func:`transient_empty`."""
+def copy_target(nbytes: int, device: torch.device, consumer: Any, copy_stream: Any) -> torch.Tensor:
+    """A ``nbytes`` uint8 buffer on ``device`` that ``copy_stream`` fills and ``consumer`` reads and frees (module
+    docstring, "On which stream"). Outside :func:`outside_pools`: allocated on ``copy_stream`` and
+    ``record_stream``-ed on ``consumer``. Inside: allocated on ``consumer`` by the helper thread, then
+    ``copy_stream`` waits for ``consumer``. Either way the consumer must wait for the copies before it reads the
+    buffer, and must not drop it before (inside, a dropped buffer may be reused on the consumer's stream while its
+    copies still run). ``copy_stream`` None (CPU, or copies made in the consumer's stream): a plain
+    :func:`transient_empty` on ``consumer``."""
+    if copy_stream is None:
+        return transient_empty(nbytes, torch.uint8, device, consumer)
+    if not _outside:
+        dst = transient_empty(nbytes, torch.uint8, device, copy_stream)
+        if device.type == "cuda":
+            dst.record_stream(consumer)
+        return dst
     dst = transient_empty(nbytes, torch.uint8, device, consumer)
-    if copy_stream is not None:
-        copy_stream.wait_stream(consumer)
+    copy_stream.wait_stream(consumer)
     return dst

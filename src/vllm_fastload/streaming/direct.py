@@ -26,11 +26,12 @@ Data flow (:func:`stream_to_device`)::
   (:func:`release_pinned_cache`).
   Device: each yielded tensor is its own allocation (never a view into a reused buffer; valid for as long as the
   consumer holds it, e.g. an FP8 weight waiting for its scale); tensors still being assembled are bounded by the
-  ring's span plus the largest tensor. Each buffer is allocated on the consumer's stream (no ``record_stream``),
-  outside vLLM's sleep-mode memory pool when the load runs inside one (:mod:`.devmem` says why for both).
+  ring's span plus the largest tensor. When the load runs inside vLLM's sleep-mode memory pool, each buffer is
+  allocated outside it and on the consumer's stream (:func:`.devmem.copy_target` says why).
 
-PyTorch facts used (docs "CUDA semantics"): ``non_blocking=True`` host-to-device copies are asynchronous only from
-pinned memory; a stream must ``wait_event`` before using data produced on another stream.
+PyTorch facts used (docs "CUDA semantics", "Tensor.record_stream"): ``non_blocking=True`` host-to-device copies
+are asynchronous only from pinned memory; a stream must ``wait_event`` before using data produced on another
+stream; memory allocated on one stream and used on another needs ``record_stream``.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ from typing import Any, Optional
 import torch
 
 from ..checkpoint import SafetensorsHeader, torch_dtypes
-from .devmem import consumer_buffer
+from .devmem import copy_target
 from .runai_env import MAX_PADS, ring_env
 from .timing import StageTimes, next_timed
 
@@ -383,7 +384,7 @@ def stream_tensors(headers: list[SafetensorsHeader], device: torch.device, pinne
                 key, off = where[file_id][range_index]
                 dst = building.get(key)
                 if dst is None:
-                    dst = consumer_buffer(info[key].nbytes, device, consumer, copy_stream)
+                    dst = copy_target(info[key].nbytes, device, consumer, copy_stream)
                     building[key] = dst
                 src = host.view(-1)
                 n = src.numel()

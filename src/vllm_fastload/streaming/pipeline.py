@@ -10,9 +10,9 @@ Data flow per tensor (``H2DPipeline.run``)::
   released at the end. A tensor larger than a slot is copied in slot-sized pieces into its device tensor, so
   the largest tensor never has to fit one slot.
 * Every yielded tensor is its own device allocation (never a view into a reused buffer); it stays valid for as
-  long as the consumer holds it. It is allocated on the consumer's stream, which the copy stream waits for before
-  copying into it (no ``record_stream``), and outside vLLM's sleep-mode memory pool when the load runs inside one
-  (:func:`.devmem.consumer_buffer`; :mod:`.devmem` says why for both).
+  long as the consumer holds it. It is allocated on the copy stream and ``record_stream``-ed on the consumer, or,
+  when the load runs inside vLLM's sleep-mode memory pool, outside it and on the consumer's stream
+  (:func:`.devmem.copy_target` says why).
 * The host memcpy into the slot is split across ``copy_threads`` threads (``Tensor.copy_`` releases the GIL),
   since vLLM workers often run with ``OMP_NUM_THREADS=1``.
 * With ``pipeline_thread=True``, :meth:`H2DPipeline.run` drives reader, memcpy and copy issue from a producer thread,
@@ -23,7 +23,7 @@ Data flow per tensor (``H2DPipeline.run``)::
 
 PyTorch facts used (docs "CUDA semantics", "Tensor.record_stream"): ``non_blocking=True`` host-to-device
 copies are asynchronous only from pinned memory; a stream must ``wait_event`` before using data produced on
-another stream.
+another stream; memory allocated on one stream and used on another needs ``record_stream``.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from .devmem import consumer_buffer
+from .devmem import copy_target
 from .timing import StageTimes, next_timed
 
 
@@ -90,16 +90,16 @@ class H2DPipeline:
         """Start copying host tensor ``src`` to the device. Returns ``(device tensor, event)``: the consumer must
         ``wait_event(event)`` (None for an empty tensor) before using it; :meth:`run` does.
 
-        The device tensor is allocated on ``consumer`` (default: the current stream), which the copy stream waits
-        for first (:func:`.devmem.consumer_buffer`). ``src`` may be reused as soon as this returns (its bytes are in
-        pinned slots).
+        The device tensor comes from :func:`.devmem.copy_target` for ``consumer`` (default: the current stream):
+        keep it until ``consumer`` waited for the event. ``src`` may be reused as soon as this returns (its bytes
+        are in pinned slots).
         """
         consumer = consumer or torch.cuda.current_stream(self.device)
         if src.numel() == 0:
             return torch.empty(src.shape, dtype=src.dtype, device=self.device), None
         flat = src.reshape(-1).view(torch.uint8)
         nbytes = flat.numel()
-        dst = consumer_buffer(nbytes, self.device, consumer, self.copy_stream)
+        dst = copy_target(nbytes, self.device, consumer, self.copy_stream)
         end = None
         for off in range(0, nbytes, self.pinned_slot_bytes):
             n = min(self.pinned_slot_bytes, nbytes - off)
@@ -128,6 +128,7 @@ class H2DPipeline:
         handoff: queue.Queue = queue.Queue(maxsize=self.lookahead)
         stop = threading.Event()
         errors: list[BaseException] = []
+        dropped: list = []  # a tensor the producer could not hand over: kept until the consumer waited for the copies
         end_mark = object()
 
         def put(item: Any) -> bool:
@@ -145,7 +146,11 @@ class H2DPipeline:
                 while not stop.is_set():
                     item, waited = next_timed(named)
                     self.times.read_wait_s += waited
-                    if item is None or not put((item[0], *self.to_device(item[1], consumer))):
+                    if item is None:
+                        break
+                    out = (item[0], *self.to_device(item[1], consumer))
+                    if not put(out):
+                        dropped.append(out)
                         break
             except BaseException as e:  # noqa: BLE001 - handed to the consumer thread
                 errors.append(e)
@@ -171,6 +176,7 @@ class H2DPipeline:
             stop.set()
             worker.join()
             consumer.wait_stream(self.copy_stream)  # tensors left in the hand-over queue may still be copying
+            dropped.clear()
         if errors:
             raise errors[0]
 

@@ -7,13 +7,13 @@ and loads the model inside ``torch.cuda.use_mem_pool`` with its sleep allocator
 the pool's segments that hold no live tensor itself, and PyTorch still counts them as reserved. vLLM then sizes the
 KV cache from CUDA's free memory and PyTorch's reserved bytes (its "non-torch memory" is the difference,
 vllm/utils/mem_utils.py), so every byte a loader allocated in the pool and gave back became KV cache beyond
-``gpu_memory_utilization`` (16 GB for the 16 GB model on one H200, docs/benchmarks.md, sleep mode). PyTorch routes
+``gpu_memory_utilization`` (measured in docs/benchmarks.md, sleep mode). PyTorch routes
 only the calling thread's allocations to the pool ("This context manager makes only current thread's allocations
 route to the given pool. If a new thread is spawned inside the context manager ... the allocations in that thread
 will not route to the given pool", ``torch.cuda.use_mem_pool``'s docstring). So while a load runs inside
 :func:`outside_pools` (the streaming loader enters it when :func:`uses_cumem_pool`), these buffers are allocated by
-one helper thread of this module. Without a pool they are allocated in the caller: the hop costs tens of
-microseconds per tensor, which a checkpoint of 10^5 tensors would feel.
+one helper thread of this module. Without a pool they are allocated in the caller: the hop is a thread round trip
+per tensor, which a checkpoint of 10^5 tensors would feel.
 
 **On which stream** (:func:`copy_target`). Outside a pool a buffer is allocated on the copy stream and
 ``record_stream``-ed on the consumer, as PyTorch's CUDA semantics notes prescribe for cross-stream use (the path

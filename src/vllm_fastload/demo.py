@@ -74,9 +74,11 @@ def main(argv: list[str] | None = None) -> int:
         s3env = {**env, **s3.env()}
         # moto is one Python process on 2 cores: 4 readers instead of runai's 16 keep it responsive
         rows.append(_serve(uri, uri, "runai_streamer", s3env, logdir, {"concurrency": 4}))
-    sock_dir = Path(tempfile.mkdtemp(prefix="fastload-sock-"))
     print("[demo] ipc_cache: starting vllm-fastload preload ...", flush=True)
-    with PreloadDaemon(model, sock_dir, log_path=logdir / "preload.log") as daemon:
+    # the socket directory goes with the demo (removed after the daemon stopped, also when a row failed)
+    with tempfile.TemporaryDirectory(prefix="fastload-sock-") as sock_name, \
+            PreloadDaemon(model, Path(sock_name), log_path=logdir / "preload.log") as daemon:
+        sock_dir = Path(sock_name)
         if not daemon.wait_ready():
             print(daemon.log()[-3000:], file=sys.stderr)
             rows.append({"source": "preload daemon", "format": "FAILED", "seconds": None, "answer": "daemon exited"})

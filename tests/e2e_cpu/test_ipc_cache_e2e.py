@@ -18,7 +18,7 @@ import pytest
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.e2e
 
-from tests.e2e_cpu.conftest import failed_startup_log, ids_of  # noqa: E402
+from tests.e2e_cpu.conftest import answer_of, failed_startup_log, ids_of  # noqa: E402
 from vllm_fastload.ipc import protocol  # noqa: E402
 from vllm_fastload.ipc.client import status_of  # noqa: E402
 from vllm_fastload.servers import PreloadDaemon, VllmServer, free_port  # noqa: E402
@@ -88,7 +88,8 @@ def test_second_daemon_for_the_same_device_refuses(demo_model, sock_dir, e2e_log
         assert "another preload daemon already serves this device" in d2.log()
 
 
-def test_zero_copy_matches_default_and_restart_maps_again(demo_model, sock_dir, e2e_logs, daemon, reference_ids):
+def test_zero_copy_matches_default_and_restart_maps_again(demo_model, sock_dir, e2e_logs, daemon, reference_ids,
+                                                          reference):
     from vllm_fastload.checkpoint import read_checkpoint, select_shards
     from vllm_fastload.content import checkpoint_digest
 
@@ -96,8 +97,9 @@ def test_zero_copy_matches_default_and_restart_maps_again(demo_model, sock_dir, 
     assert daemon_status(sock_dir).content_digest == digest and f"content {digest}" in daemon.log()
     for run, pin in (("zc-1", {}), ("zc-2", {"expected_content_digest": digest})):  # the second: a restart, pinned
         with engine(demo_model, sock_dir, e2e_logs, run, **pin) as srv:
-            assert srv.wait_ready(), srv.log()[-3000:]
+            assert srv.wait_ready(), srv.diagnosis()
             assert ids_of(srv) == reference_ids
+            assert answer_of(srv) == reference["answer"]  # the demo's question, answered as by `auto` ("Paris")
             log = srv.log()
             st = daemon_status(sock_dir)
             assert st.clients == 1 and st.client_modes == ["zero_copy"]
@@ -156,12 +158,13 @@ def test_restarted_daemon_replaced_the_stale_socket(daemon2):
 
 
 def test_fingerprint_mismatch_falls_back_naming_dtype(demo_model, sock_dir, e2e_logs, daemon2, reference_ids):
-    srv = VllmServer(str(demo_model), ["--load-format", "ipc_cache", "--dtype", "float32", "--model-loader-extra-config",
-                                       json.dumps({"socket_dir": str(sock_dir)})], log_path=e2e_logs / "fp32.log")
+    # the daemon runs in float32 (servers.CPU_DTYPE), this engine in the checkpoint's bfloat16
+    srv = VllmServer(str(demo_model), ["--load-format", "ipc_cache", "--dtype", "bfloat16", "--model-loader-extra-config",
+                                       json.dumps({"socket_dir": str(sock_dir)})], log_path=e2e_logs / "bf16.log")
     with srv:
-        assert srv.wait_ready(), srv.log()[-3000:]
+        assert srv.wait_ready(), srv.diagnosis()
         log = srv.log()
-    assert "fingerprint mismatch" in log and "dtype (daemon 'bfloat16', engine 'float32')" in log
+    assert "fingerprint mismatch" in log and "dtype (daemon 'float32', engine 'bfloat16')" in log
     assert daemon_status(sock_dir).fingerprint_mismatches == 1
 
 
@@ -226,12 +229,13 @@ def test_copy_mode_matches_and_daemon_frees_its_memory(demo_model, sock_dir, e2e
 
 def test_sigterm_exits_cleanly_and_removes_socket_lock_and_rendezvous_dir(daemon2, sock_dir):
     import glob
-    import tempfile
 
-    rendezvous = f"{tempfile.gettempdir()}/fastload-dist-{daemon2.pid}-*"
+    rendezvous = f"{daemon2.tmpdir}/fastload-dist-{daemon2.pid}-*"  # the daemon's TMPDIR (servers.ManagedProcess)
     assert len(glob.glob(rendezvous)) == 1  # torch.distributed's file:// store, private to this daemon
-    code = daemon2.stop()
+    os.killpg(daemon2.pid, signal.SIGTERM)  # not stop(): it would remove the daemon's TMPDIR after it exited
+    code = daemon2.proc.wait(60)
     assert code == 0, daemon2.log()[-2000:]
     assert "socket and shared memory removed" in daemon2.log()
     assert list(sock_dir.iterdir()) == []
-    assert glob.glob(rendezvous) == []
+    assert glob.glob(rendezvous) == []  # the daemon removed it itself
+    daemon2.stop()

@@ -29,6 +29,14 @@ def test_the_socket_directory_is_gone_after_the_demo(tmp_path, monkeypatch, caps
         def log(self):
             return "daemon log"
 
+        def diagnosis(self):
+            return "reason: ConfigError: bad flag"
+
+        def reason(self):
+            return "ConfigError: bad flag"
+
+        log_path = "preload.log"
+
     class S3:
         def __init__(self, log_path=None):
             pass
@@ -51,4 +59,37 @@ def test_the_socket_directory_is_gone_after_the_demo(tmp_path, monkeypatch, caps
                                                                  "answer": "The capital of France is Paris."})
     rc = demo.main(["--model-dir", str(tmp_path), "--logs", str(tmp_path / "logs")])
     assert rc == (0 if daemon_ready else 1)
+    if not daemon_ready:  # the row names the daemon's own error line
+        assert "| daemon exited: ConfigError: bad flag (log preload.log)" in capsys.readouterr().out
     assert seen["dir_at_stop"] and not seen["dir"].exists()
+
+
+def test_a_failed_row_answers_with_the_plugins_error_line(tmp_path, monkeypatch, capsys):
+    """The table's reason for a server that died is the plugin's line (here a StorageError), not vLLM's generic
+    "Engine core initialization failed"; the diagnosis goes to stderr."""
+    from vllm_fastload.servers import ManagedProcess
+
+    log = tmp_path / "vllm.log"
+    log.write_text("(EngineCore pid=7) vllm_fastload.errors.StorageError: cannot read s3://models/m: timeout\n"
+                   "RuntimeError: Engine core initialization failed. See root cause above.\n")
+
+    class Server(ManagedProcess):
+        def __init__(self, model, extra, log_path=None, env=None):
+            self.argv, self.log_path, self.pid = ["python", "-m", "vllm"], log, 7
+            self.proc = type("P", (), {"poll": lambda self: 1})()
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            pass
+
+        def wait_ready(self):
+            return False
+
+    monkeypatch.setattr(demo, "VllmServer", Server)
+    (tmp_path / "logs").mkdir()
+    row = demo._serve("s3", "s3://models/m", "runai_streamer", {}, tmp_path / "logs")
+    assert row["format"] == "FAILED"
+    assert row["answer"] == f"server exited: StorageError: cannot read s3://models/m: timeout (log {log})"
+    assert capsys.readouterr().err.startswith("reason: StorageError: cannot read s3://models/m: timeout")

@@ -226,3 +226,15 @@ def test_systemd_units_verify(tmp_path):
 def test_scripts_compile():
     py_compile.compile(str(EX / "python" / "offline_llm.py"), doraise=True)
     subprocess.run(["bash", "-n", str(EX / "s3-local" / "serve_from_local_s3.sh")], check=True)
+
+
+def test_s3_local_example_gives_runai_the_moto_settings_the_tests_use():
+    """The example exports the same S3 client settings for moto as vllm_fastload.servers.MotoS3 (one set of values;
+    the example is a standalone script, so it states them itself)."""
+    from vllm_fastload.servers import MOTO_CLIENT_ENV
+
+    text = (EX / "s3-local" / "serve_from_local_s3.sh").read_text()
+    exported = dict(w.split("=", 1) for ln in text.splitlines() if ln.startswith("export RUNAI_STREAMER_S3_")
+                    for w in ln.split()[1:])
+    assert exported == MOTO_CLIENT_ENV
+    assert "--gpu-memory-utilization" in text and "--dtype float32" in text and "/tmp/moto.log" not in text

@@ -394,3 +394,41 @@ def test_empty_object_is_too_short_not_a_storage_error(s3env):
 
     with pytest.raises(CheckpointError, match=r"^s3://bucket-ok/empty/model.safetensors: file is 0 bytes, too short"):
         read_header("s3://bucket-ok/empty/model.safetensors")
+
+
+def test_the_moto_settings_survive_a_server_that_stalls_mid_response(s3env, monkeypatch):
+    """Why the demo's and the e2e tests' S3 rows failed on busy machines ("File access error" about 30-60 s in):
+    runai's S3 client drops a request whose body stops for a few seconds (measured: a 5 s stall fails every request,
+    after its retries, in about 40 s; a 3 s stall passes). MotoS3.env() (servers.MOTO_CLIENT_ENV) gives it 30 s, so
+    the same stalls only slow the load; without those settings this test fails."""
+    from runai_model_streamer import SafetensorsStreamer
+
+    from tests.conftest import StallingProxy
+
+    moto, _, _ = s3env
+    d = s3env[2]
+    from safetensors.torch import save_file
+
+    save_file({f"w{i}": torch.full((1 << 20,), float(i)) for i in range(6)}, str(d / "stall.safetensors"))
+    uri = moto.upload_dir(d, "bucket-stall", "m")
+    proxy = StallingProxy(moto.port, stall_s=5)
+    try:
+        point_s3_at(monkeypatch, f"http://127.0.0.1:{proxy.port}")
+        with SafetensorsStreamer() as st:
+            st.stream_file(uri + "/stall.safetensors")
+            got = {name: t.clone() for name, t in st.get_tensors()}
+    finally:
+        proxy.close()
+    assert sorted(got) == [f"w{i}" for i in range(6)] and all(float(got[f"w{i}"][7]) == i for i in range(6))
+
+
+def test_a_transient_read_failure_names_the_s3_client_settings(s3env):
+    """A read that failed while the object is readable now: the message says what to raise and lower."""
+    from vllm_fastload.storage import storage_error
+
+    _, uri, _ = s3env
+    e = storage_error(uri + "/model.safetensors",
+                      ValueError("Could not receive response from libstreamer due to: b'File access error'"))
+    msg = str(e)
+    assert "the failure was transient" in msg and "RUNAI_STREAMER_S3_REQUEST_TIMEOUT_MS" in msg
+    assert "RUNAI_STREAMER_S3_MAX_INFLIGHT_MIB" in msg and uri in msg

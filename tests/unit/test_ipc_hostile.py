@@ -524,8 +524,8 @@ def test_a_malformed_attach_beside_a_zero_copy_client_leaves_status_health_and_m
     ({**HELLO, "fingerprint": {**FP, "shards": "x"}},
      "invalid 'hello' message: field 'fingerprint.shards': Input should be a valid list (got 'x')"),
     ({**HELLO, "version": "1"}, "invalid 'hello' message: field 'version': Input should be a valid integer (got '1')"),
-    ({**HELLO, "version": 1}, "protocol version mismatch: the engine speaks version 1, this daemon version 2; run "
-                              "the same vllm-fastload version on both sides"),
+    ({**HELLO, "version": 1}, f"protocol version mismatch: the engine speaks version 1, this daemon version "
+                              f"{protocol.PROTOCOL_VERSION}; run the same vllm-fastload version on both sides"),
     ({**HELLO, "mode": "copy"}, "invalid 'hello' message: field 'mode': not a field of this message"),
     ({"type": "status", "verbose": True}, "invalid 'status' message: field 'verbose': not a field of this message"),
     ({"type": "attach", "mode": "copy"}, "attach refused: attach before this connection received the manifest (send "

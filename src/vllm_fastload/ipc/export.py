@@ -73,8 +73,9 @@ def build_and_export(vllm_config: Any, local_rank: int, rank: int, world_size: i
 
     Returns ``(segment, manifest, seconds)``: the rank's one export buffer, the manifest that describes it and
     the seconds the whole took. Raises :class:`~vllm_fastload.errors.FastloadError` when a tensor was never
-    loaded (still on the meta device), :class:`.transport.NoTransport` for a device without a transport, and
-    whatever vLLM's loader raises."""
+    loaded (still on the meta device), :class:`.state.NotExportable` when post-processing bound state no engine
+    could rebuild, :class:`.transport.NoTransport` for a device without a transport, and whatever vLLM's loader
+    raises."""
     import torch
     from vllm.config import set_current_vllm_config
     from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
@@ -123,11 +124,11 @@ def build_and_export(vllm_config: Any, local_rank: int, rank: int, world_size: i
     manifest = Manifest(type="manifest", version=protocol.PROTOCOL_VERSION, fingerprint=fp.to_dict(),
                         fingerprint_short=fp.short(), segments=[transport.describe(segment, device)], tensors=entries,
                         aliases=exp.aliases, reprocess=exp.reprocess, attrs=exp.attrs, object_attrs=exp.object_attrs,
-                        content_digest=content_digest)
+                        objects=exp.objects, content_digest=content_digest)
     by_dtype: dict[str, int] = {}
     for e in entries.values():
         by_dtype[e.dtype] = by_dtype.get(e.dtype, 0) + e.nbytes
-    logger.info("fastload: rank %d: %d tensors exported as is (bytes by dtype: %s), %d module(s) re-processed by the "
+    logger.info("fastload: rank %d: %d tensors exported as is (bytes by dtype: %s), %d layer(s) re-processed by the "
                 "engine: %s", rank, len(entries), ", ".join(f"{d}={n}" for d, n in sorted(by_dtype.items())),
                 len(exp.reprocess), ", ".join(exp.reprocess[:6]) + (" ..." if len(exp.reprocess) > 6 else ""))
     return segment, manifest, time.perf_counter() - t0

@@ -234,12 +234,15 @@ def _record_restore_device(model: Any, device: Any) -> None:
 
 
 def _reprocess(model: Any, manifest: Manifest, model_config: Any, transport: Transport, device: Any) -> None:
-    """Run post-processing of the modules the daemon marked, on the installed tensors, and wait until the device
-    is done (copies in ``copy`` mode included)."""
-    from .state import reprocess_modules
+    """Run post-processing of the processing units the daemon marked, on the installed tensors, wait until the
+    device is done (copies in ``copy`` mode included), then audit the model (:func:`.state.audit`: no meta tensor
+    left, every object the daemon's post-processing bound bound again), whose :class:`.state.InstallError` it
+    raises: the fallback policy's case, not an engine that dies at its first forward."""
+    from .state import audit, reprocess_modules
 
     reprocess_modules(model, manifest.reprocess, model_config)
     transport.synchronize(device)
+    audit(model, manifest.objects)
 
 
 def _send_release(lease: Lease, transport: Transport, device: Any) -> None:

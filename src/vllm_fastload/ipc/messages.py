@@ -148,6 +148,7 @@ class Manifest(_Reply):
     reprocess: list[str] = []
     attrs: dict[str, dict[str, Any]] = {}
     object_attrs: dict[str, dict[str, Any]] = {}
+    objects: dict[str, list[str]] = {}  # what post-processing bound (module -> dotted paths): the engine's audit
     content_digest: Optional[str] = None  # set when the daemon hashed its load (``content_hash``)
 
 

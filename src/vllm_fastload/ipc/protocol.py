@@ -32,8 +32,9 @@ from typing import Any, Optional
 from ..errors import FastloadError
 
 #: The version both sides must speak (:func:`.messages.check_version`); raised whenever a message changes in a way
-#: the other side would refuse (the last time: ``hello`` lost its mode, which the attach already says).
-PROTOCOL_VERSION = 2
+#: the other side would refuse or misread (3: the manifest's ``reprocess`` names processing units and ``objects``
+#: lists what their post-processing bound, which the engine audits).
+PROTOCOL_VERSION = 3
 #: Largest frame accepted (bytes): room for the manifest of a model with a hundred thousand tensors, small enough
 #: that a peer announcing a huge frame is refused before anything is allocated.
 MAX_FRAME_BYTES = 256 * 2**20

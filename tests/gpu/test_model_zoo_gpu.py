@@ -1,0 +1,26 @@
+"""The model zoo's MoE and MLA rows on a GPU (vLLM 0.26): `auto` and `ipc_cache` zero_copy give the same greedy ids and
+the ipc_cache engine maps (no fallback, no disk read). Before the processing-unit rule, these engines died at
+their first forward (Mixtral: "assert self.moe_kernel is not None"; DeepSeek-V3: "grouped_topk ... Meta tensors")
+after a load that logged success. The whole zoo with every loader: `bash benchmarks/device.sh zoo`."""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+from tests.gpu.conftest import NO_CUDA  # noqa: E402
+
+if not torch.cuda.is_available():
+    pytest.skip(NO_CUDA, allow_module_level=True)
+pytest.importorskip("vllm")
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+
+
+@pytest.mark.parametrize("name", ["mixtral-small", "deepseek-v3-small", "llama-small-gptq-act"])
+def test_zoo_row_maps_and_matches_auto(name, tmp_path_factory):
+    from zoo_bench import run_model
+
+    out = tmp_path_factory.mktemp("zoo-out")
+    res = run_model(name, ["auto", "ipc_zero_copy"], tmp_path_factory.mktemp("zoo-models"), out, gmu=0.2)
+    assert res["verdict"] == [], res

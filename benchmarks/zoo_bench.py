@@ -127,7 +127,9 @@ def run_model(name: str, loaders: list[str], root: Path, out: Path, gmu: float) 
             import shutil
 
             shutil.rmtree(sock, ignore_errors=True)
-    return {"model": name, "rows": rows, "verdict": verdict(rows)}
+    res = {"model": name, "rows": rows, "verdict": verdict(rows)}
+    print(f"[zoo] {name} verdict: {res['verdict'] or 'ok'}\n" + table([res]), flush=True)
+    return res
 
 
 def verdict(rows: list[dict]) -> list[str]:

@@ -71,9 +71,15 @@ def run_engine(model: Path, loader: str, out: Path, gmu: float, sock: Path | Non
     arg = json.dumps({"model": str(model), "fmt": fmt, "extra": extra, "gmu": gmu, "engine": engine})
     log = out / f"{loader}.log"
     t = time.perf_counter()
-    with open(log, "w") as fh:
-        p = subprocess.run([sys.executable, "-c", CHILD, arg], stdout=fh, stderr=subprocess.STDOUT, timeout=900,
-                           env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    import shutil
+
+    tmp = tempfile.mkdtemp(prefix="fastload-zoo-engine-")  # vLLM's ZMQ sockets and rendezvous files, removed below
+    try:
+        with open(log, "w") as fh:
+            p = subprocess.run([sys.executable, "-c", CHILD, arg], stdout=fh, stderr=subprocess.STDOUT, timeout=900,
+                               env={**os.environ, "PYTHONUNBUFFERED": "1", "TMPDIR": tmp})
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     text = log.read_text(errors="replace")
     row = {"loader": loader, "exit": p.returncode, "start_to_result_s": round(time.perf_counter() - t, 1)}
     lines = [ln for ln in text.splitlines() if ln.startswith("RESULT ")]

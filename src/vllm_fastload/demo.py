@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -97,6 +98,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{r['source']:<{w}} | {r['format']:<16} | {sec:>14} | {r['answer']}")
     ok = all("Paris" in r["answer"] for r in rows)
     print(f"\n[demo] {'all rows answered Paris' if ok else 'FAILED: not every row answered Paris'}")
+    if ok and not a.logs:  # a temporary log directory goes when all went well; on a failure it stays, named above
+        shutil.rmtree(logdir, ignore_errors=True)
+    elif not ok:
+        print(f"[demo] logs kept in {logdir}")
     return 0 if ok else 1
 
 

@@ -62,6 +62,51 @@ def test_the_socket_directory_is_gone_after_the_demo(tmp_path, monkeypatch, caps
     if not daemon_ready:  # the row names the daemon's own error line
         assert "| daemon exited: ConfigError: bad flag (log preload.log)" in capsys.readouterr().out
     assert seen["dir_at_stop"] and not seen["dir"].exists()
+    # --logs given: the directory is the caller's and stays either way
+    assert (tmp_path / "logs").is_dir()
+
+
+@pytest.mark.parametrize("answer,kept", [("Paris.", False), ("L'Étoile", True)])
+def test_the_temporary_log_directory_goes_only_when_every_row_answered(tmp_path, monkeypatch, answer, kept):
+    import tempfile
+
+    made = []
+    real = tempfile.mkdtemp
+
+    def mkdtemp(suffix=None, prefix=None, dir=None):
+        d = real(suffix, prefix, dir or tmp_path)
+        if prefix == "fastload-demo-":
+            made.append(Path(d))
+        return d
+
+    monkeypatch.setattr(tempfile, "mkdtemp", mkdtemp)
+    monkeypatch.setattr(demo, "_serve", lambda label, *a, **k: {"source": label, "format": "x", "seconds": 0.1,
+                                                                 "answer": answer})
+
+    class Nothing:
+        def __init__(self, *a, **k):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            pass
+
+        def wait_ready(self):
+            return True
+
+        def upload_dir(self, *a):
+            return "s3://models/m"
+
+        def env(self):
+            return {}
+
+    monkeypatch.setattr(demo, "PreloadDaemon", Nothing)
+    monkeypatch.setattr(demo, "MotoS3", Nothing)
+    demo.main(["--model-dir", str(tmp_path)])
+    [logdir] = made
+    assert logdir.exists() == kept
 
 
 def test_a_failed_row_answers_with_the_plugins_error_line(tmp_path, monkeypatch, capsys):

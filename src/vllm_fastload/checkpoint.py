@@ -188,8 +188,18 @@ def parse_header(path: str, raw: bytes, header_len: int, file_size: Optional[int
     )
     if file_size is not None:
         if file_size < header.declared_size:
+            data_start = header.declared_size - header.data_bytes
+            first = min((t for t in tensors.values() if data_start + t.end > file_size), key=lambda t: t.begin)
+            missing = header.declared_size - file_size
+            # a header that claims more data than the whole file holds was not cut short by a copy: it is wrong
+            fix = ("the header declares more missing data than the file holds, which no interrupted download "
+                   "explains: the header is corrupt or hand-edited; re-export the checkpoint"
+                   if missing > file_size else "an interrupted download or copy: download or upload the shard again")
             raise CheckpointError(
-                f"{path}: file is truncated: {file_size} bytes, but its header declares {header.declared_size}"
+                f"{path}: file is truncated: {file_size} bytes, but its header declares {header.declared_size}: "
+                f"tensor {first.name!r} ({first.dtype}, shape {list(first.shape)}, data_offsets "
+                f"[{first.begin}, {first.end}]) ends at byte {data_start + first.end}, past the end of the file "
+                f"({missing} bytes missing in all); {fix}"
             )
         if file_size > header.declared_size:
             raise CheckpointError(

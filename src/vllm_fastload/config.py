@@ -88,6 +88,16 @@ class _LoaderConfig(BaseModel):
         "false there (docs/design.md, garbage collector).",
     )
 
+    @field_validator("report_path")
+    @classmethod
+    def _report_path(cls, v: Any) -> Any:
+        from .report import report_path_problem
+
+        problem = None if v is None else report_path_problem(v)
+        if problem:
+            raise ValueError(problem)
+        return v
+
     @field_validator("expected_content_digest", mode="before")
     @classmethod
     def _digest(cls, v: Any) -> Any:

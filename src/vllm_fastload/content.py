@@ -170,8 +170,8 @@ class Hashing:
                 f"{expected}: these "
                 f"are not the pinned weights (a checkpoint rewritten in place, a wrong copy, a different revision"
                 + (f"; {', '.join(self.repeated[:3])} came in several copies and the last one counted" if self.repeated
-                   else "") + f"). Restore the pinned files, or pin the new digest (`vllm-fastload inspect "
-                f"--content-digest {source}` for safetensors; this load's report has it too)")
+                   else "") + f"). Restore the pinned files, or, to serve these files, pin their digest: "
+                f"'{{\"expected_content_digest\": \"{self.digest}\"}}'")
 
     def _tensor_digest(self, t: Any) -> bytes:
         import torch
@@ -257,7 +257,8 @@ class ContentPin:
             raise ContentMismatch(
                 f"the checkpoint at {self.source} has content digest {got}, but expected_content_digest is "
                 f"{self.expected}: not reloading it (the weights this engine serves are unchanged). Restore the "
-                f"pinned files, or pin the new digest (`vllm-fastload inspect --content-digest {self.source}`)")
+                f"pinned files, or, to serve these files, pin their digest: "
+                f"'{{\"expected_content_digest\": \"{got}\"}}'")
 
 
 def pin_loader(loader: Any, pin: ContentPin) -> Any:

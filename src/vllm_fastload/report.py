@@ -18,6 +18,37 @@ from typing import Any, Optional
 from .log import logger
 
 
+def report_path_problem(path: str) -> Optional[str]:
+    """Why the load report must not be written to ``path``, or None when it may: the report replaces the file
+    atomically (a temporary file renamed over it), so only a regular file of this user, or a new name, may sit
+    there; a device (``/dev/full``), FIFO, socket, directory, symbolic link or someone else's file would be
+    replaced by it."""
+    import stat
+
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        parent = os.path.dirname(os.path.abspath(path))
+        if os.path.exists(parent) and not os.path.isdir(parent):
+            return f"report_path {path!r}: its parent {parent!r} is not a directory"
+        return None
+    except OSError as e:
+        return f"report_path {path!r} cannot be examined ({e.strerror})"
+    if stat.S_ISLNK(st.st_mode):
+        return (f"report_path {path!r} is a symbolic link (to {os.readlink(path)!r}); the report would replace the "
+                f"link: name the file itself or a new path")
+    if not stat.S_ISREG(st.st_mode):
+        kind = ("a directory" if stat.S_ISDIR(st.st_mode) else "a device file" if stat.S_ISCHR(st.st_mode)
+                or stat.S_ISBLK(st.st_mode) else "a FIFO" if stat.S_ISFIFO(st.st_mode) else "a socket"
+                if stat.S_ISSOCK(st.st_mode) else "not a regular file")
+        return (f"report_path {path!r} is {kind}; the report is written by renaming a new file over the path, which "
+                f"would replace it: name a regular file or a new path")
+    if st.st_uid != os.getuid():
+        return (f"report_path {path!r} belongs to uid {st.st_uid}, not to this process (uid {os.getuid()}); the "
+                f"report would replace another user's file: name a file of yours or a new path")
+    return None
+
+
 
 @dataclass
 class LoadReport:
@@ -91,6 +122,10 @@ class LoadReport:
         self.format_used = self.format_used or self.load_format
         logger.info(self.line())
         if not report_path:
+            return
+        problem = report_path_problem(report_path)  # again here: the path may have changed since the config check
+        if problem:
+            logger.warning("fastload: load report not written: %s", problem)
             return
         directory = os.path.dirname(os.path.abspath(report_path))
         os.makedirs(directory, exist_ok=True)

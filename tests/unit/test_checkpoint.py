@@ -331,3 +331,25 @@ def test_an_index_with_an_empty_weight_map_is_refused(tmp_path):
         f"{tmp_path / SAFE_INDEX}: weight_map is empty, so the index selects no shard and the load would hold no "
         f"tensors; fix the index (it maps each tensor name to its shard) or remove it to load every *.safetensors "
         f"file")
+
+
+def test_a_tensor_range_far_past_the_end_names_the_tensor_and_no_re_download(tmp_path):
+    """Issue 27, item 6: a header whose last tensor ends 1 TiB past the end of a small file is corrupt, not cut short:
+    the message names the tensor and its offsets, and says to re-export (a re-download of the same bytes cannot
+    help); a file cut short by a copy still says to download it again."""
+    import struct
+
+    from vllm_fastload.checkpoint import read_header
+    from vllm_fastload.errors import CheckpointError
+
+    huge = 2**40
+    header = {"a": {"dtype": "U8", "shape": [16], "data_offsets": [0, 16]},
+              "b": {"dtype": "U8", "shape": [huge], "data_offsets": [16, 16 + huge]}}
+    raw = json.dumps(header).encode()
+    p = tmp_path / "model.safetensors"
+    p.write_bytes(struct.pack("<Q", len(raw)) + raw + bytes(32))
+    with pytest.raises(CheckpointError) as e:
+        read_header(str(p))
+    msg = str(e.value)
+    assert f"tensor 'b' (U8, shape [{huge}], data_offsets [16, {16 + huge}]) ends at byte" in msg
+    assert "the header is corrupt or hand-edited; re-export the checkpoint" in msg and "download again" not in msg

@@ -263,3 +263,20 @@ def test_content_hash_survives_a_fallback_and_a_pinned_reload_leaves_the_model_u
     with pytest.raises(ContentMismatch, match="not reloading it"):
         sink.load_weights(loader.get_all_weights(model_config(new), sink))
     assert all(torch.equal(sink.params[k], v) for k, v in served.items())
+
+
+def test_a_mismatch_names_the_digest_to_pin_for_these_files():
+    """Issue 27, item 8: the fix in the message is the digest the files have, ready to paste, not the pin again."""
+    import torch
+
+    from vllm_fastload.content import Hashing
+    from vllm_fastload.errors import ContentMismatch
+
+    h = Hashing()
+    list(h.wrap([("w", torch.arange(6, dtype=torch.float32))]))
+    pinned = "blake3:" + "0" * 64
+    with pytest.raises(ContentMismatch) as e:
+        h.check(pinned, "/models/m")
+    msg = str(e.value)
+    assert h.digest != pinned and f'pin their digest: \'{{"expected_content_digest": "{h.digest}"}}\'' in msg
+    assert msg.count(pinned) == 1  # named once, as what was expected

@@ -323,7 +323,9 @@ def _put(moto, bucket, key, body, versioned=False):
 
 
 @pytest.mark.parametrize("damage, expect", [
-    ("truncated", "file is truncated: {size} bytes, but its header declares {declared}"),
+    ("truncated", "file is truncated: {size} bytes, but its header declares {declared}: tensor 'w' (F32, shape [10], "
+                  "data_offsets [0, 40]) ends at byte {declared}, past the end of the file (7 bytes missing in all); "
+                  "an interrupted download or copy: download or upload the shard again"),
     ("trailing", "4 bytes of trailing data after the last tensor (file {size} bytes, header declares {declared})"),
     ("header_past_end", "header length 10000 bytes is larger than the file ({size} bytes)"),
     ("tiny", "file is 3 bytes, too short for a safetensors header length"),

@@ -83,6 +83,15 @@ def _diagnose(spec: SocketDirSpec, e: OSError) -> SocketDirError:
         return spec.fail(f"cannot be used by uid {os.getuid()}: permission denied"
                          + (f" by {where}" if where else ""), fix)
     if e.errno == errno.ENOTDIR or (lst is not None and not stat.S_ISDIR(lst.st_mode)):
+        blocker = next((a for a in reversed(d.parents) if os.path.lexists(a) and not os.path.isdir(a)), None)
+        if lst is None and blocker is not None:  # the directory cannot exist: a file sits where a parent should be
+            runtime = os.environ.get("XDG_RUNTIME_DIR")
+            what = (f"cannot exist: {blocker} is a {_kind(os.lstat(blocker).st_mode)}, not a directory")
+            if runtime and "XDG_RUNTIME_DIR=" in spec.origin and Path(runtime) == blocker:
+                return spec.fail(what, f"point XDG_RUNTIME_DIR at this user's runtime directory (a directory, "
+                                       f"e.g. /run/user/{os.getuid()}), unset it, or pass a directory you own "
+                                       f"({spec.override} DIR)")
+            return spec.fail(what, f"remove {blocker} or choose another directory ({spec.override} DIR)")
         what = "is not a directory" if lst is None else f"is a {_kind(lst.st_mode)}, not a directory"
         return spec.fail(what, f"remove it or choose another directory ({spec.override} DIR)")
     if e.errno == errno.EROFS:

@@ -158,8 +158,8 @@ def test_engine_connecting_during_the_load_waits_bounded_by_state_timeout(server
     srv.state.ready.clear()
     srv.state.loading = True
     assert status_of(str(srv.path)).state == "loading"
-    with pytest.raises(CacheUnavailable, match="no manifest within 0.3 s"):
-        fetch(str(srv.path), fp.to_dict(), 2, 0.3)
+    with pytest.raises(CacheUnavailable, match=r"was still loading after 0.3 s \(state_timeout_s\)"):
+        fetch(str(srv.path), fp.to_dict(), 2, 0.3)  # the daemon said "loading" at once: not "not answering"
     threading.Timer(0.5, srv.state.ready.set).start()
     t = time.monotonic()
     lease = fetch(str(srv.path), fp.to_dict(), 2, 10)

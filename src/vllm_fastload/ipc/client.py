@@ -202,15 +202,32 @@ def fetch(path: str, fingerprint: dict, connect_timeout_s: float, state_timeout_
 
     device = torch.device(device or "cpu")
     conn = connect(path, connect_timeout_s, origin)
-    conn.settimeout(state_timeout_s)
+    # The first answer to hello comes at once: the manifest (or a refusal) from a ready daemon, a "loading" status
+    # from one still loading (then the manifest within state_timeout_s). Nothing within connect_timeout_s: the
+    # process holding the socket accepted the connection but does not answer (stopped, hung).
+    conn.settimeout(connect_timeout_s)
+    waited = "connect_timeout_s"
     try:
         hello = messages.Hello.model_validate({"version": protocol.PROTOCOL_VERSION, "fingerprint": fingerprint,
                                                "pid": os.getpid()}, strict=False)
         protocol.send(conn, to_frame(hello))
         raw, fds = protocol.recv(conn)
+        if raw.get("type") == "status" and raw.get("state") == "loading" and not fds:
+            logger.info("fastload: the preload daemon at %s is still loading; waiting up to %g s for its weights "
+                        "(state_timeout_s)", path, state_timeout_s)
+            conn.settimeout(state_timeout_s)
+            waited = "state_timeout_s"
+            raw, fds = protocol.recv(conn)
     except socket.timeout:
         conn.close()
-        raise CacheUnavailable(f"daemon at {path} sent no manifest within {state_timeout_s:g} s (state_timeout_s)") from None
+        if waited == "connect_timeout_s":
+            raise CacheUnavailable(
+                f"daemon at {path} is not answering: it accepted the connection but sent no complete reply to "
+                f"hello within {connect_timeout_s:g} s (connect_timeout_s); a stopped (SIGSTOP) or hung process "
+                f"holds the socket (`vllm-fastload status` says the same): restart `vllm-fastload preload`") from None
+        raise CacheUnavailable(f"daemon at {path} was still loading after {state_timeout_s:g} s (state_timeout_s): "
+                               f"raise state_timeout_s, or start the engine once the daemon logged \"fastload: "
+                               f"ready\"") from None
     except protocol.ProtocolError as e:
         conn.close()
         if "connection closed" in str(e):

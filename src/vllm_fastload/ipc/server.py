@@ -311,6 +311,10 @@ class RankServer:
         from ..fingerprint import Fingerprint
 
         st = self.state
+        if not st.ready.is_set():
+            # at once, so the engine tells "busy loading" (wait up to its state_timeout_s) from "not answering"
+            # (a stopped or hung daemon: nothing within its connect_timeout_s)
+            _reply(conn, st.status())
         st.ready.wait()  # an engine that connects while the daemon loads waits (bounded by its state_timeout_s)
         theirs = msg.to_fingerprint()
         mine = Fingerprint.from_dict(st.fingerprint)

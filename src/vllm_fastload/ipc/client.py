@@ -16,7 +16,7 @@ from ..log import logger
 from . import messages, protocol
 from .backends import open_segment
 from .messages import MessageError, parse_reply, to_frame
-from .paths import ENGINE_KEY, SocketDir, SocketDirSpec
+from .paths import ENGINE_KEY, SocketDir, SocketDirSpec, upstream_sockets
 from .transport import Segment
 
 __all__ = ["CacheUnavailable", "FingerprintMismatch", "Lease", "connect", "fetch", "status_of"]
@@ -182,8 +182,14 @@ def connect(path: str, timeout_s: float, origin: Optional[str] = None) -> socket
             raise CacheUnavailable(f"cannot connect to the preload daemon at {path} ({type(e).__name__}: {e})") from None
         if time.monotonic() >= deadline:
             what = "no socket" if isinstance(last, FileNotFoundError) else f"{type(last).__name__}: {last}"
+            theirs = upstream_sockets(sock_path.parent)
+            beside = (f"; found {len(theirs)} socket(s) of vLLM's own weight-cache daemon (`vllm preload`, vLLM >= "
+                      f"0.31: another protocol), e.g. {theirs[0]}: with vllm-fastload installed, --load-format "
+                      f"ipc_cache is this plugin's and cannot map it; run `vllm-fastload preload <same engine args>` "
+                      f"instead of `vllm preload`, or set VLLM_PLUGINS to a list without vllm_fastload to use vLLM's "
+                      f"own (README, \"Beside vLLM's own weight cache\")") if theirs else ""
             raise CacheUnavailable(f"no preload daemon at {path} within {timeout_s:g} s ({what}); start "
-                                   f"`vllm-fastload preload <same engine args>` first")
+                                   f"`vllm-fastload preload <same engine args>` first{beside}")
         time.sleep(0.1)
 
 

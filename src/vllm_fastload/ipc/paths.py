@@ -20,6 +20,27 @@ def default_socket_dir() -> Path:
     return Path(runtime) / "vllm-fastload" if runtime else Path(f"/tmp/vllm-fastload-{os.getuid()}")
 
 
+#: vLLM's own weight cache (vLLM >= 0.31, ``vllm preload``; ``model_loader/weight_cache/protocol.py``): its
+#: default socket directory under the temp dir and its socket names. Only used to recognise its sockets.
+UPSTREAM_DIR = "vllm_weight_cache_{uid}"
+UPSTREAM_SOCKETS = "vllm_weight_cache_*.sock"
+
+
+def upstream_sockets(socket_dir: Path) -> list[str]:
+    """Sockets of vLLM's own ``vllm preload`` daemon in ``socket_dir`` or in its default directory
+    (``$TMPDIR/vllm_weight_cache_<uid>``), sorted; empty when there are none (or the directories cannot be read)."""
+    import glob
+    import tempfile
+
+    found: set[str] = set()
+    for d in (Path(socket_dir), Path(tempfile.gettempdir()) / UPSTREAM_DIR.format(uid=os.getuid())):
+        try:
+            found.update(glob.glob(str(d / UPSTREAM_SOCKETS)))
+        except OSError:
+            pass
+    return sorted(found)
+
+
 #: How each side names the setting that chooses the socket directory (for the fix in error messages).
 DAEMON_FLAG = "--weight-cache-socket-dir"
 ENGINE_KEY = '"socket_dir" in --model-loader-extra-config'

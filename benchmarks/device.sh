@@ -90,10 +90,14 @@ case "${1:-tests}" in
     python3 benchmarks/load_bench.py --model $M --tp 1 --loaders ipc_zero_copy --daemon-extra '{"content_hash": true}' \
       --out "$OUT/bench-content-daemon" 2>&1 | tee "$OUT/bench-content-daemon.log"; exit ${PIPESTATUS[0]} ;;
   zoo)
-    # every zoo row at once (LANES models side by side, each engine --gmu of the GPU); LOADERS picks the loaders
-    VLLM_USE_DEEP_GEMM=0 python3 benchmarks/zoo_bench.py --models "${2:-llama-small,qwen3-small,mixtral-small,qwen3-moe-small,deepseek-v3-small,llama-small-gptq,llama-small-gptq-act,llama-small-fp8block,mixtral-small-fp8block,deepseek-v3-small-fp8block}" \
-      --loaders "${LOADERS:-auto,runai_streamer,ipc_zero_copy,ipc_copy}" --lanes "${LANES:-3}" --gmu "${GMU:-0.12}" \
-      --models-dir /root/models/zoo --out "$OUT/zoo" 2>&1 | tee "$OUT/zoo.log"; exit ${PIPESTATUS[0]} ;;
+    # every GPU zoo row (MODELS: comma-separated names, default every -small entry of model_zoo.py), LANES models
+    # side by side, each engine GMU of the GPU with a fixed KV_BYTES cache (no memory profile to upset); LOADERS
+    # picks the loaders
+    models=${2:-$(python3 -c 'import sys; sys.path.insert(0, "benchmarks"); from model_zoo import ZOO; print(",".join(k for k in ZOO if "-small" in k))')}
+    VLLM_USE_DEEP_GEMM=0 python3 benchmarks/zoo_bench.py --models "$models" \
+      --loaders "${LOADERS:-auto,runai_streamer,ipc_zero_copy,ipc_copy}" --lanes "${LANES:-4}" --gmu "${GMU:-0.1}" \
+      --kv-bytes "${KV_BYTES:-2147483648}" --models-dir /root/models/zoo --out "$OUT/zoo" 2>&1 | tee "$OUT/zoo.log"
+    exit ${PIPESTATUS[0]} ;;
   bench)
     python3 benchmarks/load_bench.py --model /root/models/llama3-8b-shape --make 8b --tp "${2:-1}" \
       --extra "${EXTRA:-{\}}" --loaders "${LOADERS:-auto,runai_builtin,runai_fastload,instanttensor,instanttensor_buffered,fastsafetensors,ipc_zero_copy,ipc_copy}" --out "$OUT/bench-tp${2:-1}" 2>&1 | tee "$OUT/bench-tp${2:-1}.log"; exit ${PIPESTATUS[0]} ;;

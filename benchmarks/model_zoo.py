@@ -6,7 +6,8 @@ serve, with the tensor names their real checkpoints use (what vLLM's loaders exp
 
 Each entry is (family, size, dtype[, quantization]): the family decides the tensor names and config
 (:data:`FAMILIES`), the size the dimensions (:data:`SIZES`), the quantization the layout of the linear layers
-(:data:`QUANT_CONFIGS`: GPTQ 4-bit with and without act-order, block FP8). Weights are small random values (scaled by 1/sqrt(fan-in)) so that greedy decoding
+(:data:`QUANTS`: GPTQ 4- and 8-bit with and without act-order, AWQ, block FP8, compressed-tensors FP8 per
+channel and per tensor and W4A16); :data:`ENGINE_ARGS` adds what vLLM quantizes itself (online FP8, FP8 KV cache). Weights are small random values (scaled by 1/sqrt(fan-in)) so that greedy decoding
 is well defined; norms are about 1. Written with the safetensors library, one shard (two for ``small``).
 """
 
@@ -147,16 +148,32 @@ def _quantizable(name: str, shape: tuple) -> bool:
             and ".mlp.gate." not in name)
 
 
-def gptq(name: str, shape: tuple, g: torch.Generator, act_order: bool) -> dict[str, torch.Tensor]:
-    """One linear in GPTQ's 4-bit layout (AutoGPTQ, as vLLM's gptq / gptq_marlin read it): ``qweight`` int32
-    [in / 8, out], ``qzeros`` int32 [in / group, out / 8] (symmetric: every zero is 8, stored as 7), ``scales``
-    float16 [in / group, out] and ``g_idx`` int32 [in] (with ``desc_act`` the input channels' group order is a
-    permutation). Dequantized weights have a standard deviation of about 1/sqrt(in)."""
+def _packed_int4(rows: int, cols: int, g: torch.Generator) -> torch.Tensor:
+    """Random int32 words, each holding eight 4-bit (or four 8-bit) values: every bit pattern is a valid code."""
+    return torch.randint(-2**31, 2**31 - 1, (rows, cols), generator=g, dtype=torch.int64).to(torch.int32)
+
+
+def _zeros_word(bits: int, zero: int) -> int:
+    """One int32 word whose every ``bits``-wide field holds ``zero`` (as a signed int32)."""
+    word = 0
+    for i in range(32 // bits):
+        word |= zero << (i * bits)
+    return word - 2**32 if word >= 2**31 else word
+
+
+def gptq(name: str, shape: tuple, g: torch.Generator, act_order: bool, bits: int = 4) -> dict[str, torch.Tensor]:
+    """One linear in GPTQ's layout (AutoGPTQ, as vLLM's gptq / gptq_marlin read it), ``bits`` 4 or 8:
+    ``qweight`` int32 [in * bits / 32, out], ``qzeros`` int32 [in / group, out * bits / 32] (symmetric: every zero
+    is 2**(bits-1), stored minus one), ``scales`` float16 [in / group, out] and ``g_idx`` int32 [in] (with
+    ``desc_act`` the input channels' group order is a permutation). Dequantized weights have a standard deviation
+    of about 1/sqrt(in)."""
     out_f, in_f = shape
     base = name[: -len(".weight")]
-    qweight = torch.randint(-2**31, 2**31 - 1, (in_f // 8, out_f), generator=g, dtype=torch.int64).to(torch.int32)
-    qzeros = torch.full((in_f // GROUP, out_f // 8), 0x77777777, dtype=torch.int32)
-    scales = torch.full((in_f // GROUP, out_f), 0.35 / (in_f ** 0.5 * 4.6), dtype=torch.float16)
+    pack = 32 // bits
+    qweight = _packed_int4(in_f // pack, out_f, g)
+    qzeros = torch.full((in_f // GROUP, out_f // pack), _zeros_word(bits, 2 ** (bits - 1) - 1), dtype=torch.int32)
+    spread = (2 ** bits) / 12 ** 0.5  # standard deviation of a uniform code
+    scales = torch.full((in_f // GROUP, out_f), 1.0 / (in_f ** 0.5 * spread), dtype=torch.float16)
     if act_order:
         perm = torch.randperm(in_f, generator=g)
         g_idx = torch.empty(in_f, dtype=torch.int32)
@@ -166,21 +183,89 @@ def gptq(name: str, shape: tuple, g: torch.Generator, act_order: bool) -> dict[s
     return {f"{base}.qweight": qweight, f"{base}.qzeros": qzeros, f"{base}.scales": scales, f"{base}.g_idx": g_idx}
 
 
+def awq(name: str, shape: tuple, g: torch.Generator) -> dict[str, torch.Tensor]:
+    """One linear in AutoAWQ's GEMM layout (vLLM 0.26 ``auto_awq`` create_weights): ``qweight`` int32
+    [in, out / 8] and ``qzeros`` int32 [in / group, out / 8] packed along the output dimension (every zero 8),
+    ``scales`` float16 [in / group, out]."""
+    out_f, in_f = shape
+    base = name[: -len(".weight")]
+    return {f"{base}.qweight": _packed_int4(in_f, out_f // 8, g),
+            f"{base}.qzeros": torch.full((in_f // GROUP, out_f // 8), _zeros_word(4, 8), dtype=torch.int32),
+            f"{base}.scales": torch.full((in_f // GROUP, out_f), 1.0 / (in_f ** 0.5 * 4.6), dtype=torch.float16)}
+
+
+def _fp8(shape: tuple, g: torch.Generator) -> torch.Tensor:
+    return torch.randn(shape, generator=g).clamp(-4, 4).to(torch.float8_e4m3fn)
+
+
 def fp8_block(name: str, shape: tuple, g: torch.Generator) -> dict[str, torch.Tensor]:
     """One linear in block-FP8 form (DeepSeek-V3's checkpoints): ``weight`` float8_e4m3fn and ``weight_scale_inv``
     float32, one scale per 128 x 128 block, dequantized standard deviation about 1/sqrt(in)."""
     out_f, in_f = shape
-    w = torch.randn(shape, generator=g).clamp(-4, 4).to(torch.float8_e4m3fn)
     scale = torch.full((-(-out_f // GROUP), -(-in_f // GROUP)), 1.0 / in_f ** 0.5, dtype=torch.float32)
-    return {name: w, name[: -len("weight")] + "weight_scale_inv": scale}
+    return {name: _fp8(shape, g), name[: -len("weight")] + "weight_scale_inv": scale}
 
 
-QUANT_CONFIGS = {
-    "gptq": {"quant_method": "gptq", "bits": 4, "group_size": GROUP, "desc_act": False, "sym": True},
-    "gptq-act": {"quant_method": "gptq", "bits": 4, "group_size": GROUP, "desc_act": True, "sym": True},
-    "fp8-block": {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [GROUP, GROUP],
-                  "fmt": "e4m3"},
+def ct_fp8(name: str, shape: tuple, g: torch.Generator, per_tensor: bool) -> dict[str, torch.Tensor]:
+    """One linear in compressed-tensors' float-quantized FP8 form (llm-compressor's FP8 schemes): ``weight``
+    float8_e4m3fn [out, in] and ``weight_scale`` float32, [out, 1] per channel (dynamic per-token activations) or
+    [1] per tensor with a static ``input_scale`` [1] (vLLM re-quantizes a fused qkv / gate_up to their largest
+    scale while post-processing)."""
+    out_f, in_f = shape
+    base = name[: -len("weight")]
+    if not per_tensor:
+        return {name: _fp8(shape, g), base + "weight_scale": torch.full((out_f, 1), 1.0 / in_f ** 0.5)}
+    # a different scale per projection, so the fused layer's re-quantization is not a no-op
+    s = (0.8 + 0.4 * torch.rand(1, generator=g)) / in_f ** 0.5
+    return {name: _fp8(shape, g), base + "weight_scale": s.float(), base + "input_scale": torch.full((1,), 0.02)}
+
+
+def ct_w4a16(name: str, shape: tuple, g: torch.Generator) -> dict[str, torch.Tensor]:
+    """One linear in compressed-tensors' pack-quantized W4A16 form (symmetric, group 128): ``weight_packed`` int32
+    [out, in / 8], ``weight_scale`` bfloat16 [out, in / group], ``weight_shape`` int64 [2] = (out, in)."""
+    out_f, in_f = shape
+    base = name[: -len("weight")]
+    return {base + "weight_packed": _packed_int4(out_f, in_f // 8, g),
+            base + "weight_scale": torch.full((out_f, in_f // GROUP), 1.0 / (in_f ** 0.5 * 4.6),
+                                              dtype=torch.bfloat16),
+            base + "weight_shape": torch.tensor([out_f, in_f], dtype=torch.int64)}
+
+
+def _ct_config(weights: dict, activations: dict | None, fmt: str) -> dict:
+    """A compressed-tensors ``quantization_config`` with one group over every Linear but ``lm_head``."""
+    return {"quant_method": "compressed-tensors", "format": fmt, "quantization_status": "compressed",
+            "ignore": ["lm_head"], "kv_cache_scheme": None,
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights,
+                                          "input_activations": activations, "output_activations": None}}}
+
+
+_FP8_ARGS = {"num_bits": 8, "type": "float", "symmetric": True, "group_size": None, "block_structure": None,
+             "actorder": None, "observer": "minmax", "observer_kwargs": {}}
+
+#: quantization name -> (writer of one linear, quantization_config)
+QUANTS: dict[str, tuple[Callable, dict]] = {
+    "gptq": (lambda n, s, g: gptq(n, s, g, False),
+             {"quant_method": "gptq", "bits": 4, "group_size": GROUP, "desc_act": False, "sym": True}),
+    "gptq-act": (lambda n, s, g: gptq(n, s, g, True),
+                 {"quant_method": "gptq", "bits": 4, "group_size": GROUP, "desc_act": True, "sym": True}),
+    "gptq8": (lambda n, s, g: gptq(n, s, g, False, bits=8),
+              {"quant_method": "gptq", "bits": 8, "group_size": GROUP, "desc_act": False, "sym": True}),
+    "awq": (awq, {"quant_method": "awq", "bits": 4, "group_size": GROUP, "zero_point": True, "version": "gemm"}),
+    "fp8-block": (fp8_block, {"quant_method": "fp8", "activation_scheme": "dynamic",
+                              "weight_block_size": [GROUP, GROUP], "fmt": "e4m3"}),
+    "ct-fp8-channel": (lambda n, s, g: ct_fp8(n, s, g, False), _ct_config(
+        {**_FP8_ARGS, "strategy": "channel", "dynamic": False},
+        {**_FP8_ARGS, "strategy": "token", "dynamic": True, "observer": None}, "float-quantized")),
+    "ct-fp8-tensor": (lambda n, s, g: ct_fp8(n, s, g, True), _ct_config(
+        {**_FP8_ARGS, "strategy": "tensor", "dynamic": False},
+        {**_FP8_ARGS, "strategy": "tensor", "dynamic": False}, "float-quantized")),
+    "ct-w4a16": (ct_w4a16, _ct_config(
+        {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": GROUP,
+         "dynamic": False, "actorder": None, "block_structure": None, "observer": "minmax", "observer_kwargs": {}},
+        None, "pack-quantized")),
 }
+#: the quantization configs alone (what config.json's ``quantization_config`` holds)
+QUANT_CONFIGS = {k: v[1] for k, v in QUANTS.items()}
 
 #: family -> builder returning (name -> shape, config fields)
 FAMILIES: dict[str, Callable[[dict], tuple[dict, dict]]] = {
@@ -194,9 +279,25 @@ ZOO: dict[str, tuple] = {
     # quantized checkpoints (GPU): (family, size, dtype, quantization)
     "llama-small-gptq": ("llama", "small", "float16", "gptq"),
     "llama-small-gptq-act": ("llama", "small", "float16", "gptq-act"),
+    "llama-small-gptq8": ("llama", "small", "float16", "gptq8"),
+    "llama-small-awq": ("llama", "small", "float16", "awq"),
     "llama-small-fp8block": ("llama", "small", "bfloat16", "fp8-block"),
+    "llama-small-ct-fp8-channel": ("llama", "small", "bfloat16", "ct-fp8-channel"),
+    "llama-small-ct-fp8-tensor": ("llama", "small", "bfloat16", "ct-fp8-tensor"),
+    "llama-small-ct-w4a16": ("llama", "small", "bfloat16", "ct-w4a16"),
+    # bf16 checkpoints that vLLM quantizes (weights while loading; the KV cache) from engine args: ENGINE_ARGS
+    "llama-small-fp8online": ("llama", "small", "bfloat16"),
+    "llama-small-kvfp8": ("llama", "small", "bfloat16"),
+    "qwen3-moe-small-fp8online": ("qwen3-moe", "small", "bfloat16"),
     "mixtral-small-fp8block": ("mixtral", "small", "bfloat16", "fp8-block"),
     "deepseek-v3-small-fp8block": ("deepseek-v3", "small", "bfloat16", "fp8-block"),
+}
+
+#: engine args a zoo entry needs beyond its config (daemon and engine both get them: the fingerprint holds them)
+ENGINE_ARGS: dict[str, dict] = {
+    "llama-small-fp8online": {"quantization": "fp8"},
+    "llama-small-kvfp8": {"kv_cache_dtype": "fp8"},
+    "qwen3-moe-small-fp8online": {"quantization": "fp8"},
 }
 
 
@@ -214,7 +315,7 @@ def make(out: Path, name: str, seed: int = 0) -> Path:
     tensors = {}
     for k, shp in shapes.items():
         if quant and _quantizable(k, shp):
-            tensors.update(fp8_block(k, shp, g) if quant == "fp8-block" else gptq(k, shp, g, quant == "gptq-act"))
+            tensors.update(QUANTS[quant][0](k, shp, g))
             continue
         if k.endswith("norm.weight"):
             t = 1.0 + 0.01 * torch.randn(shp, generator=g)

@@ -5,7 +5,9 @@ weights phase and vLLM's "Model loading took". Each engine runs in its own proce
     python benchmarks/zoo_bench.py --models mixtral-small,deepseek-v3-small --out OUT [--loaders auto,ipc_zero_copy]
         [--lanes 2] [--models-dir /root/models]
 
-``--lanes N`` runs N models at a time (each lane one model after another; every engine takes --gmu of the GPU).
+``--lanes N`` runs N models at a time (each lane one model after another; every engine takes --gmu of the GPU);
+with ``--kv-bytes`` each engine's KV cache has that fixed size, so vLLM skips the memory profile that engines
+starting beside each other upset ("No available memory for the cache blocks").
 Writes OUT/zoo.json and OUT/zoo.md (one row per model and loader) and every engine's and daemon's log. Exit code 1
 when a loader's ids differ from `auto`'s, an ipc_cache engine fell back or read the disk, or an engine failed.
 """
@@ -34,6 +36,8 @@ from vllm import LLM, SamplingParams
 a = json.loads(sys.argv[1])
 kw = dict(model=a["model"], load_format=a["fmt"], enforce_eager=True, skip_tokenizer_init=True, max_model_len=512,
           gpu_memory_utilization=a["gmu"], model_loader_extra_config=a["extra"], **a["engine"])
+if a["kv_bytes"]:  # a fixed KV cache: vLLM skips its memory profile, which engines beside each other upset
+    kw["kv_cache_memory_bytes"] = a["kv_bytes"]
 llm = LLM(**kw)
 prompts = [{"prompt_token_ids": p} for p in ([1, 5, 9, 200, 31], [7, 7, 7, 1000], [42, 3, 17, 256, 9, 11])]
 outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, detokenize=False, logprobs=0))
@@ -52,14 +56,20 @@ MODEL_LOADING = re.compile(r"Model loading took .*? and ([0-9.]+) seconds")
 
 def engine_args(name: str) -> dict:
     """Engine args of a zoo entry beyond its config: its dtype, given explicitly (vLLM's CPU backend would pick
-    bfloat16 for a float32 config; daemon and engine must agree: the fingerprint). Quantization comes from the
-    config."""
-    from model_zoo import ZOO
+    bfloat16 for a float32 config; daemon and engine must agree: the fingerprint), and what vLLM quantizes itself
+    (model_zoo.ENGINE_ARGS: online FP8, FP8 KV cache). A checkpoint's own quantization comes from its config."""
+    from model_zoo import ENGINE_ARGS, ZOO
 
-    return {"dtype": ZOO[name][2]}
+    return {"dtype": ZOO[name][2], **ENGINE_ARGS.get(name, {})}
 
 
-def run_engine(model: Path, loader: str, out: Path, gmu: float, sock: Path | None, engine: dict) -> dict:
+def cli_args(engine: dict) -> list[str]:
+    """``engine`` (LLM keyword arguments) as the daemon's command-line flags: ``kv_cache_dtype`` -> ``--kv-cache-dtype``."""
+    return [x for k, v in engine.items() for x in (f"--{k.replace('_', '-')}", str(v))]
+
+
+def run_engine(model: Path, loader: str, out: Path, gmu: float, sock: Path | None, engine: dict,
+               kv_bytes: int = 0) -> dict:
     """One engine: its RESULT, "Model loading took", our load report's weights phase and what it fell back to."""
     fmt, extra = LOADERS[loader]
     extra = dict(extra)
@@ -68,7 +78,8 @@ def run_engine(model: Path, loader: str, out: Path, gmu: float, sock: Path | Non
         extra["report_path"] = str(report)
     if sock is not None and fmt == "ipc_cache":
         extra["socket_dir"] = str(sock)
-    arg = json.dumps({"model": str(model), "fmt": fmt, "extra": extra, "gmu": gmu, "engine": engine})
+    arg = json.dumps({"model": str(model), "fmt": fmt, "extra": extra, "gmu": gmu, "engine": engine,
+                      "kv_bytes": kv_bytes})
     log = out / f"{loader}.log"
     t = time.perf_counter()
     import shutil
@@ -97,7 +108,7 @@ def run_engine(model: Path, loader: str, out: Path, gmu: float, sock: Path | Non
     return row
 
 
-def run_model(name: str, loaders: list[str], root: Path, out: Path, gmu: float) -> dict:
+def run_model(name: str, loaders: list[str], root: Path, out: Path, gmu: float, kv_bytes: int = 0) -> dict:
     """Every loader on zoo entry ``name`` (made under ``root`` first); the daemon only for ipc_cache loaders."""
     from model_zoo import make
 
@@ -114,7 +125,7 @@ def run_model(name: str, loaders: list[str], root: Path, out: Path, gmu: float) 
         for loader in loaders:
             if loader.startswith("ipc_") and daemon is None:
                 sock = Path(tempfile.mkdtemp(prefix="fastload-zoo-sock-"))
-                args = ["--max-model-len", "512", "--gpu-memory-utilization", str(gmu), "--dtype", eng["dtype"]]
+                args = ["--max-model-len", "512", "--gpu-memory-utilization", str(gmu), *cli_args(eng)]
                 t = time.perf_counter()
                 daemon = PreloadDaemon(str(model), sock, args, log_path=mout / "preload.log")
                 if not daemon.wait_ready(900):
@@ -123,7 +134,7 @@ def run_model(name: str, loaders: list[str], root: Path, out: Path, gmu: float) 
                 rows.append({"loader": "daemon", "ready_s": round(time.perf_counter() - t, 1),
                              "exported": next((ln.split("fastload: ")[-1] for ln in daemon.log().splitlines()
                                                if "exported as is" in ln), None)})
-            rows.append(run_engine(model, loader, mout, gmu, sock, eng))
+            rows.append(run_engine(model, loader, mout, gmu, sock, eng, kv_bytes))
             print(f"[zoo] {name} {loader}: {json.dumps({k: v for k, v in rows[-1].items() if k != 'result'})}",
                   flush=True)
     finally:
@@ -190,6 +201,8 @@ def main() -> int:
     ap.add_argument("--loaders", default="auto,runai_streamer,ipc_zero_copy,ipc_copy")
     ap.add_argument("--lanes", type=int, default=1)
     ap.add_argument("--gmu", type=float, default=0.2)
+    ap.add_argument("--kv-bytes", type=int, default=0,
+                    help="KV cache bytes per engine (vLLM's kv_cache_memory_bytes; 0: profile). Set it with --lanes > 1")
     ap.add_argument("--models-dir", type=Path, default=Path(tempfile.gettempdir()) / "fastload-zoo")
     ap.add_argument("--out", type=Path, default=Path("zoo-out"))
     a = ap.parse_args()
@@ -210,7 +223,7 @@ def main() -> int:
                     return
                 name = queue.pop(0)
             try:
-                results[name] = run_model(name, loaders, a.models_dir, a.out, a.gmu)
+                results[name] = run_model(name, loaders, a.models_dir, a.out, a.gmu, a.kv_bytes)
             except Exception as e:  # a model that cannot even be written or started: a row saying why
                 results[name] = {"model": name, "rows": [], "verdict": [f"{type(e).__name__}: {e}"]}
 

@@ -218,3 +218,26 @@ def test_private_tensor_attributes_cross_to_the_engine():
     eng = engine(exp, Attn)
     audit(eng)
     assert float(eng._k_scale_cpu) == 0.5
+
+
+def test_a_unit_vllm_processed_while_loading_is_refused_by_the_daemon():
+    """Online FP8 of a fused-MoE layer (vLLM 0.26 ``Fp8PerTensorOnlineMoEMethod``): vLLM quantizes the layer while
+    its weights load and marks it ``_already_called_process_weights_after_loading``; the loaded bf16 weights are
+    gone, so a layer that needs re-processing cannot be exported faithfully (the engine's re-processing would start
+    from the quantized weights: seen on the H200 as a dtype refusal at install)."""
+    torch.manual_seed(0)
+    m = built(Moe)
+    constructed = object_states(m)
+    for p in m.parameters():
+        p.data.normal_()
+    m.experts._already_called_process_weights_after_loading = True  # what finish_online_quantization leaves
+    snap = snapshot(m)
+    m.experts.quant_method.process_weights_after_loading(m.experts)
+    with pytest.raises(NotExportable, match=r"post-processed module 'experts' \(Experts, quant method ModuleMethod\) "
+                                            r"while loading.*online quantization.*--load-format runai_streamer"):
+        collect(m, snap, constructed)
+    # the same layer processed after the snapshot (offline checkpoints) is exported for re-processing
+    m2 = built(Moe)
+    snap2 = snapshot(m2)
+    m2.experts.quant_method.process_weights_after_loading(m2.experts)
+    assert collect(m2, snap2, object_states(built(Moe))).reprocess == ["experts"]

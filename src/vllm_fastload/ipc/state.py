@@ -80,6 +80,13 @@ class Snapshot:
 
     tensors: dict[str, dict[str, tuple[str, torch.Tensor]]] = field(default_factory=dict)
     objects: dict[str, dict[str, int]] = field(default_factory=dict)
+    #: modules vLLM had already post-processed while loading (online quantization: ``_already_called_...``)
+    early: set[str] = field(default_factory=set)
+
+
+#: the flag vLLM's layer-wise (online) quantization sets on a layer it processed while its weights loaded
+#: (vllm/model_executor/layers/quantization/online/*.py, 0.26)
+_PROCESSED_FLAG = "_already_called_process_weights_after_loading"
 
 
 def snapshot(model: nn.Module) -> Snapshot:
@@ -88,6 +95,8 @@ def snapshot(model: nn.Module) -> Snapshot:
     for name, m in model.named_modules():
         snap.tensors[name] = _own_tensors(m)
         snap.objects[name] = _objects(m)
+        if vars(m).get(_PROCESSED_FLAG) is True:
+            snap.early.add(name)
     return snap
 
 
@@ -275,7 +284,8 @@ def collect(model: nn.Module, snap: Snapshot, constructed: dict[str, tuple] | No
     values inside their vLLM objects that differ now are exported; anything else bound anew inside such an object
     (a tensor, a closure, a replaced object: none can be exported there) makes its unit a reprocess one. Without
     ``constructed`` every plain module attribute is exported. Raises :class:`NotExportable` when an object was
-    bound on a module that no processing unit owns."""
+    bound on a module that no processing unit owns, or on a unit vLLM had already processed while loading (online
+    quantization of a fused-MoE layer: the weights re-processing would start from are gone)."""
     out = Export()
     units = processing_units(model)
     modules = list(model.named_modules())
@@ -298,6 +308,15 @@ def collect(model: nn.Module, snap: Snapshot, constructed: dict[str, tuple] | No
         out.objects[name] = sorted(set(changed))
         if unit not in out.reprocess:
             out.reprocess.append(unit)
+    early = sorted(set(out.reprocess) & snap.early)
+    if early:  # its loaded (pre-processing) weights are gone: re-processing would quantize quantized weights
+        m = dict(modules)[early[0]]
+        qm = getattr(m, "quant_method", None)
+        raise NotExportable(
+            f"vLLM post-processed module {early[0]!r} ({type(m).__name__}"
+            f"{', quant method ' + type(qm).__name__ if qm is not None else ''}) while loading its weights (online "
+            f"quantization) and bound objects an engine must rebuild from the loaded weights, which no longer exist; "
+            f"serve this model with --load-format runai_streamer (or auto), or quantize the checkpoint offline")
     again = set(out.reprocess)
     seen: dict[tuple, str] = {}
     for name, m in modules:

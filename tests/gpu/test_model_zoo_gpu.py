@@ -17,10 +17,25 @@ pytest.importorskip("vllm")
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
 
-@pytest.mark.parametrize("name", ["mixtral-small", "deepseek-v3-small", "llama-small-gptq-act"])
+@pytest.mark.parametrize("name", ["mixtral-small", "deepseek-v3-small", "llama-small-gptq-act", "llama-small-awq",
+                                  "llama-small-ct-fp8-tensor", "llama-small-fp8online"])
 def test_zoo_row_maps_and_matches_auto(name, tmp_path_factory):
     from zoo_bench import run_model
 
     out = tmp_path_factory.mktemp("zoo-out")
     res = run_model(name, ["auto", "ipc_zero_copy"], tmp_path_factory.mktemp("zoo-models"), out, gmu=0.2)
     assert res["verdict"] == [], res
+
+
+def test_online_fp8_moe_is_refused_by_the_daemon_at_start(tmp_path_factory):
+    """vLLM quantizes online-FP8 fused-MoE layers while loading them: the daemon cannot export the loaded weights an
+    engine's re-processing needs, so it refuses at start naming the layer (at b3758b9 the engine refused the
+    install instead, after the daemon had served a manifest)."""
+    from zoo_bench import run_model
+
+    out = tmp_path_factory.mktemp("zoo-out")
+    res = run_model("qwen3-moe-small-fp8online", ["ipc_zero_copy"], tmp_path_factory.mktemp("zoo-models"), out,
+                    gmu=0.2)
+    daemon = next(r for r in res["rows"] if r["loader"] == "daemon")
+    assert "while loading its weights (online quantization)" in daemon["error"], daemon
+    assert "Fp8PerTensorOnlineMoEMethod" in daemon["error"], daemon

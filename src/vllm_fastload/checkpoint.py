@@ -96,7 +96,11 @@ def _no_duplicates(path: str):
         seen = set()
         for k, _ in pairs:
             if k in seen:
-                raise CheckpointError(f"{path}: duplicate tensor name {k!r} in the safetensors header")
+                # the hook runs for every JSON object: the top level maps names to objects, entries hold values
+                what = ("tensor name" if all(isinstance(v, dict) for _, v in pairs)
+                        else "key inside one entry (a tensor's fields or __metadata__)")
+                raise CheckpointError(f"{path}: duplicate {what} {k!r} in the safetensors header; the file is "
+                                      f"malformed: re-export it")
             seen.add(k)
         return dict(pairs)
 
@@ -123,8 +127,9 @@ def parse_header(path: str, raw: bytes, header_len: int, file_size: Optional[int
         raise CheckpointError(f"{path}: safetensors header must be a JSON object, got {type(obj).__name__}")
     metadata = None
     if "__metadata__" in obj:
-        metadata = obj.pop("__metadata__")
-        if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        metadata = obj.pop("__metadata__")  # null: as absent (the safetensors library reads it so)
+        if metadata is not None and (not isinstance(metadata, dict)
+                                     or not all(isinstance(v, str) for v in metadata.values())):
             raise CheckpointError(
                 f"{path}: '__metadata__' must be an object of string values (or absent), got {metadata!r}"
             )
@@ -139,8 +144,10 @@ def parse_header(path: str, raw: bytes, header_len: int, file_size: Optional[int
             )
         shape = spec.get("shape")
         offs = spec.get("data_offsets")
-        if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
-            raise CheckpointError(f"{path}: tensor {name!r} has an invalid shape {shape!r}")
+        if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 2**63
+                                                  for d in shape):  # torch sizes are int64, even of empty tensors
+            raise CheckpointError(f"{path}: tensor {name!r} has an invalid shape {shape!r} (dimensions are integers "
+                                  f"from 0 to 2**63 - 1)")
         if (
             not isinstance(offs, list) or len(offs) != 2
             or not all(isinstance(o, int) and not isinstance(o, bool) and o >= 0 for o in offs)
@@ -348,9 +355,18 @@ def select_shards(source: str, index_dir: Optional[str] = None) -> ShardPlan:
     try:
         with open(index) as f:
             weight_map = json.load(f)["weight_map"]
+        bad = next(((k, v) for k, v in weight_map.items() if not isinstance(v, str)), None)
+        if bad is not None:
+            raise CheckpointError(f"{index}: weight_map entry {bad[0]!r} maps to {bad[1]!r}, not a shard file name; "
+                                  f"fix the index (each tensor name maps to the file name of its shard)")
         wanted = sorted(set(weight_map.values()))
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise CheckpointError(f"{index}: not a valid safetensors index ({type(e).__name__}: {e})") from None
+    outside = [w for w in wanted if os.path.isabs(w) or os.path.basename(w) != w or w in (".", "..")]
+    if outside:  # vLLM's loaders take shards from the model folder only: such an entry is a broken index
+        raise CheckpointError(
+            f"{index}: weight_map names {outside[0]!r}, which is not a file name in the model folder (index entries "
+            f"name shards beside the index, without a directory); fix the index")
     if not wanted:
         raise CheckpointError(
             f"{index}: weight_map is empty, so the index selects no shard and the load would hold no tensors; fix "

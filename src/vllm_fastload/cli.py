@@ -141,23 +141,31 @@ def _status(args: argparse.Namespace) -> int:
     from .ipc.paths import SocketDir, socket_dir_spec
 
     spec = socket_dir_spec(args.weight_cache_socket_dir)
+    import stat
+
     try:
         with SocketDir.open(spec) as sd:
             names = sorted(n for n in os.listdir(sd.fd) if n.endswith(".sock"))
+            # a file, folder or link named *.sock is nobody's socket: said so, not asked
+            odd = {n: st for n in names if (st := sd.lstat(n)) is not None and not stat.S_ISSOCK(st.st_mode)}
     except FileNotFoundError:
-        names = []
+        names, odd = [], {}
     d = spec.path
-    rows = [(str(d / name), status_of(str(d / name))) for name in names]  # (socket, its status reply or None)
+    rows = [(str(d / name), None if name in odd else status_of(str(d / name))) for name in names]
+    states = {str(d / n): ("not a socket (a directory)" if stat.S_ISDIR(st.st_mode) else "not a socket (a symbolic "
+                           "link)" if stat.S_ISLNK(st.st_mode) else "not a socket (a regular file)" if
+                           stat.S_ISREG(st.st_mode) else "not a socket") for n, st in odd.items()}
     stale = "not answering (stale socket?)"
     if args.json:
-        print(json.dumps([st.model_dump() if st else {"socket": sock, "state": stale} for sock, st in rows], indent=2))
+        print(json.dumps([st.model_dump() if st else {"socket": sock, "state": states.get(sock, stale)}
+                          for sock, st in rows], indent=2))
         return 0 if any(st for _, st in rows) else 1  # the same exit codes as the text form
     if not rows:
         print(f"no preload daemons in {d}" + ("" if d.exists() else " (the directory does not exist)"))
         return 1
     for sock, st in rows:
         if st is None:
-            print(f"{sock}: {stale}")
+            print(f"{sock}: {states.get(sock, stale)}")
             continue
         print(f"{st.device}: {st.state}, model {st.model}, fingerprint {st.fingerprint_short}, {st.tensors} tensors, "
               f"{st.bytes / 2**30:.2f} GiB, {st.clients} client(s) {st.client_modes}, uptime {st.uptime_s:.0f} s, "

@@ -163,7 +163,7 @@ class StreamerConfig(_LoaderConfig):
     LOAD_FORMAT: ClassVar[str] = "runai_streamer"
     ALLOWED: ClassVar[dict[str, str]] = {
         **_LoaderConfig.ALLOWED,
-        "concurrency": "an integer > 0 (JSON number, not a string), e.g. 16",
+        "concurrency": "an integer from 1 to 4096 (JSON number, not a string), e.g. 16",
         "memory_limit": "bytes as an integer >= -1 (-1 = unlimited, 0 = the largest tensor) or a string like '16GiB'",
         "chunk_bytesize": "bytes as an integer > 0 or a string like '8MiB'",
         "distributed": "\"auto\" (the default), true or false (JSON bool)",
@@ -178,7 +178,7 @@ class StreamerConfig(_LoaderConfig):
     }
 
     concurrency: Optional[int] = Field(
-        None, gt=0, description="Reader threads of the runai-model-streamer pool (RUNAI_STREAMER_CONCURRENCY)."
+        None, gt=0, le=4096, description="Reader threads of the runai-model-streamer pool (RUNAI_STREAMER_CONCURRENCY)."
     )
     memory_limit: Optional[Union[int, str]] = Field(
         None,
@@ -302,8 +302,8 @@ class IpcCacheConfig(_LoaderConfig):
         "mode": "'zero_copy' (map the daemon's memory) or 'copy' (clone it, then the daemon frees its copy)",
         "socket_dir": "a directory path (string) holding the daemons' sockets",
         "socket_path": "the path (string) of one daemon's socket, overriding socket_dir",
-        "connect_timeout_s": "seconds (number > 0) to wait for the daemon's socket to accept",
-        "state_timeout_s": "seconds (number > 0) to wait for the daemon's manifest",
+        "connect_timeout_s": "seconds (a number > 0, at most 86400) to wait for the daemon's socket to accept",
+        "state_timeout_s": "seconds (a number > 0, at most 86400) to wait for the daemon's manifest",
         "is_draft": "true or false (set by vLLM for speculative-decoding drafts)",
     }
 
@@ -312,8 +312,9 @@ class IpcCacheConfig(_LoaderConfig):
         "memory, then the daemon frees its copy and stays empty.")
     socket_dir: Optional[str] = Field(None, description="Directory of the daemons' sockets (default: the daemon's default).")
     socket_path: Optional[str] = Field(None, description="One daemon's socket path; overrides socket_dir.")
-    connect_timeout_s: float = Field(5.0, gt=0, description="Seconds to wait for the daemon's socket to accept.")
-    state_timeout_s: float = Field(300.0, gt=0, description="Seconds to wait for the daemon's manifest.")
+    # bounded: socket timeouts take a time_t deadline, and a day is longer than any load
+    connect_timeout_s: float = Field(5.0, gt=0, le=86400, description="Seconds to wait for the daemon's socket to accept.")
+    state_timeout_s: float = Field(300.0, gt=0, le=86400, description="Seconds to wait for the daemon's manifest.")
     is_draft: bool = Field(False, description="Set by vLLM for a speculative-decoding draft model.")
 
     @field_validator("connect_timeout_s", "state_timeout_s", mode="before")

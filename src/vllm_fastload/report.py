@@ -28,12 +28,16 @@ def report_path_problem(path: str) -> Optional[str]:
     try:
         st = os.lstat(path)
     except FileNotFoundError:
-        parent = os.path.dirname(os.path.abspath(path))
-        if os.path.exists(parent) and not os.path.isdir(parent):
-            return f"report_path {path!r}: its parent {parent!r} is not a directory"
-        return None
+        st = None
     except OSError as e:
         return f"report_path {path!r} cannot be examined ({e.strerror})"
+    if st is None:  # a new file: the nearest existing folder above it must be one this user can create files in
+        parent = os.path.dirname(os.path.abspath(path))
+        while not os.path.lexists(parent) and parent != os.path.dirname(parent):
+            parent = os.path.dirname(parent)
+        if not os.path.isdir(parent):
+            return f"report_path {path!r}: its parent {parent!r} is not a directory"
+        return _unwritable(path, parent)
     if stat.S_ISLNK(st.st_mode):
         return (f"report_path {path!r} is a symbolic link (to {os.readlink(path)!r}); the report would replace the "
                 f"link: name the file itself or a new path")
@@ -46,7 +50,15 @@ def report_path_problem(path: str) -> Optional[str]:
     if st.st_uid != os.getuid():
         return (f"report_path {path!r} belongs to uid {st.st_uid}, not to this process (uid {os.getuid()}); the "
                 f"report would replace another user's file: name a file of yours or a new path")
-    return None
+    return _unwritable(path, os.path.dirname(os.path.abspath(path)))
+
+
+def _unwritable(path: str, folder: str) -> Optional[str]:
+    """Why this process cannot create the report's temporary file in ``folder``, or None."""
+    if os.access(folder, os.W_OK | os.X_OK):
+        return None
+    return (f"report_path {path!r}: this process (uid {os.getuid()}) cannot create files in {folder!r}; name a path "
+            f"in a folder you can write")
 
 
 
@@ -128,13 +140,15 @@ class LoadReport:
             logger.warning("fastload: load report not written: %s", problem)
             return
         directory = os.path.dirname(os.path.abspath(report_path))
-        os.makedirs(directory, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".fastload-report.", dir=directory)
-        try:
+        tmp = None
+        try:  # the load is done and good: a report that cannot be written is a warning, never a failed load
+            os.makedirs(directory, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=".fastload-report.", dir=directory)
             with os.fdopen(fd, "w") as f:
                 json.dump(self.to_dict(), f, indent=2, sort_keys=True)
             os.replace(tmp, report_path)
-        except BaseException:
-            if os.path.exists(tmp):
+        except OSError as e:
+            logger.warning("fastload: load report not written to %r: %s (the load itself succeeded)", report_path,
+                           e.strerror or e)
+            if tmp is not None and os.path.exists(tmp):
                 os.unlink(tmp)
-            raise

@@ -114,3 +114,15 @@ def test_a_daemon_that_exits_before_ready_raises_with_its_log(tmp_path):
                                            r"exist"):
         d.ready_or_raise(60)
     assert not d.alive()
+
+
+def test_status_calls_a_non_socket_named_sock_what_it_is(tmp_path, capsys):
+    """A regular file or folder named *.sock was reported as "not answering (stale socket?)"."""
+    d = tmp_path / "sock"
+    d.mkdir(mode=0o700)
+    (d / "cpu-x-r0.sock").write_text("hi")
+    (d / "cpu-x-r1.sock").mkdir()
+    assert cli.main(["status", "--weight-cache-socket-dir", str(d)]) == 1
+    out = capsys.readouterr().out
+    assert f"{d / 'cpu-x-r0.sock'}: not a socket (a regular file)" in out
+    assert f"{d / 'cpu-x-r1.sock'}: not a socket (a directory)" in out

@@ -2,7 +2,7 @@ import os
 
 import pytest
 
-from vllm_fastload.config import StreamerConfig, cgroup_memory_max, parse_bytes
+from vllm_fastload.config import IpcCacheConfig, StreamerConfig, cgroup_memory_max, parse_bytes
 from vllm_fastload.errors import ConfigError
 from vllm_fastload.streaming.runai_env import config_env
 
@@ -132,3 +132,19 @@ def test_distributed_timeout_out_of_range_is_refused_at_validation(value):
     when the extra-config is read, naming the key."""
     with pytest.raises(ConfigError, match="key 'distributed_timeout_s'.*from 0.1 to 86400"):
         StreamerConfig.from_extra({"distributed_timeout_s": value})
+
+
+@pytest.mark.parametrize("key,value", [("connect_timeout_s", float("inf")), ("connect_timeout_s", 1e10),
+                                       ("state_timeout_s", 86400.5)])
+def test_a_timeout_past_a_day_is_refused_naming_the_key(key, value):
+    """Unbounded, 1e10 s passed validation and the engine died in the socket call ("timestamp out of range for
+    platform time_t") instead of falling back (adversarial pass, 2026-12-02)."""
+    with pytest.raises(ConfigError, match=rf"key '{key}' of load format 'ipc_cache'.*at most 86400"):
+        IpcCacheConfig.from_extra({key: value})
+    assert IpcCacheConfig.from_extra({key: 86400}).model_dump()[key] == 86400.0
+
+
+def test_an_absurd_concurrency_is_refused_naming_the_key():
+    """10**20 passed validation and failed inside libstreamer with "Invalid request parameters"."""
+    with pytest.raises(ConfigError, match=r"key 'concurrency'.*from 1 to 4096"):
+        StreamerConfig.from_extra({"concurrency": 10**20})

@@ -20,6 +20,7 @@ import torch
 
 from tests.conftest import unix_listener
 from tests.unit.ipc_fake_daemon import fingerprint, make_state, weights
+from vllm_fastload.errors import FastloadError
 from vllm_fastload.ipc import protocol
 from vllm_fastload.ipc.client import CacheUnavailable, fetch, status_of
 from vllm_fastload.ipc.server import RankServer, acquire
@@ -251,3 +252,33 @@ def test_a_frozen_daemon_is_not_answering_after_connect_timeout_not_state_timeou
         assert time.monotonic() - t < 5
     finally:
         s.close()
+
+
+@pytest.mark.parametrize("make,kind", [(lambda p: p.write_text("data"), "a regular file"),
+                                       (lambda p: p.mkdir(), "a directory")])
+def test_the_daemon_never_removes_what_is_not_a_socket_at_its_name(tmp_path, make, kind):
+    """A regular file at the socket's name was deleted as a "stale socket", a folder raised IsADirectoryError
+    (adversarial pass, 2026-12-02): only a socket without a listener is removed."""
+    d = tmp_path / "s"
+    d.mkdir(mode=0o700)
+    make(d / "cpu-r0.sock")
+    with pytest.raises(FastloadError, match=rf"cpu-r0.sock is not a socket \({kind}\); the daemon will not remove "
+                                            rf"it: move it away, or start the daemon with another "
+                                            rf"--weight-cache-socket-dir"):
+        acquire(d / "cpu-r0.sock")
+    assert (d / "cpu-r0.sock").exists()
+    assert fcntl_free(d / "cpu-r0.sock.lock")
+
+
+def fcntl_free(lock: Path) -> bool:
+    """The per-device lock is not left held by the refused start."""
+    import fcntl
+
+    fd = os.open(lock, os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+    finally:
+        os.close(fd)

@@ -59,3 +59,26 @@ def test_a_path_that_changed_after_the_check_is_not_replaced(tmp_path, warnings_
     LoadReport(load_format="runai_streamer", source="x").emit(str(p))
     assert os.path.exists(p) and not os.path.isfile(p)
     assert any("load report not written" in w and "is a FIFO" in w for w in warnings_logged)
+
+
+def test_a_report_that_cannot_be_written_is_a_warning_and_the_load_stands(warnings_logged):
+    """/proc accepts no new files (even from root): the write fails after a good load; that is a WARNING naming the
+    path and the reason, not an exception that would take the engine down (adversarial pass, 2026-12-02)."""
+    LoadReport(load_format="runai_streamer", source="x").emit("/proc/fastload-report-test.json")
+    assert not os.path.exists("/proc/fastload-report-test.json")
+    assert any("load report not written to '/proc/fastload-report-test.json'" in w and "the load itself succeeded"
+               in w for w in warnings_logged)
+
+
+def test_a_folder_this_user_cannot_write_is_refused_before_the_load(tmp_path, monkeypatch):
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    real = os.access
+    # root passes permission bits, so the folder is made unwritable for the check itself
+    monkeypatch.setattr("vllm_fastload.report.os.access", lambda p, m: False if str(p) == str(ro) else real(p, m))
+    with pytest.raises(ConfigError, match=r"report_path .*ro/sub/r.json.*cannot create files in .*ro'; name a path "
+                                          r"in a folder you can write"):
+        cfg(ro / "sub" / "r.json")
+    (ro / "r.json").write_text("{}")
+    with pytest.raises(ConfigError, match=r"cannot create files in"):
+        cfg(ro / "r.json")

@@ -8,6 +8,7 @@ import fcntl
 import logging
 import os
 import socket
+import stat
 import threading
 import time
 from dataclasses import dataclass, field
@@ -410,11 +411,17 @@ def check_lock_free(path: Path, sdir: SocketDir) -> None:
         os.close(fd)
 
 
+def _kind(mode: int) -> str:
+    return ("a directory" if stat.S_ISDIR(mode) else "a symbolic link" if stat.S_ISLNK(mode)
+            else "a regular file" if stat.S_ISREG(mode) else "not a socket")
+
+
 def acquire(path: Path, sdir: Optional[SocketDir] = None) -> int:
     """Take the per-device lock ``<socket>.lock`` (held for the daemon's life) and clear a stale socket, both
     through the socket directory ``sdir`` (default: ``path``'s directory, opened and checked here).
 
-    Raises :class:`FastloadError` when another daemon holds the lock or a live daemon answers on the socket.
+    Raises :class:`FastloadError` when another daemon holds the lock, a live daemon answers on the socket, or
+    something other than a socket (a file, folder or link) sits at its name: that is never removed.
     Returns the lock's file descriptor.
     """
     path = Path(path)
@@ -427,7 +434,13 @@ def acquire(path: Path, sdir: Optional[SocketDir] = None) -> int:
         except BlockingIOError:
             os.close(fd)
             raise _lock_held(path) from None
-        if sdir.lstat(path.name) is not None:
+        st = sdir.lstat(path.name)
+        if st is not None and not stat.S_ISSOCK(st.st_mode):
+            # only a socket is ours to replace: a file, folder or link there is someone's, or a mistake to look at
+            os.close(fd)
+            raise FastloadError(f"{path} is not a socket ({_kind(st.st_mode)}); the daemon will not remove it: move "
+                                f"it away, or start the daemon with another --weight-cache-socket-dir")
+        if st is not None:
             probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             probe.settimeout(2)
             try:

@@ -77,6 +77,30 @@ def demo_plus_overlay(demo_model: Path, tmp_path: Path) -> Path:
     return d
 
 
+def demo_with_stale_copies(demo_model: Path, dest: Path) -> Path:
+    """The demo model as two shards plus an index, each shard also holding a zeroed copy of a tensor the index
+    assigns to the other one (issue 27, item 1): ``model.norm.weight`` belongs to shard 1 (shard 2 has zeros),
+    ``model.layers.0.input_layernorm.weight`` to shard 2 (shard 1 has zeros). A loader that keeps the last copy it
+    reads serves zeros whatever order it reads the shards in; ours load the assigned copies. Config and tokenizer
+    files are linked. Returns ``dest``."""
+    import torch
+    from safetensors.torch import load_file
+
+    dest.mkdir(parents=True)
+    for f in demo_model.iterdir():
+        if f.name != "model.safetensors":
+            (dest / f.name).symlink_to(f)
+    ts = load_file(str(demo_model / "model.safetensors"))
+    norm, ln0 = "model.norm.weight", "model.layers.0.input_layernorm.weight"
+    one = {**ts, ln0: torch.zeros_like(ts[ln0])}
+    two = {norm: torch.zeros_like(ts[norm]), ln0: ts[ln0]}
+    write_safetensors(dest / "model-00001-of-00002.safetensors", one)
+    write_safetensors(dest / "model-00002-of-00002.safetensors", two)
+    wm = {k: "model-00001-of-00002.safetensors" for k in ts} | {ln0: "model-00002-of-00002.safetensors"}
+    (dest / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": wm}))
+    return dest
+
+
 @pytest.fixture(scope="module")
 def moto_s3(tmp_path_factory):
     """A moto S3 server on 127.0.0.1 for this module; stopped by PID afterwards."""

@@ -17,6 +17,7 @@ import os
 import re
 import stat
 import struct
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -214,6 +215,20 @@ def parse_header(path: str, raw: bytes, header_len: int, file_size: Optional[int
                 f"(file {file_size} bytes, header declares {header.declared_size})"
             )
     return header
+
+
+def shard_changed(files: Iterable[str]) -> Optional[str]:
+    """After a failed read of local shards ``files``: why the first one that no longer matches its header does not
+    (:func:`read_header`'s message: truncated, grown, corrupt header; or that it cannot be opened any more), or
+    None when every shard still looks as it did. Reads only headers."""
+    for f in files:
+        try:
+            read_header(f)
+        except CheckpointError as e:
+            return str(e)
+        except OSError as e:
+            return f"{f}: cannot be read any more ({e.strerror or e})"
+    return None
 
 
 def read_header(path: str) -> SafetensorsHeader:

@@ -29,9 +29,12 @@ FALLBACK_FORMAT = "auto"
 
 
 def fall_back(load_format: str, reason: str, allow: bool, load_config: Any, *, possible: bool = True,
-              pin: Optional["ContentPin"] = None) -> Any:
-    """Apply the policy and return vLLM's ``DefaultModelLoader`` for ``load_config`` (format ``auto``).
+              pin: Optional["ContentPin"] = None, via: Any = None) -> Any:
+    """Apply the policy and return vLLM's ``DefaultModelLoader`` for ``load_config`` (format ``auto``), or ``via``.
 
+    ``via``: a disk loader of this plugin to return instead (``ipc_cache`` passes its ``runai_streamer``, so a
+    fallback picks shards and duplicate copies as the daemon would have; it applies the content pin itself, so
+    ``pin`` is not used with it).
     ``allow`` is the loader's ``fallback`` setting. ``possible=False`` means the default loader cannot read this
     checkpoint either (e.g. object storage): then a :class:`FastloadError` is raised whatever ``allow`` says.
     Raises :class:`FallbackRefused` when ``allow`` is false. With ``pin`` (the loader's ``content_hash`` /
@@ -49,6 +52,10 @@ def fall_back(load_format: str, reason: str, allow: bool, load_config: Any, *, p
             f"{load_format} cannot serve this load: {reason}. \"fallback\": false forbids loading with vLLM's "
             f"default loader; fix the cause, or drop \"fallback\": false to load from disk with a warning."
         )
+    if via is not None:
+        logger.warning("fastload: %s cannot serve this load: %s. Falling back to reading the checkpoint from disk "
+                       "(load format %r).", load_format, reason, via.load_config.load_format)
+        return via
     logger.warning(
         "fastload: %s cannot serve this load: %s. Falling back to vLLM's default loader (load format %r).",
         load_format, reason, FALLBACK_FORMAT,
@@ -72,15 +79,15 @@ def step_down(what: str, reason: str, *, broken: bool = False) -> None:
 
 
 def fall_back_on(load_format: str, error: FastloadError, allow: bool, load_config: Any,
-                 pin: Optional["ContentPin"] = None) -> Any:
+                 pin: Optional["ContentPin"] = None, via: Any = None) -> Any:
     """The policy for a fast path that failed with ``error``: :func:`fall_back` with the error's message as the
     reason, except for a :class:`~vllm_fastload.errors.CheckpointError`, which is raised again: the checkpoint
     itself is unusable (a malformed shard, a duplicate name without an index), vLLM's default loader would read
     the same files, and for a duplicate silently serve the last copy read. Raises :class:`FallbackRefused` when
-    ``allow`` is false. ``pin``: passed on to :func:`fall_back`."""
+    ``allow`` is false. ``pin``, ``via``: passed on to :func:`fall_back`."""
     if isinstance(error, CheckpointError):
         raise error
-    return fall_back(load_format, str(error), allow, load_config, pin=pin)
+    return fall_back(load_format, str(error), allow, load_config, pin=pin, via=via)
 
 
 def default_loader(load_config: Any) -> Any:

@@ -80,7 +80,8 @@ def test_ipc_cache_load_freezes_the_heap_unless_told_not_to(thawed, setup, monke
     srv, model_config, vllm_config = setup
     stub = types.SimpleNamespace(load_config=types.SimpleNamespace(load_format="auto"),
                                  load_model=lambda **kw: "disk")
-    monkeypatch.setattr("vllm_fastload.fallback.default_loader", lambda load_config: stub)
+    # the fallback's disk load (our runai_streamer) stands in
+    monkeypatch.setattr("vllm_fastload.streaming.loader.RunaiStreamerLoader.load_model", lambda self, **kw: stub.load_model(**kw))
     parallel(monkeypatch, 2, 1)  # a fingerprint mismatch: the load falls back, the heap was frozen at its start
     assert ipc_loader(srv.path, freeze_gc=freeze).load_model(vllm_config, model_config) == "disk"
     assert (gc.get_freeze_count() > 0) is freeze
@@ -113,7 +114,8 @@ def test_a_failed_mapping_frees_its_skeleton_and_clones_before_the_fallback_load
     monkeypatch.setattr("vllm_fastload.ipc.mapping._build_model", build)
     monkeypatch.setattr("vllm_fastload.ipc.mapping._apply_entries", apply)
     stub = types.SimpleNamespace(load_config=types.SimpleNamespace(load_format="auto"), load_model=disk)
-    monkeypatch.setattr("vllm_fastload.fallback.default_loader", lambda load_config: stub)
+    # the fallback's disk load (our runai_streamer) stands in
+    monkeypatch.setattr("vllm_fastload.streaming.loader.RunaiStreamerLoader.load_model", lambda self, **kw: stub.load_model(**kw))
     parallel(monkeypatch, 1, 0)
     gc.disable()  # only reference counting frees anything now
     try:

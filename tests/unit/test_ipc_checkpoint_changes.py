@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-import types
 
 import pytest
 import torch
@@ -18,10 +17,24 @@ from vllm_fastload.errors import CheckpointError  # noqa: E402
 
 
 def _stub_default_loader(monkeypatch):
+    """The disk load of a fallback (our runai_streamer, issue 27 item 1) reads the real files into a sink: the
+    returned list collects, per load, the names it loaded."""
+    from vllm_fastload.streaming.loader import RunaiStreamerLoader
+
     calls = []
-    stub = types.SimpleNamespace(load_config=types.SimpleNamespace(load_format="auto"),
-                                 load_model=lambda **kw: calls.append(kw) or "disk")
-    monkeypatch.setattr("vllm_fastload.fallback.default_loader", lambda load_config: stub)
+
+    def load_model(self, vllm_config=None, model_config=None, prefix=""):
+        class Sink(torch.nn.Module):
+            def load_weights(self, weights):
+                names = [n for n, _ in weights]
+                calls.append(names)
+                return set(names)
+
+        self.load_weights(Sink(), model_config)
+        return calls[-1]
+
+    monkeypatch.setattr(RunaiStreamerLoader, "load_model", load_model)
+    monkeypatch.setattr(RunaiStreamerLoader, "_check_all_loaded", lambda *a: None)
     return calls
 
 
@@ -37,7 +50,7 @@ def test_values_written_over_the_daemons_shard_make_the_engine_load_from_disk(se
         f.seek(-4, os.SEEK_END)
         f.write(b"\0\0\0\0")
     os.utime(p, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))
-    assert ipc_loader(srv.path).load_model(vllm_config, model_config) == "disk" and len(calls) == 1
+    assert ipc_loader(srv.path).load_model(vllm_config, model_config) == ["w"] and len(calls) == 1
     [msg] = [w for w in warnings_logged if "ipc_cache cannot serve this load" in w]
     assert (f"fingerprint mismatch with the daemon at {srv.path}: shards (daemon "
             f"['model.safetensors (mtime_ns={st.st_mtime_ns})'], engine "
@@ -59,13 +72,8 @@ def test_a_duplicate_name_fails_the_engine_instead_of_falling_back(setup, monkey
 
 
 def _pinned_stub(monkeypatch):
-    """A default loader that, like vLLM's, streams through ``self.get_all_weights`` (from the model's file)."""
-    from safetensors.torch import load_file
-
-    stub = types.SimpleNamespace(load_config=types.SimpleNamespace(load_format="auto"))
-    stub.get_all_weights = lambda mc, m: iter(load_file(os.path.join(mc.model, "model.safetensors")).items())
-    stub.load_model = lambda **kw: [n for n, _ in stub.get_all_weights(kw["model_config"], None)]
-    monkeypatch.setattr("vllm_fastload.fallback.default_loader", lambda load_config: stub)
+    """The fallback's disk load, hashing against the pin as the real one does (our runai_streamer)."""
+    _stub_default_loader(monkeypatch)
 
 
 @pytest.mark.parametrize("daemon_digest", [None, "other", "pinned"])

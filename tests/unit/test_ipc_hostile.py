@@ -687,3 +687,47 @@ def test_metrics_types_counters_and_gauges():
     for gauge in ("tensors", "bytes", "attached_clients", "load_seconds", "ready"):
         assert f"# TYPE vllm_fastload_{gauge} gauge" in text
     assert 'vllm_fastload_ready{rank="1"} 0.0' in text and 'vllm_fastload_tensors{rank="1"}' not in text
+
+
+def test_many_full_size_frames_share_one_receive_budget(tmp_path):
+    """Issue 27, item 4: twelve connections each announcing a full frame grew the daemon by ~240 MB apiece (frames
+    up to 256 MiB, only 256 connections as a bound). Requests are now at most MAX_REQUEST_BYTES, and all
+    connections share RECV_BUDGET_BYTES: with the budget held by frames in progress, the next full frame is refused
+    with a reply naming the budget, and an engine's small hello still gets its manifest."""
+    path = tmp_path / "cpu-r0.sock"
+    per = protocol.MAX_REQUEST_BYTES
+    fit = protocol.RECV_BUDGET_BYTES // per
+    with server(path, max_connections=64, idle_timeout_s=30) as srv:
+        holders = []
+        for _ in range(fit):  # each announces a full frame and sends half of it: the budget is held
+            c = raw(path)
+            c.sendall(per.to_bytes(4, "big") + b" " * (per // 2))
+            holders.append(c)
+        deadline = time.monotonic() + 10
+        while srv.recv_budget.used < fit * per and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert srv.recv_budget.used == fit * per
+        extra = raw(path)
+        extra.sendall(per.to_bytes(4, "big") + b" " * 16)
+        reply, _ = protocol.recv(extra)
+        assert reply["type"] == "error" and (
+            f"frame of {per} bytes refused: frames of other connections already hold {fit * per} of the "
+            f"{protocol.RECV_BUDGET_BYTES} bytes this daemon buffers at once; retry") in reply["reason"]
+        extra.close()
+        over = raw(path)  # a frame over the request limit is refused before anything is buffered
+        over.sendall((per + 1).to_bytes(4, "big"))
+        reply, _ = protocol.recv(over)
+        assert reply["type"] == "error" and f"frame of {per + 1} bytes (limit {per})" in reply["reason"]
+        over.close()
+        for c in holders:
+            c.close()
+        deadline = time.monotonic() + 10
+        while srv.recv_budget.used and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert srv.recv_budget.used == 0  # given back by frames that broke off
+        ok = raw(path)
+        protocol.send(ok, HELLO)
+        reply, fds = protocol.recv(ok)
+        protocol.close_fds(fds)
+        assert reply["type"] == "manifest"
+        ok.close()

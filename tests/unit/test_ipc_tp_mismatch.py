@@ -74,13 +74,14 @@ def test_engine_of_another_tp_rank_falls_back_naming_tp_size_and_tp_rank(setup, 
     sentinel = object()
     stub = types.SimpleNamespace(load_config=types.SimpleNamespace(load_format="auto"),
                                  load_model=lambda **kw: sentinel)
-    monkeypatch.setattr("vllm_fastload.fallback.default_loader", lambda load_config: stub)
+    # the fallback's disk load (our runai_streamer) stands in
+    monkeypatch.setattr("vllm_fastload.streaming.loader.RunaiStreamerLoader.load_model", lambda self, **kw: stub.load_model(**kw))
     parallel(monkeypatch, 2, 1)  # this engine is rank 1 of TP=2
     assert ipc_loader(srv.path).load_model(vllm_config, model_config) is sentinel  # the disk load ran instead
     [msg] = [w for w in warnings_logged if "ipc_cache cannot serve this load" in w]
     assert (f"fingerprint mismatch with the daemon at {srv.path}: tp_size (daemon 1, engine 2), "
             f"tp_rank (daemon 0, engine 1); restart `vllm-fastload preload` with this engine's args, or start the "
-            f"engine with the daemon's. Falling back to vLLM's default loader") in msg
+            f"engine with the daemon's. Falling back to reading the checkpoint from disk") in msg
     assert status_of(str(srv.path)).fingerprint_mismatches == 1
 
 

@@ -274,3 +274,33 @@ def test_the_stream_runs_outside_pools_exactly_when_vllm_loads_inside_its_sleep_
     loader.load_weights(sink, config)
     assert len(during) == len(ts) and set(during) == {1 if sleep_mode else 0}
     assert devmem._outside == 0  # closed with the stream
+
+
+def test_a_shard_cut_short_while_read_names_the_shard_the_tensor_and_the_fix(tmp_path):
+    """Issue 27, item 5: a shard truncated under the reader (a copy into the model folder still running) gave
+    runai's bare "ValueError: Could not receive response from libstreamer due to: b'End of file reached'"."""
+    import os
+
+    g = torch.Generator().manual_seed(1)
+    ts = {f"t{i:02d}": torch.randn(2**20, generator=g) for i in range(24)}  # 24 x 4 MiB
+    path = write_safetensors(tmp_path / "model.safetensors", ts)
+    loader = RunaiStreamerLoader(LoadConfig(load_format="runai_streamer", model_loader_extra_config={
+        "memory_limit": 0, "concurrency": 1}))
+    sink = Sink({k: (v.shape, v.dtype) for k, v in ts.items()})
+    real = sink.load_weights
+
+    def cut_after_first(weights):
+        def gen():
+            for i, (n, t) in enumerate(weights):
+                if i == 0:
+                    os.truncate(path, 8 * 2**20)
+                yield n, t
+        return real(gen())
+
+    sink.load_weights = cut_after_first
+    with pytest.raises(CheckpointError) as e:
+        loader.load_weights(sink, fake_model_config(tmp_path))
+    msg = str(e.value)
+    assert msg.startswith(f"{path}: file is truncated: {8 * 2**20} bytes, but its header declares")
+    assert "tensor 't01'" in msg and "The shard changed while this load read it (the reader said:" in msg
+    assert "is a copy or download into the model folder still running? Let it finish" in msg

@@ -89,3 +89,54 @@ def test_step_down_is_never_silent(caplog, broken, level):
     rec = caplog.records[-1]
     assert rec.levelno == level
     assert rec.getMessage() == "fastload: copying through the pinned ring instead of reading into pinned memory: why"
+
+
+def test_an_ipc_cache_fallback_reads_the_disk_with_our_shard_rules(tmp_path, caplog, monkeypatch):
+    """Issue 27, item 1: an ipc_cache engine that falls back loads through our runai_streamer (the index decides
+    which copy of a name stored in two shards loads, as in the daemon), not through vLLM's default loader, which
+    keeps the last copy it reads; the ipc_cache report says what loaded. The e2e twin serves a real engine
+    (tests/e2e_cpu/test_ipc_cache_e2e.py, "after-kill")."""
+    import json
+
+    import torch
+
+    from tests.conftest import fake_model_config, write_safetensors
+    from vllm_fastload.errors import CacheUnavailable
+    from vllm_fastload.ipc import loader as ipc_loader
+
+    a = write_safetensors(tmp_path / "model-00001-of-00002.safetensors", {"norm": torch.ones(4), "x": torch.zeros(2)})
+    b = write_safetensors(tmp_path / "model-00002-of-00002.safetensors", {"norm": torch.zeros(4), "y": torch.ones(2)})
+    (tmp_path / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"norm": a.name, "x": a.name, "y": b.name}}))
+
+    def no_daemon(*args, **kwargs):
+        raise CacheUnavailable(f"no preload daemon at {tmp_path / 'none.sock'}")
+
+    got = {}
+
+    def streamer_load_model(self, vllm_config, model_config, prefix=""):
+        class Sink(torch.nn.Module):
+            def load_weights(self, weights):
+                got.update((n, t.clone()) for n, t in weights)
+                return {"norm", "x", "y"}
+
+        sink = Sink()
+        self.load_weights(sink, model_config)
+        return sink
+
+    monkeypatch.setattr(ipc_loader, "map_model", no_daemon)
+    monkeypatch.setattr(RunaiStreamerLoader, "load_model", streamer_load_model)
+    monkeypatch.setattr(RunaiStreamerLoader, "_check_all_loaded", lambda *a: None)
+    report = tmp_path / "r.json"
+    lc = LoadConfig(load_format="ipc_cache", model_loader_extra_config={
+        "socket_path": str(tmp_path / "none.sock"), "report_path": str(report)})
+    with caplog.at_level(logging.WARNING, logger="vllm.fastload"):
+        ipc_loader.IpcCacheLoader(lc).load_model(vllm_config=None, model_config=fake_model_config(tmp_path))
+    assert sorted(got) == ["norm", "x", "y"] and torch.equal(got["norm"], torch.ones(4))  # the indexed copy
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert any("ipc_cache cannot serve this load: no preload daemon at" in w and "Falling back to reading the "
+               "checkpoint from disk (load format 'runai_streamer')" in w for w in warnings), warnings
+    assert any("those copies are not loaded: 'norm'" in w for w in warnings), warnings
+    r = json.loads(report.read_text())
+    assert r["load_format"] == "ipc_cache" and r["format_used"] == "runai_streamer"
+    assert r["fallback_reason"].startswith("no preload daemon at")

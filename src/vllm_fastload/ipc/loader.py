@@ -6,8 +6,9 @@ vLLM's in-place ``reload_weights`` reads the checkpoint from disk (:meth:`IpcCac
 :mod:`.reload`).
 Any miss (no daemon, timeout, fingerprint mismatch, checksum or layout mismatch: a
 :class:`~vllm_fastload.errors.FastloadError` raised where it was found) goes through the one fallback policy
-(:func:`vllm_fastload.fallback.fall_back_on`): a WARNING naming the reason and a full load with vLLM's default
-loader, or an error with ``"fallback": false``.
+(:func:`vllm_fastload.fallback.fall_back_on`): a WARNING naming the reason and a full load from disk through
+this plugin's ``runai_streamer`` (the daemon's shard and duplicate-copy rules; vLLM's default loader only where
+that cannot stream the checkpoint), or an error with ``"fallback": false``.
 """
 
 from __future__ import annotations
@@ -15,15 +16,14 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from ..checkpoint import weights_source
 from ..config import IpcCacheConfig
-from ..content import ContentPin
 from ..errors import CheckpointError, FastloadError
 from ..fallback import default_loader, fall_back_on
 from ..heap import freeze_for_load
 from ..log import logger
 from ..report import LoadReport
 from .mapping import LOAD_FORMAT, ChecksumMismatch, engine_device, map_model
+from .reload import checkpoint_loader
 
 try:
     from vllm.model_executor.model_loader.base_loader import BaseModelLoader
@@ -139,11 +139,14 @@ class IpcCacheLoader(BaseModelLoader):
         else:
             report.emit(self.config.report_path)
             return model
-        expected = self.config.expected_content_digest
-        pin = ContentPin(expected, weights_source(model_config)) if expected else None
-        loader = fall_back_on(LOAD_FORMAT, failure, self.config.fallback, self.load_config, pin)
+        # from disk through our runai_streamer: the shard selection, duplicate copies and index authority the
+        # daemon's load applies (vLLM's default loader keeps the last copy of a name it reads twice); it applies
+        # the content pin and, where it cannot stream the checkpoint, the same fallback policy to vLLM's loader
+        streamer = checkpoint_loader(self.load_config, self.config, for_reload=False)
+        loader = fall_back_on(LOAD_FORMAT, failure, self.config.fallback, self.load_config, via=streamer)
         model = loader.load_model(vllm_config=vllm_config, model_config=model_config, prefix=prefix)
         # the weights of a fallback come from the model's files, not from the daemon
-        LoadReport(load_format=LOAD_FORMAT, source=str(model_config.model), format_used=loader.load_config.load_format,
+        used = loader.last_report.format_used if loader.last_report else loader.load_config.load_format
+        LoadReport(load_format=LOAD_FORMAT, source=str(model_config.model), format_used=used,
                    fallback_reason=str(failure), wall_s=time.perf_counter() - t0).emit(self.config.report_path)
         return model

@@ -26,6 +26,7 @@ import json
 import os
 import socket
 import struct
+import threading
 import time
 from typing import Any, Optional
 
@@ -38,6 +39,12 @@ PROTOCOL_VERSION = 3
 #: Largest frame accepted (bytes): room for the manifest of a model with a hundred thousand tensors, small enough
 #: that a peer announcing a huge frame is refused before anything is allocated.
 MAX_FRAME_BYTES = 256 * 2**20
+#: Largest frame a daemon accepts from an engine (bytes): requests (hello with the fingerprint, attach, status,
+#: release) are a few KiB; only the daemon's replies (the manifest) need :data:`MAX_FRAME_BYTES`.
+MAX_REQUEST_BYTES = 4 * 2**20
+#: Bytes one daemon server buffers for frames being received, across all its connections at once: with
+#: :data:`MAX_REQUEST_BYTES` per frame, many peers that each announce a full frame cannot grow the daemon past it.
+RECV_BUDGET_BYTES = 64 * 2**20
 MAX_FDS = 64
 _LEN = struct.Struct(">I")
 _CRED = struct.Struct("3i")
@@ -49,6 +56,28 @@ class ProtocolError(FastloadError):
 
 class PeerClosed(ProtocolError):
     """The peer closed the connection (between frames when no byte of the frame had arrived)."""
+
+
+class ByteBudget:
+    """The bytes that frames being received may hold at once, shared by the connections of one server
+    (thread-safe). A frame's announced length is taken before its body is read and given back once it is parsed
+    or has failed."""
+
+    def __init__(self, limit: int):
+        self.limit, self.used = limit, 0
+        self._lock = threading.Lock()
+
+    def take(self, n: int) -> bool:
+        """Reserve ``n`` bytes; False (nothing reserved) when that would pass :attr:`limit`."""
+        with self._lock:
+            if self.used + n > self.limit:
+                return False
+            self.used += n
+            return True
+
+    def give(self, n: int) -> None:
+        with self._lock:
+            self.used -= n
 
 
 def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
@@ -95,18 +124,27 @@ def send(sock: socket.socket, msg: dict[str, Any], fds: Optional[list[int]] = No
         sock.sendall(data)
 
 
-def recv(sock: socket.socket, frame_timeout_s: Optional[float] = None) -> tuple[dict[str, Any], list[int]]:
+def recv(sock: socket.socket, frame_timeout_s: Optional[float] = None, limit: int = MAX_FRAME_BYTES,
+         budget: Optional[ByteBudget] = None) -> tuple[dict[str, Any], list[int]]:
     """Receive one frame: ``(message, file descriptors)``. The wait for the frame's first byte is bounded by the
     socket's timeout; with ``frame_timeout_s`` the whole frame must arrive within that many seconds of its first
-    byte (the socket's timeout is restored afterwards). Raises :class:`ProtocolError` on bad input
+    byte (the socket's timeout is restored afterwards). ``limit``: the largest frame accepted (bytes); ``budget``:
+    the bytes shared with other connections that the frame's body must fit in while it is received. Raises
+    :class:`ProtocolError` on bad input, a frame over ``limit`` or one the budget has no room for
     (:class:`PeerClosed` when the peer closed between frames) and ``socket.timeout`` when a wait expires."""
     fds: list[int] = []
     deadline: list[float] = []
     old_timeout = sock.gettimeout()
+    taken = 0
     try:
         (n,) = _LEN.unpack(_recv_exact(sock, _LEN.size, fds, deadline, frame_timeout_s))
-        if n > MAX_FRAME_BYTES:
-            raise ProtocolError(f"peer announced a frame of {n} bytes (limit {MAX_FRAME_BYTES}); not this protocol?")
+        if n > limit:
+            raise ProtocolError(f"peer announced a frame of {n} bytes (limit {limit}); not this protocol?")
+        if budget is not None:
+            if not budget.take(n):
+                raise ProtocolError(f"frame of {n} bytes refused: frames of other connections already hold "
+                                    f"{budget.used} of the {budget.limit} bytes this daemon buffers at once; retry")
+            taken = n
         body = _recv_exact(sock, n, fds, deadline, frame_timeout_s) if n else b""
         try:
             msg = json.loads(body)
@@ -123,6 +161,8 @@ def recv(sock: socket.socket, frame_timeout_s: Optional[float] = None) -> tuple[
         close_fds(fds)
         raise
     finally:
+        if taken:
+            budget.give(taken)
         if deadline:
             try:
                 sock.settimeout(old_timeout)

@@ -98,17 +98,23 @@ def refuse_shared_writes(model: Any, leases: Iterable[tuple[Any, Any]]) -> None:
             f"'{{\"mode\": \"copy\"}}' to reload its own copy, or restart the daemon on the new checkpoint")
 
 
-def checkpoint_loader(load_config: Any, config: Any) -> Any:
-    """The ``runai_streamer`` loader (:class:`~vllm_fastload.streaming.loader.RunaiStreamerLoader`) a reload
-    reads the checkpoint with: a copy of ``load_config`` with load format ``runai_streamer`` and, of the
-    ``ipc_cache`` keys (``config``, an :class:`~vllm_fastload.config.IpcCacheConfig`), only those both formats
-    share (``fallback``, ``report_path``, ``expected_content_digest``). Logs one INFO line saying why the reload
-    reads from disk. Raises :class:`~vllm_fastload.errors.ConfigError` only if the shared keys were invalid."""
+def checkpoint_loader(load_config: Any, config: Any, *, for_reload: bool = True) -> Any:
+    """The ``runai_streamer`` loader (:class:`~vllm_fastload.streaming.loader.RunaiStreamerLoader`) that reads
+    the checkpoint from disk for an ``ipc_cache`` engine: for a reload (``for_reload``: logs one INFO line saying
+    why) and for a fallback (the same shard selection, duplicate and index rules as the daemon's load, which
+    vLLM's default loader does not apply). A copy of ``load_config`` with load format ``runai_streamer`` and, of
+    the ``ipc_cache`` keys (``config``, an :class:`~vllm_fastload.config.IpcCacheConfig`), only those both formats
+    share (``fallback``, ``report_path``, ``expected_content_digest``; ``report_path`` not for a fallback: the
+    ipc_cache loader writes that report). Raises :class:`~vllm_fastload.errors.ConfigError` only if the shared
+    keys were invalid."""
     from ..config import StreamerConfig
     from ..streaming.loader import RunaiStreamerLoader
 
     shared = {k: getattr(config, k) for k in StreamerConfig.model_fields.keys() & type(config).model_fields.keys()}
-    logger.info("fastload: ipc_cache reload_weights reads the checkpoint from disk with runai_streamer: the "
-                "preload daemon holds post-processed weights, vLLM's reload loads checkpoint-format tensors")
+    if for_reload:
+        logger.info("fastload: ipc_cache reload_weights reads the checkpoint from disk with runai_streamer: the "
+                    "preload daemon holds post-processed weights, vLLM's reload loads checkpoint-format tensors")
+    else:
+        shared.pop("report_path", None)
     cfg = dataclasses.replace(load_config, load_format=StreamerConfig.LOAD_FORMAT, model_loader_extra_config=shared)
     return RunaiStreamerLoader(cfg)

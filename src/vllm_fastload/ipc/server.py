@@ -130,6 +130,8 @@ class RankServer:
         self.max_connections, self.idle_timeout_s, self.attach_timeout_s = max_connections, idle_timeout_s, attach_timeout_s
         self.sock: Optional[socket.socket] = None
         self.stop = threading.Event()
+        # one budget for the request bytes all connections buffer at once (each frame at most MAX_REQUEST_BYTES)
+        self.recv_budget = protocol.ByteBudget(protocol.RECV_BUDGET_BYTES)
         self._next_id = 0
         self._active = 0
         self._log = Throttle()
@@ -248,7 +250,8 @@ class RankServer:
         timeout = self._timeout_for(c)
         conn.settimeout(timeout)
         try:
-            raw, fds = protocol.recv(conn, frame_timeout_s=self.idle_timeout_s)
+            raw, fds = protocol.recv(conn, frame_timeout_s=self.idle_timeout_s, limit=protocol.MAX_REQUEST_BYTES,
+                                     budget=self.recv_budget)
         except socket.timeout:
             what = "between the manifest and the attach (--weight-cache-attach-timeout-s)" if timeout == \
                 self.attach_timeout_s and c.got_manifest else "(--weight-cache-idle-timeout-s)"

@@ -24,7 +24,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from ..checkpoint import ShardPlan, model_shards, read_checkpoint, weights_source
+from ..checkpoint import ShardPlan, model_shards, read_checkpoint, shard_changed, weights_source
 from ..config import StreamerConfig
 from ..errors import CheckpointError, ConfigError
 from ..content import ContentPin
@@ -61,6 +61,8 @@ class RunaiStreamerLoader(BaseModelLoader):
 
     def __init__(self, load_config: Any):
         self.config = StreamerConfig.from_extra(load_config.model_loader_extra_config)
+        #: the report of the last finished ``load_weights`` (what loaded it: ``format_used``), None before
+        self.last_report: LoadReport | None = None
         super().__init__(load_config)
 
     # -- BaseModelLoader API --------------------------------------------------------------------------
@@ -138,6 +140,7 @@ class RunaiStreamerLoader(BaseModelLoader):
         self._check_all_loaded(model, model_config, loaded)
         report.extra["check_s"] = round(time.perf_counter() - t_check, 4)
         report.emit(self.config.report_path)
+        self.last_report = report
 
     def get_all_weights(self, model_config: Any, model: Any) -> Iterator[tuple[str, Any]]:
         """Every ``(name, tensor)`` of ``model_config``'s checkpoint, through the same read paths as
@@ -195,6 +198,7 @@ class RunaiStreamerLoader(BaseModelLoader):
         report.format_used, report.fallback_reason = loader.load_config.load_format, reason
         report.wall_s = time.perf_counter() - t0
         report.emit(self.config.report_path)
+        self.last_report = report
 
     def _finish(self, report: LoadReport, t0: float) -> None:
         """Wall and consumer seconds of a finished stream. CPU: reader and consumer alternate in one thread. GPU:
@@ -411,7 +415,10 @@ class RunaiStreamerLoader(BaseModelLoader):
 
     @staticmethod
     def _storage_errors(plan: ShardPlan, it: Iterator[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
-        """Pass ``it`` through; for object storage, a reader failure becomes one StorageError naming the source."""
+        """Pass ``it`` through; for object storage, a reader failure becomes one StorageError naming the source; for
+        local shards, one that changed under the reader (cut short by a copy still running, replaced) becomes a
+        CheckpointError naming the shard and the first tensor past its new end (runai says only "End of file
+        reached")."""
         remote = is_object_uri(plan.source)
         try:
             yield from it
@@ -420,6 +427,12 @@ class RunaiStreamerLoader(BaseModelLoader):
         except Exception as e:  # noqa: BLE001 - object-storage failures become one StorageError
             if remote:
                 raise storage_error(plan.source, e) from e
+            why = shard_changed(plan.files)
+            if why:
+                raise CheckpointError(
+                    f"{why}. The shard changed while this load read it (the reader said: {type(e).__name__}: {e}): "
+                    f"is a copy or download into the model folder still running? Let it finish (or restore the "
+                    f"shard), then start again") from e
             raise
 
     def _progress(self, it: Iterator[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:

@@ -71,6 +71,7 @@ def serve_rank(vllm_config: Any, local_rank: int, rank: int, world_size: int, in
             state.fingerprint = manifest.fingerprint
             state.nbytes = sum(e.nbytes for e in manifest.tensors.values())
             state.loading = False
+        server.warm(manifest)  # encoded once now, not while the first engine's hello waits
         state.ready.set()
         logger.info("fastload: rank %d exported %d tensors (%.2f GiB) in %.2f s", rank, len(manifest.tensors),
                     state.nbytes / 2**30, seconds)

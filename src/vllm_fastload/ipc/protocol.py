@@ -110,9 +110,18 @@ def _recv_exact(sock: socket.socket, n: int, fds: list[int], deadline: list[floa
     return bytes(buf)
 
 
+def encode(msg: dict[str, Any]) -> bytes:
+    """The body of one frame: ``msg`` (JSON-serialisable, with a ``"type"``) as compact UTF-8 JSON."""
+    return json.dumps(msg, separators=(",", ":")).encode()
+
+
 def send(sock: socket.socket, msg: dict[str, Any], fds: Optional[list[int]] = None) -> None:
     """Send one frame (``msg`` must be JSON-serialisable, with a ``"type"``), optionally with file descriptors."""
-    body = json.dumps(msg, separators=(",", ":")).encode()
+    send_body(sock, encode(msg), fds)
+
+
+def send_body(sock: socket.socket, body: bytes, fds: Optional[list[int]] = None) -> None:
+    """Send one frame whose body :func:`encode` made (a daemon encodes its manifest once for every engine)."""
     if len(body) > MAX_FRAME_BYTES:
         raise ProtocolError(f"frame of {len(body)} bytes exceeds {MAX_FRAME_BYTES}")
     data = _LEN.pack(len(body)) + body

@@ -132,6 +132,8 @@ class RankServer:
         self.stop = threading.Event()
         # one budget for the request bytes all connections buffer at once (each frame at most MAX_REQUEST_BYTES)
         self.recv_budget = protocol.ByteBudget(protocol.RECV_BUDGET_BYTES)
+        self._body: Optional[tuple[messages.Manifest, bytes]] = None  # the manifest's encoded frame (_manifest_body)
+        self._body_lock = threading.Lock()
         self._next_id = 0
         self._active = 0
         self._log = Throttle()
@@ -342,10 +344,23 @@ class RankServer:
                                  "client; restart `vllm-fastload preload` to fill it again"))
             return False
         try:
-            _reply(conn, manifest, fds=[fd])
+            protocol.send_body(conn, self._manifest_body(manifest), fds=[fd])
         finally:
             os.close(fd)
         return True
+
+    def warm(self, manifest: "messages.Manifest") -> None:
+        """Encode ``manifest``'s frame now (the daemon calls it when its load is done, before it is ready)."""
+        self._manifest_body(manifest)
+
+    def _manifest_body(self, manifest: "messages.Manifest") -> bytes:
+        """The encoded frame of ``manifest``, made once per manifest object: encoding a 100k-tensor manifest takes
+        about a second, which every engine's hello would otherwise wait for."""
+        with self._body_lock:
+            cached = self._body
+            if cached is None or cached[0] is not manifest:
+                cached = self._body = (manifest, protocol.encode(messages.to_frame(manifest)))
+        return cached[1]
 
     def _release(self, c: _Client) -> bool:
         """Copy-mode client ``c`` is done: free the segment unless a zero_copy client still maps it; logged."""

@@ -152,6 +152,9 @@ def plain_attrs(m: nn.Module) -> dict[str, Any]:
 
 #: How deep :func:`object_state` follows objects from a module (quant method -> its kernel -> the kernel's config).
 STATE_DEPTH = 3
+#: The attributes ``nn.Module.__init__`` sets on every module (hook dicts, ``_parameters``...): torch's
+#: bookkeeping, never state post-processing binds; skipped by the walks, which visit every module of the model
+_MODULE_INTERNALS = frozenset(vars(nn.Module()))
 
 
 def _state_object(v: Any) -> bool:
@@ -177,7 +180,9 @@ def object_state(m: nn.Module) -> tuple[dict[str, Any], dict[str, Any]]:
     seen: set[int] = set()
 
     def walk(obj: Any, prefix: str, depth: int) -> None:
-        for k, v in vars(obj).items():
+        d = vars(obj)
+        for k in (d.keys() - _MODULE_INTERNALS if not prefix else list(d)):
+            v = d[k]
             if k.startswith("__") or isinstance(v, nn.Module):
                 continue
             path = f"{prefix}.{k}" if prefix else k
@@ -499,8 +504,10 @@ def _tensor_refs(m: nn.Module) -> Iterator[tuple[str, Any, str, torch.Tensor]]:
     seen: set[int] = set()
 
     def walk(obj: Any, prefix: str, depth: int) -> Iterator[tuple[str, Any, str, torch.Tensor]]:
-        for k, v in list(vars(obj).items()):
-            if k.startswith("__") or isinstance(v, nn.Module) or k in ("_parameters", "_buffers", "_modules"):
+        d = vars(obj)
+        for k in (d.keys() - _MODULE_INTERNALS if not prefix else list(d)):
+            v = d[k]
+            if k.startswith("__") or isinstance(v, nn.Module):
                 continue
             path = f"{prefix}.{k}" if prefix else k
             if isinstance(v, torch.Tensor):

@@ -1,0 +1,149 @@
+"""Per-tensor costs of `ipc_cache` at 1k / 20k / 100k tensors, phase by phase, on this machine (CPU memfd transport;
+the phases are the same code on a GPU, whose segment is mapped instead of an fd).
+
+    python benchmarks/many_tensors.py [--sizes 1000,20000,100000] [--bytes-per-tensor 256] [--out OUT.md]
+
+Daemon side: ``pack`` (the export buffer and the manifest's entries, with checksum samples), the manifest's
+frame (``to_frame`` + JSON); engine side, through the real ``RankServer`` on a Unix socket in this process:
+``fetch`` (hello, receive, validate the manifest, map the segment), ``verify`` (checksum samples), ``views`` (one
+tensor per entry), ``install`` (into a skeleton module of N parameters on the meta device) and the fingerprint
+(:func:`vllm_fastload.fingerprint.Fingerprint.to_dict`). Prints one Markdown table: seconds per phase (the best of
+``--repeat`` runs) and microseconds per tensor.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent / "src"))
+sys.path.insert(0, str(HERE.parent))
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+
+def tensors(n: int, nbytes: int) -> dict[str, torch.Tensor]:
+    """``n`` float32 tensors of ``nbytes`` bytes each, named like a deep model's (``model.layers.i.w``)."""
+    g = torch.Generator().manual_seed(0)
+    return {f"model.layers.{i // 8}.m{i % 8}.weight": torch.randn(nbytes // 4, generator=g) for i in range(n)}
+
+
+class Skeleton(nn.Module):
+    """One submodule per layer, each with its parameters on the meta device (what the engine builds)."""
+
+    def __init__(self, names: list[str], numel: int):
+        super().__init__()
+        layers: dict[str, nn.Module] = {}
+        for name in names:
+            _, _, i, sub, leaf = name.split(".")
+            mod = nn.Module()
+            mod.register_parameter(leaf, nn.Parameter(torch.empty(numel, device="meta"), requires_grad=False))
+            layers.setdefault(i, nn.Module()).add_module(sub, mod)
+        self.model = nn.Module()
+        self.model.layers = nn.ModuleDict(layers)
+
+
+def run(n: int, nbytes: int) -> dict[str, float]:
+    from tests.conftest import make_fingerprint
+    from vllm_fastload.ipc import protocol
+    from vllm_fastload.ipc.client import fetch
+    from vllm_fastload.ipc.export import pack
+    from vllm_fastload.ipc.layout import sample_checksums, views
+    from vllm_fastload.ipc.messages import Manifest, to_frame
+    from vllm_fastload.ipc.server import RankServer, RankState, acquire
+    from vllm_fastload.ipc.shm import MemfdTransport
+    from vllm_fastload.ipc.state import install
+
+    ts = tensors(n, nbytes)
+    out: dict[str, float] = {}
+    t = time.perf_counter()
+    seg, entries = pack(ts)
+    out["pack"] = time.perf_counter() - t
+    fp = make_fingerprint()
+    manifest = Manifest(version=protocol.PROTOCOL_VERSION, fingerprint=fp.to_dict(), fingerprint_short=fp.short(),
+                        segments=[MemfdTransport().describe(seg, torch.device("cpu"))], tensors=entries)
+    t = time.perf_counter()
+    frame = json.dumps(to_frame(manifest), separators=(",", ":"))
+    out["manifest frame"] = time.perf_counter() - t
+    d = Path(tempfile.mkdtemp(prefix="fl-many-"))
+    os.chmod(d, 0o700)
+    path = d / "cpu-r0.sock"
+    lock = acquire(path)
+    st = RankState(fingerprint=fp.to_dict(), segment=seg, manifest=manifest, model="m", device="cpu",
+                   socket=str(path), load_s=0.0, nbytes=sum(e.nbytes for e in entries.values()))
+    st.ready.set()
+    srv = RankServer(st, path)
+    srv.bind()
+    srv.warm(manifest)  # as the daemon does when its load is done
+    th = threading.Thread(target=srv.serve_forever, daemon=True)
+    th.start()
+    try:
+        t = time.perf_counter()
+        fd = fp.to_dict()
+        out["fingerprint"] = time.perf_counter() - t
+        t = time.perf_counter()
+        lease = fetch(str(path), fd, 5.0, 60.0, torch.device("cpu"))
+        out["fetch (hello, manifest, map)"] = time.perf_counter() - t
+        t = time.perf_counter()
+        crcs = sample_checksums(lease.segment.buf, lease.manifest.tensors)
+        assert all(crcs[k] == e.checksum for k, e in lease.manifest.tensors.items())
+        out["verify"] = time.perf_counter() - t
+        t = time.perf_counter()
+        mapped = views(lease.segment.buf, lease.manifest.tensors)
+        got = {k: (e.kind, mapped[k]) for k, e in lease.manifest.tensors.items()}
+        out["views"] = time.perf_counter() - t
+        model = Skeleton(list(ts), nbytes // 4)
+        t = time.perf_counter()
+        install(model, got, lease.manifest.aliases, lease.manifest.reprocess, lease.manifest.attrs,
+                lease.manifest.object_attrs)
+        out["install"] = time.perf_counter() - t
+        some = next(iter(ts))
+        assert torch.equal(model.get_parameter(some), ts[some])
+        lease.close()
+    finally:
+        srv.close()
+        th.join(5)
+        os.close(lock)
+        for f in d.iterdir():
+            f.unlink()
+        d.rmdir()
+    out["engine total"] = sum(v for k, v in out.items() if k not in ("pack", "manifest frame"))
+    out["frame MB"] = len(frame) / 1e6
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sizes", default="1000,20000,100000")
+    ap.add_argument("--bytes-per-tensor", type=int, default=256)
+    ap.add_argument("--repeat", type=int, default=3, help="runs per size; each phase's best is printed")
+    ap.add_argument("--out", type=Path)
+    a = ap.parse_args()
+    run(100, a.bytes_per_tensor)  # warm-up: imports (vLLM's, through install) and first-call costs off the table
+    rows = {}
+    for n in map(int, a.sizes.split(",")):
+        runs = [run(n, a.bytes_per_tensor) for _ in range(a.repeat)]
+        rows[n] = {k: min(r[k] for r in runs) for k in runs[0]}
+    phases = [k for k in next(iter(rows.values())) if k != "frame MB"]
+    lines = ["| phase | " + " | ".join(f"{n} tensors: s (us/tensor)" for n in rows) + " |",
+             "|---|" + "---|" * len(rows)]
+    for ph in phases:
+        lines.append(f"| {ph} | " + " | ".join(f"{r[ph]:.3f} ({r[ph] / n * 1e6:.1f})" for n, r in rows.items()) + " |")
+    lines.append("| manifest frame MB | " + " | ".join(f"{r['frame MB']:.1f}" for r in rows.values()) + " |")
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if a.out:
+        a.out.write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

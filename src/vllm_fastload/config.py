@@ -93,6 +93,8 @@ class _LoaderConfig(BaseModel):
     def _report_path(cls, v: Any) -> Any:
         from .report import report_path_problem
 
+        if v == "":
+            raise ValueError("an empty string names no file; omit report_path for no report")
         problem = None if v is None else report_path_problem(v)
         if problem:
             raise ValueError(problem)
@@ -316,6 +318,13 @@ class IpcCacheConfig(_LoaderConfig):
     connect_timeout_s: float = Field(5.0, gt=0, le=86400, description="Seconds to wait for the daemon's socket to accept.")
     state_timeout_s: float = Field(300.0, gt=0, le=86400, description="Seconds to wait for the daemon's manifest.")
     is_draft: bool = Field(False, description="Set by vLLM for a speculative-decoding draft model.")
+
+    @field_validator("socket_dir", "socket_path")
+    @classmethod
+    def _not_empty(cls, v: Any) -> Any:
+        if v == "":  # it would silently mean "the default", which is not what was written
+            raise ValueError("an empty string names no path; omit the key for the default")
+        return v
 
     @field_validator("connect_timeout_s", "state_timeout_s", mode="before")
     @classmethod

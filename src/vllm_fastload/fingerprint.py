@@ -2,7 +2,7 @@
 
 A :class:`Fingerprint` covers the checkpoint (sorted shard names, sizes, a SHA-256 of each safetensors header and
 each shard's identity: local files' mtime_ns, device and inode; objects' ETag and version id), the model
-architecture, dtype, quantization, RoPE settings, revision, KV-cache dtype, the parallel
+architecture, the bytes of its ``config.json``, dtype, quantization, RoPE settings, revision, KV-cache dtype, the parallel
 layout (TP/PP/DP size and rank) and the vLLM and plugin versions. Two loads with equal fingerprints produce the
 same weights; :meth:`Fingerprint.mismatched_fields` says why two differ. This module imports neither vLLM nor
 torch; :func:`from_vllm` reads the vLLM objects it is given.
@@ -67,6 +67,10 @@ class Fingerprint:
     dp_rank: int
     vllm_version: str
     plugin_version: str = __version__
+    #: SHA-256 of the model folder's config.json bytes (None for object storage or without one): the skeleton an
+    #: engine builds follows it (tied embeddings, head counts, layer count), so a change after the daemon loaded
+    #: must not map the daemon's tensors into another model
+    config_sha256: Optional[str] = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "shards", tuple(sorted(self.shards, key=lambda s: s.name)))
@@ -197,5 +201,18 @@ def from_vllm(model_config: Any, headers: Iterable[SafetensorsHeader], vllm_conf
         revision=getattr(model_config, "revision", None),
         kv_cache_dtype=str(getattr(cache, "cache_dtype", None)) if cache is not None else None,
         vllm_version=str(vllm.__version__),
+        config_sha256=config_sha256(str(model_config.model)),
         **_parallel(),
     )
+
+
+def config_sha256(model: str) -> Optional[str]:
+    """SHA-256 (hex) of ``model``'s ``config.json`` when ``model`` is a local folder holding one, else None."""
+    import os
+
+    path = os.path.join(model, "config.json")
+    try:
+        with open(path, "rb") as f:
+            return hashlib.sha256(f.read()).hexdigest()
+    except OSError:  # object storage, a hub id, no config.json: vLLM's config check is all there is
+        return None

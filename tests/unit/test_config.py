@@ -148,3 +148,11 @@ def test_an_absurd_concurrency_is_refused_naming_the_key():
     """10**20 passed validation and failed inside libstreamer with "Invalid request parameters"."""
     with pytest.raises(ConfigError, match=r"key 'concurrency'.*from 1 to 4096"):
         StreamerConfig.from_extra({"concurrency": 10**20})
+
+
+@pytest.mark.parametrize("cls,key", [(StreamerConfig, "report_path"), (IpcCacheConfig, "report_path"),
+                                     (IpcCacheConfig, "socket_dir"), (IpcCacheConfig, "socket_path")])
+def test_an_empty_path_is_refused_not_silently_ignored(cls, key):
+    """``""`` was accepted and meant "no report" / "the default socket dir" (adversarial pass, 2026-12-02)."""
+    with pytest.raises(ConfigError, match=rf"key '{key}'.*an empty string names no"):
+        cls.from_extra({key: ""})

@@ -95,3 +95,18 @@ def test_every_field_participates():
         v = getattr(a, f.name)
         other = dataclasses.replace(a, **{f.name: (v + 1) if isinstance(v, int) else f"{v}x"})
         assert [m[0] for m in a.mismatched_fields(other)] == [f.name]
+
+
+def test_a_config_json_changed_after_the_daemon_loaded_is_a_mismatch(tmp_path):
+    """Adversarial pass 2026-12-02: ``tie_word_embeddings`` flipped in config.json between the daemon's start and
+    the engine's left the fingerprint equal, so the daemon's tensors were mapped into a skeleton built from another
+    config. The bytes of config.json are now part of the fingerprint; a folder without one (or object storage)
+    has None there."""
+    write_safetensors(tmp_path / "model.safetensors", {"w": torch.ones(4)})
+    assert _fingerprint(tmp_path).config_sha256 is None
+    (tmp_path / "config.json").write_text('{"tie_word_embeddings": false}')
+    before = _fingerprint(tmp_path)
+    (tmp_path / "config.json").write_text('{"tie_word_embeddings": true}')
+    after = _fingerprint(tmp_path)
+    [(field, mine, theirs)] = after.mismatched_fields(before)
+    assert field == "config_sha256" and mine != theirs and len(mine) == 64

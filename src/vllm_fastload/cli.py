@@ -138,11 +138,11 @@ def _status(args: argparse.Namespace) -> int:
     import os
 
     from .ipc.client import status_of
-    from .ipc.paths import SocketDir, socket_dir_spec
-
-    spec = socket_dir_spec(args.weight_cache_socket_dir)
     import stat
 
+    from .ipc.paths import SocketDir, file_kind, socket_dir_spec
+
+    spec = socket_dir_spec(args.weight_cache_socket_dir)
     try:
         with SocketDir.open(spec) as sd:
             names = sorted(n for n in os.listdir(sd.fd) if n.endswith(".sock"))
@@ -152,9 +152,7 @@ def _status(args: argparse.Namespace) -> int:
         names, odd = [], {}
     d = spec.path
     rows = [(str(d / name), None if name in odd else status_of(str(d / name))) for name in names]
-    states = {str(d / n): ("not a socket (a directory)" if stat.S_ISDIR(st.st_mode) else "not a socket (a symbolic "
-                           "link)" if stat.S_ISLNK(st.st_mode) else "not a socket (a regular file)" if
-                           stat.S_ISREG(st.st_mode) else "not a socket") for n, st in odd.items()}
+    states = {str(d / n): f"not a socket (a {file_kind(st.st_mode)})" for n, st in odd.items()}
     stale = "not answering (stale socket?)"
     if args.json:
         print(json.dumps([st.model_dump() if st else {"socket": sock, "state": states.get(sock, stale)}

@@ -107,13 +107,13 @@ def _diagnose(spec: SocketDirSpec, e: OSError) -> SocketDirError:
         blocker = next((a for a in reversed(d.parents) if os.path.lexists(a) and not os.path.isdir(a)), None)
         if lst is None and blocker is not None:  # the directory cannot exist: a file sits where a parent should be
             runtime = os.environ.get("XDG_RUNTIME_DIR")
-            what = (f"cannot exist: {blocker} is a {_kind(os.lstat(blocker).st_mode)}, not a directory")
+            what = (f"cannot exist: {blocker} is a {file_kind(os.lstat(blocker).st_mode)}, not a directory")
             if runtime and "XDG_RUNTIME_DIR=" in spec.origin and Path(runtime) == blocker:
                 return spec.fail(what, f"point XDG_RUNTIME_DIR at this user's runtime directory (a directory, "
                                        f"e.g. /run/user/{os.getuid()}), unset it, or pass a directory you own "
                                        f"({spec.override} DIR)")
             return spec.fail(what, f"remove {blocker} or choose another directory ({spec.override} DIR)")
-        what = "is not a directory" if lst is None else f"is a {_kind(lst.st_mode)}, not a directory"
+        what = "is not a directory" if lst is None else f"is a {file_kind(lst.st_mode)}, not a directory"
         return spec.fail(what, f"remove it or choose another directory ({spec.override} DIR)")
     if e.errno == errno.EROFS:
         return spec.fail("is on a read-only file system (the daemon creates its sockets there)",
@@ -121,9 +121,11 @@ def _diagnose(spec: SocketDirSpec, e: OSError) -> SocketDirError:
     return spec.fail(f"cannot be used ({type(e).__name__}: {e.strerror or e})")
 
 
-def _kind(mode: int) -> str:
+def file_kind(mode: int) -> str:
+    """What an ``lstat`` mode names, without an article: "regular file", "directory", "symbolic link", ..."""
     for test, name in ((stat.S_ISREG, "regular file"), (stat.S_ISSOCK, "socket"), (stat.S_ISFIFO, "FIFO"),
-                       (stat.S_ISCHR, "character device"), (stat.S_ISBLK, "block device")):
+                       (stat.S_ISCHR, "character device"), (stat.S_ISBLK, "block device"),
+                       (stat.S_ISDIR, "directory"), (stat.S_ISLNK, "symbolic link")):
         if test(mode):
             return name
     return "special file"

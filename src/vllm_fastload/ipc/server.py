@@ -18,7 +18,7 @@ from typing import Any, Optional
 from ..errors import FastloadError
 from ..log import logger
 from . import messages, protocol
-from .paths import SocketDir, SocketDirSpec
+from .paths import SocketDir, SocketDirSpec, file_kind
 from .transport import Segment
 
 
@@ -429,11 +429,6 @@ def check_lock_free(path: Path, sdir: SocketDir) -> None:
         os.close(fd)
 
 
-def _kind(mode: int) -> str:
-    return ("a directory" if stat.S_ISDIR(mode) else "a symbolic link" if stat.S_ISLNK(mode)
-            else "a regular file" if stat.S_ISREG(mode) else "not a socket")
-
-
 def acquire(path: Path, sdir: Optional[SocketDir] = None) -> int:
     """Take the per-device lock ``<socket>.lock`` (held for the daemon's life) and clear a stale socket, both
     through the socket directory ``sdir`` (default: ``path``'s directory, opened and checked here).
@@ -456,8 +451,8 @@ def acquire(path: Path, sdir: Optional[SocketDir] = None) -> int:
         if st is not None and not stat.S_ISSOCK(st.st_mode):
             # only a socket is ours to replace: a file, folder or link there is someone's, or a mistake to look at
             os.close(fd)
-            raise FastloadError(f"{path} is not a socket ({_kind(st.st_mode)}); the daemon will not remove it: move "
-                                f"it away, or start the daemon with another --weight-cache-socket-dir")
+            raise FastloadError(f"{path} is not a socket (a {file_kind(st.st_mode)}); the daemon will not remove it: "
+                                f"move it away, or start the daemon with another --weight-cache-socket-dir")
         if st is not None:
             probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             probe.settimeout(2)

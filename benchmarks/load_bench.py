@@ -34,6 +34,10 @@ LOADERS = {
     "runai_fastload_ring": ("runai_streamer", {}),
     # ours with `content_hash: true`: every tensor's bytes hashed (BLAKE3) while loading
     "runai_fastload_hashed": ("runai_streamer", {}),
+    # ours with runai reading the page cache (`fs_strategy: sync_buffered`) instead of our pread reader, with the
+    # default slots and with the slots of before the pread reader (32 MiB)
+    "runai_fastload_runai": ("runai_streamer", {}),
+    "runai_fastload_runai32": ("runai_streamer", {}),
     # ipc_cache needs a `vllm-fastload preload` daemon for the same model/TP; started by main() when asked for.
     # ipc_copy releases the daemon's memory, so it must come last.
     "ipc_zero_copy": ("ipc_cache", {}),
@@ -109,6 +113,10 @@ def run_one(name: str, model: str, tp: int, gmu: float, report: Path, extra: dic
         ex["pinned_reader"] = False
     if name == "runai_fastload_hashed":
         ex["content_hash"] = True
+    if name.startswith("runai_fastload_runai"):
+        ex["fs_strategy"] = "sync_buffered"
+    if name == "runai_fastload_runai32":
+        ex["pinned_slot_bytes"] = 32 * 2**20
     if name.startswith("ipc_"):
         ex = {"socket_dir": SOCKET_DIR[0], "mode": name[4:], "report_path": str(report), "fallback": False}
     args = {"model": model, "load_format": fmt, "tp": tp, "gmu": gmu, "extra": ex}
@@ -316,8 +324,11 @@ def run_loader(name: str, a: argparse.Namespace, results: dict) -> None:
     key = "model_loading_s" if runs[0].get("model_loading_s") is not None else "llm_init_s"
     runs.sort(key=lambda r: r[key] or 0)
     best = runs[len(runs) // 2]
+    weights = [r.get("fastload_weights_s") or r.get("default_weights_s") for r in runs]
+    best["weights_s_runs"] = weights  # every run's weights phase, in the order of their "Model loading took"
     results["loaders"].append(best)
-    print(f"[bench] {name}: {best.get('model_loading_s')} s model loading; {best['log_tail'][-400:]}", flush=True)
+    print(f"[bench] {name}: {best.get('model_loading_s')} s model loading; weights phase of each run {weights}; "
+          f"{best['log_tail'][-400:]}", flush=True)
 
 
 if __name__ == "__main__":

@@ -170,7 +170,8 @@ class StreamerConfig(_LoaderConfig):
         "chunk_bytesize": "bytes as an integer > 0 or a string like '8MiB'",
         "distributed": "\"auto\" (the default), true or false (JSON bool)",
         "distributed_timeout_s": "seconds (a number from 0.1 to 86400) a rank of a fan-out waits for the others",
-        "fs_strategy": "one of auto, runai, io_uring_direct, io_uring_buffered, libaio_direct, sync_buffered",
+        "fs_strategy": "one of auto, runai, pread_buffered, io_uring_direct, io_uring_buffered, libaio_direct, "
+                       "sync_buffered",
         "pinned_slot_bytes": "bytes as an integer >= 4096 or a string like '64MiB'",
         "pinned_slots": "an integer from 2 to 64",
         "pinned_reader": "true or false (JSON bool)",
@@ -180,7 +181,8 @@ class StreamerConfig(_LoaderConfig):
     }
 
     concurrency: Optional[int] = Field(
-        None, gt=0, le=4096, description="Reader threads of the runai-model-streamer pool (RUNAI_STREAMER_CONCURRENCY)."
+        None, gt=0, le=4096, description="Reader threads: of the runai-model-streamer pool (RUNAI_STREAMER_CONCURRENCY) "
+        "or of the pread_buffered reader."
     )
     memory_limit: Optional[Union[int, str]] = Field(
         None,
@@ -202,15 +204,18 @@ class StreamerConfig(_LoaderConfig):
         300.0, ge=0.1, le=86400.0, description="Fan-out: seconds a rank waits for the others' next tensor before it fails the "
         "load (a rank that stopped answering).",
     )
-    fs_strategy: Literal["auto", "runai", "io_uring_direct", "io_uring_buffered", "libaio_direct", "sync_buffered"] = Field(
+    fs_strategy: Literal["auto", "runai", "pread_buffered", "io_uring_direct", "io_uring_buffered", "libaio_direct",
+                         "sync_buffered"] = Field(
         "auto",
-        description="How runai reads local files (RUNAI_STREAMER_FS_STRATEGY). auto: when >= 90% of the shards are in the "
-        "page cache (a restart), sync_buffered reads with one reader per CPU (up to 32), split among this host's ranks, "
-        "unless concurrency is set; "
-        "otherwise runai's O_DIRECT default. runai: always runai's default.",
+        description="How local files are read. auto: when >= 90% of the shards are in the page cache (a restart), "
+        "pread_buffered on the direct GPU path, else runai's sync_buffered with one reader per CPU (up to 32), split "
+        "among this host's ranks, unless concurrency is set; otherwise runai's O_DIRECT default. pread_buffered: this "
+        "package's reader (os.preadv threads, 3/4 of the CPUs split among this host's ranks unless concurrency is "
+        "set, into pinned_slots slots of pinned_slot_bytes; local files, direct GPU path only). runai: always "
+        "runai's default. The other values are runai's strategies (RUNAI_STREAMER_FS_STRATEGY).",
     )
     pinned_slot_bytes: Union[int, str] = Field(
-        32 * 2**20, description="GPU only: bytes per pinned host slot (tensors larger are read and copied in pieces "
+        8 * 2**20, description="GPU only: bytes per pinned host slot (tensors larger are read and copied in pieces "
         "of this size)."
     )
     pinned_reader: bool = Field(

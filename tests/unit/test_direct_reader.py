@@ -60,6 +60,8 @@ def fake_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: consumer)
     monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    consumer.current = []  # every stream the path made current, in order
+    monkeypatch.setattr(torch.cuda, "set_stream", consumer.current.append)
     extra = []
     monkeypatch.setattr(direct, "pinned_empty", lambda n: extra.append(n) or torch.empty(n, dtype=torch.uint8))
     return consumer, extra

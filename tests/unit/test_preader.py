@@ -139,10 +139,64 @@ def test_unpinned_pread_path_reads_a_share(tmp_path):
     assert_zoo_bit_exact(got, {n: expected[n] for n in names})
 
 
+@pytest.mark.parametrize("threads", [None, 3], ids=["runai", "pread"])
+def test_the_consumer_gets_each_tensor_on_its_own_stream(tmp_path, fake_cuda, threads):  # noqa: F811
+    """Copies are issued with the copy stream current; whenever a tensor is handed out (and after the stream
+    ends or is closed) the consumer's stream is current again. One H2D copy in H2D_SAMPLE is timed."""
+    consumer, _ = fake_cuda
+    write_zoo(tmp_path / "model.safetensors")
+    headers = [read_header(str(tmp_path / "model.safetensors"))]
+    times = StageTimes()
+    arena = lambda: torch.empty(direct.arena_bytes(4096, 2), dtype=torch.uint8)  # noqa: E731
+    for _ in direct.stream_to_device(headers, torch.device("cpu"), 4096, 2, times, arena(), threads=threads):
+        assert consumer.current == [] or consumer.current[-1] is consumer  # empty tensors come before any copy
+    (copy_stream,) = consumer.copy_streams
+    assert consumer.current[0] is copy_stream and consumer.current[-1] is consumer
+    switches = consumer.current.count(copy_stream)
+    assert switches == times.tensors - sum(1 for t in headers[0].tensors.values() if not t.nbytes) + 1
+    pieces = sum(-(-t.nbytes // 4096) for t in headers[0].tensors.values())
+    assert times.h2d_s == 0.0  # the stand-in events measure nothing; the sample's size is checked below
+    assert times._copied_bytes == 0 and times.bytes == sum(t.nbytes for t in headers[0].tensors.values())
+    assert pieces > direct.H2D_SAMPLE
+    g = direct.stream_to_device(headers, torch.device("cpu"), 4096, 2, StageTimes(), arena(), threads=threads)
+    for _ in range(3):  # past the empty tensors, into the copies
+        next(g)
+    assert consumer.copy_streams[-1] in consumer.current
+    g.close()
+    assert consumer.current[-1] is consumer
+
+
+def test_sampled_h2d_time_is_scaled_to_every_copied_byte(monkeypatch):
+    """settle_h2d: the timed copies' GPU seconds times copied bytes / timed bytes."""
+    import contextlib
+
+    class Ev:
+        def __init__(self, enable_timing=False):
+            self.t = None
+
+        def record(self, stream=None):
+            self.t = clock.pop(0)
+
+        def elapsed_time(self, other):
+            return (other.t - self.t) * 1e3
+
+    clock = [0.0, 0.5, 1.0, 2.0, 3.0]  # timed copy: 0.5 s; untimed end events take the rest
+    monkeypatch.setattr(torch.cuda, "Event", Ev)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    t = StageTimes().measures("h2d_s")
+    a, b = torch.empty(100, dtype=torch.uint8), torch.empty(100, dtype=torch.uint8)
+    t.h2d_copy(a, b, None, timed=True)
+    t.h2d_copy(a, b, None, timed=False)
+    t.h2d_copy(a, b, "s", timed=False)
+    t.settle_h2d()
+    assert t.h2d_s == pytest.approx(1.5)  # 0.5 s for 100 timed bytes, 300 bytes copied
+
+
 def test_a_consumer_that_stops_midway_leaves_no_thread(tmp_path, fake_cuda):  # noqa: F811
     write_zoo(tmp_path / "model.safetensors")
     headers = [read_header(str(tmp_path / "model.safetensors"))]
-    g = direct.stream_to_device(headers, torch.device("cpu"), 4096, 2, StageTimes(), threads=4)
+    arena = torch.empty(direct.arena_bytes(4096, 2), dtype=torch.uint8)
+    g = direct.stream_to_device(headers, torch.device("cpu"), 4096, 2, StageTimes(), arena, threads=4)
     next(g)
     g.close()
     assert _reader_threads() == []

@@ -33,7 +33,8 @@ class StageTimes:
     Always measured: ``read_wait_s``, seconds waiting for the reader; ``bytes``, bytes delivered (to the device on
     a GPU); ``tensors``, tensors delivered. Stages, None where the path has none (:meth:`measures` declares them):
     ``slot_wait_s``, seconds waiting for a pinned slot's previous H2D copy (PCIe bound when large); ``h2d_s``, GPU
-    seconds of the H2D copies (CUDA events, summed by :meth:`settle_h2d`); ``memcpy_s``, seconds of host copies
+    seconds of the H2D copies (CUDA events, summed by :meth:`settle_h2d`, estimated from a sample where the path
+    times only every few copies); ``memcpy_s``, seconds of host copies
     into pinned slots; ``consumer_wait_s``, seconds the consumer waited for a producer thread.
     """
 
@@ -45,6 +46,8 @@ class StageTimes:
     memcpy_s: Optional[float] = None
     consumer_wait_s: Optional[float] = None
     _events: list = field(default_factory=list, repr=False)
+    _copied_bytes: int = field(default=0, repr=False)
+    _timed_bytes: int = field(default=0, repr=False)
 
     def measures(self, *stages: str) -> "StageTimes":
         """Declare ``stages`` (field names) as stages of this load: from None to 0.0 (a value already counted
@@ -63,26 +66,35 @@ class StageTimes:
         finally:
             setattr(self, stage, getattr(self, stage) + time.perf_counter() - t)
 
-    def h2d_copy(self, dst: Any, src: Any, stream: Any) -> Any:
+    def h2d_copy(self, dst: Any, src: Any, stream: Any, timed: bool = True) -> Any:
         """Issue ``dst.copy_(src, non_blocking=True)`` (torch tensors of equal size, ``src`` in pinned host
-        memory) on CUDA ``stream`` between two timing events. Returns the event after the copy; its GPU seconds
-        join ``h2d_s`` at :meth:`settle_h2d`."""
+        memory) on CUDA ``stream`` (None: the current stream, already the copy stream) and return an event recorded
+        after it. ``timed``: between two timing events whose GPU seconds join ``h2d_s`` at :meth:`settle_h2d`;
+        an untimed copy only counts its bytes, and :meth:`settle_h2d` scales the timed copies' seconds up to every
+        copied byte (a path that issues thousands of copies times a sample: every event is a driver call)."""
         import torch
 
-        with torch.cuda.stream(stream):
-            start = torch.cuda.Event(enable_timing=True)
-            end = torch.cuda.Event(enable_timing=True)
-            start.record()
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            if timed:
+                start = torch.cuda.Event(enable_timing=True)
+                start.record()
             dst.copy_(src, non_blocking=True)
+            end = torch.cuda.Event(enable_timing=timed)
             end.record()
-        self._events.append((start, end))
+        n = dst.numel() * dst.element_size()
+        self._copied_bytes += n
+        if timed:
+            self._events.append((start, end))
+            self._timed_bytes += n
         return end
 
     def settle_h2d(self) -> None:
-        """Sum the GPU seconds of the copies :meth:`h2d_copy` issued into ``h2d_s`` (their streams must have
-        finished them) and forget their events."""
-        self.h2d_s = sum(s.elapsed_time(e) for s, e in self._events) / 1e3
+        """Sum the GPU seconds of the timed copies :meth:`h2d_copy` issued into ``h2d_s``, scaled by copied bytes
+        over timed bytes (their streams must have finished them), and forget their events."""
+        timed = sum(s.elapsed_time(e) for s, e in self._events) / 1e3
+        self.h2d_s = timed * self._copied_bytes / self._timed_bytes if self._timed_bytes else timed
         self._events.clear()
+        self._copied_bytes = self._timed_bytes = 0
 
     def feed(self, report: Any) -> None:
         """Give these figures to ``report`` (a :class:`~vllm_fastload.report.LoadReport`): a figure named like a

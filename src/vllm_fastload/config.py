@@ -219,13 +219,14 @@ class StreamerConfig(_LoaderConfig):
         "of this size)."
     )
     pinned_reader: bool = Field(
-        True, description="GPU only: runai reads tensor pieces straight into pinned slots and the GPU copies them "
+        True, description="GPU only: tensor pieces are read (by our reader or runai's, see fs_strategy) straight into "
+        "pinned slots and the GPU copies them "
         "out (no host memcpy); false: runai reads into pageable memory and each tensor is copied through a "
         "pinned ring."
     )
     pipeline_thread: bool = Field(
         False, description="GPU only, experimental: read, memcpy and copy issue in a producer thread, overlapped with "
-        "weight_loader calls; off by default because its memcpy competes with runai's reader threads for the CPUs."
+        "weight_loader calls; off by default because its memcpy competes with the reader threads for the CPUs."
     )
     pinned_slots: int = Field(16, ge=2, le=64, description="GPU only: pinned slots (the read ring's depth, >= 2).")
     copy_threads: int = Field(8, gt=0, le=128, description="GPU only: threads copying host slots into pinned memory.")

@@ -200,3 +200,52 @@ def test_a_consumer_that_stops_midway_leaves_no_thread(tmp_path, fake_cuda):  # 
     next(g)
     g.close()
     assert _reader_threads() == []
+
+
+# --- which reader a load gets (streaming/runai_env.fs_strategy_env) ---------------------------------------------
+class _Report:
+    def __init__(self):
+        self.extra = {}
+
+
+def _strategy(monkeypatch, extra, frac=1.0, direct=True, files=("/m/model.safetensors",)):
+    from vllm_fastload.config import StreamerConfig
+    from vllm_fastload.streaming import runai_env
+
+    monkeypatch.delenv("RUNAI_STREAMER_FS_STRATEGY", raising=False)
+    monkeypatch.delenv("RUNAI_STREAMER_CONCURRENCY", raising=False)
+    monkeypatch.setattr(runai_env, "page_cache_fraction", lambda files: frac)
+    monkeypatch.setattr(runai_env.os, "cpu_count", lambda: 16)
+    monkeypatch.setattr(preader.os, "cpu_count", lambda: 16)
+    r = _Report()
+    env, threads = runai_env.fs_strategy_env(StreamerConfig(**extra), list(files), r, direct)
+    return env, threads, r.extra
+
+
+def test_auto_on_a_warm_cache_reads_with_ours_on_the_direct_path_and_with_runai_elsewhere(monkeypatch):
+    env, threads, extra = _strategy(monkeypatch, {})
+    assert (env, threads) == ({}, 12) and extra["fs_strategy"] == "pread_buffered" and extra["concurrency"] == 12
+    env, threads, extra = _strategy(monkeypatch, {}, direct=False)  # CPU, or pinned_reader false
+    assert threads is None and env == {"RUNAI_STREAMER_FS_STRATEGY": "sync_buffered",
+                                       "RUNAI_STREAMER_CONCURRENCY": "16"}
+    env, threads, extra = _strategy(monkeypatch, {}, frac=0.5)  # cold: runai's O_DIRECT default
+    assert (env, threads) == ({}, None) and extra["fs_strategy"] == "runai default"
+    _, threads, extra = _strategy(monkeypatch, {"concurrency": 5})
+    assert threads == 5 and extra["concurrency"] == 5
+
+
+def test_explicit_pread_outside_the_direct_path_says_so_and_reads_buffered(monkeypatch, caplog):
+    with caplog.at_level("INFO", logger="vllm.fastload"):
+        env, threads, _ = _strategy(monkeypatch, {"fs_strategy": "pread_buffered"}, frac=0.0, direct=False)
+    assert threads is None and env == {"RUNAI_STREAMER_FS_STRATEGY": "sync_buffered"}
+    assert "fs_strategy pread_buffered reads on the direct GPU path only" in caplog.text
+    env, threads, _ = _strategy(monkeypatch, {"fs_strategy": "pread_buffered"}, frac=0.0)  # cold but asked for
+    assert (env, threads) == ({}, 12)
+
+
+def test_explicit_pread_on_object_storage_is_refused_naming_the_key(monkeypatch):
+    from vllm_fastload.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="fs_strategy 'pread_buffered' reads local files, but s3://b/m/x.safetensors "
+                                          "is in object storage: use 'auto'"):
+        _strategy(monkeypatch, {"fs_strategy": "pread_buffered"}, files=("s3://b/m/x.safetensors",))

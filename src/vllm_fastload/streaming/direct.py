@@ -1,17 +1,20 @@
-"""GPU path without a host memcpy: runai reads tensor pieces straight into pinned memory, the GPU copies them out.
+"""GPU path without a host memcpy: tensor pieces are read straight into pinned memory, the GPU copies them out.
 
 Data flow (:func:`stream_to_device`)::
 
-    runai-model-streamer FileStreamer (its C++ reader threads) --read--> pinned slot (carved from one pinned
-    arena) --copy_(non_blocking) on a side stream--> tensor's device buffer [offset : offset + n]
+    reader threads: this package's (:mod:`.preader`, a warm page cache) or runai-model-streamer's FileStreamer
+    (object storage, O_DIRECT) --read--> pinned slot (carved from one pinned arena) --copy_(non_blocking) on a
+    side stream--> tensor's device buffer [offset : offset + n]
     -> after the tensor's last piece: an event the consuming stream waits on -> yield (name, device tensor)
 
 * **Pieces.** runai places each requested range in one ring buffer, so with whole tensors every buffer must hold
-  the largest tensor (1.05 GB for Llama-3-8B's embedding) and a ring deep enough to keep the readers busy needs
+  the largest tensor (an embedding matrix is often over a GB) and a ring deep enough to keep the readers busy needs
   several GB of page-locked memory. Each tensor is therefore requested as ranges of at most ``pinned_slot_bytes``;
-  the pieces are assembled in the tensor's own device buffer. runai answers ranges in
+  the pieces are assembled in the tensor's own device buffer. Both readers answer ranges in
   completion order, so pieces and tensors arrive in any order; a tensor is yielded when its last piece was issued.
-* **Slot reuse.** The ring is streamed with ``owned=True``: runai's ``SlotPool`` then drops a released slot and
+* **Slot reuse** (our reader): the consumer gives a slot back with the event recorded after the copy out of it;
+  a reader thread waits for that event before it reads into the slot again.
+* **Slot reuse** (runai). The ring is streamed with ``owned=True``: runai's ``SlotPool`` then drops a released slot and
   asks its allocator for a fresh one ("memory already handed out is never written to again",
   runai_model_streamer/file_streamer/slot_pool.py, 0.17). A slot is released once the consumer resumed the
   stream past the last range of the slot's submission, i.e. after every copy out of the slot was *issued*; at that

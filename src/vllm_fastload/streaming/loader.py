@@ -22,9 +22,10 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
-from ..checkpoint import ShardPlan, model_shards, read_checkpoint, shard_changed, weights_source
+from ..checkpoint import Checkpoint, ShardPlan, model_shards, read_checkpoint, shard_changed, weights_source
 from ..config import StreamerConfig
 from ..errors import CheckpointError, ConfigError
 from ..content import ContentPin
@@ -52,6 +53,28 @@ def _model_device(model: Any) -> Any:
     return p.device if p is not None else torch.device("cpu")
 
 
+@dataclass
+class _Load:
+    """What the steps of one ``load_weights`` / ``get_all_weights`` call share (nothing is kept on the loader
+    between its steps): the shards, their validated checkpoint, the report being filled, and the read settings
+    the strategy chose (``threads``: this package's page-cache reader, None = runai)."""
+
+    plan: ShardPlan
+    checkpoint: Checkpoint
+    report: LoadReport
+    threads: int | None = None
+
+    @property
+    def headers(self) -> list:
+        """The shards' headers, copies of duplicated names the index assigns elsewhere already left out."""
+        return list(self.checkpoint.headers)
+
+    @property
+    def skips_copies(self) -> bool:
+        """Whether some names are stored twice and the copies the index does not choose must not be read."""
+        return bool(self.checkpoint.duplicates)
+
+
 class RunaiStreamerLoader(BaseModelLoader):
     """Loads safetensors from local paths or ``s3://``/``gs://``/``az://`` with runai-model-streamer.
 
@@ -63,6 +86,10 @@ class RunaiStreamerLoader(BaseModelLoader):
         self.config = StreamerConfig.from_extra(load_config.model_loader_extra_config)
         #: the report of the last finished ``load_weights`` (what loaded it: ``format_used``), None before
         self.last_report: LoadReport | None = None
+        # phase seconds of the current load_model for its log line (vLLM calls create_model and load_weights)
+        self._create_s: float | None = None
+        self._weights_s: float | None = None
+        self._arena_future: Any = None  # the read arena being page-locked while vLLM builds the model
         super().__init__(load_config)
 
     # -- BaseModelLoader API --------------------------------------------------------------------------
@@ -109,7 +136,7 @@ class RunaiStreamerLoader(BaseModelLoader):
 
     def _drop_arena(self) -> None:
         """Discard the arena :meth:`_start_pinning` started, if any, and give its pinned memory back."""
-        future, self._arena_future = getattr(self, "_arena_future", None), None
+        future, self._arena_future = self._arena_future, None
         if future is not None:
             from .direct import release_pinned_cache
 
@@ -128,12 +155,12 @@ class RunaiStreamerLoader(BaseModelLoader):
         t0 = time.perf_counter()
         report = LoadReport(load_format=LOAD_FORMAT, source=weights_source(model_config))
         pin = self._content_pin(model_config, report)
-        loader, reason = self._fallback_for(model_config, pin)
+        loader, reason, plan = self._fallback_for(model_config, pin)
         if loader is not None:
             loader.load_weights(model, model_config)
             self._fell_back(report, loader, reason, t0)
             return
-        tensors = self._tensors(model, model_config, report, t0)  # validates the checkpoint before the model
+        tensors, _ = self._tensors(plan, model, model_config, report, t0)  # validates the checkpoint before the model
         loaded = model.load_weights(pin.stream(tensors) if pin else tensors)
         self._finish(report, t0)
         t_check = time.perf_counter()
@@ -160,27 +187,27 @@ class RunaiStreamerLoader(BaseModelLoader):
         t0 = time.perf_counter()
         report = LoadReport(load_format=LOAD_FORMAT, source=weights_source(model_config))
         pin = self._content_pin(model_config, report)
-        loader, reason = self._fallback_for(model_config, pin)
+        loader, reason, plan = self._fallback_for(model_config, pin)
         if loader is not None:
             yield from loader.get_all_weights(model_config, model)
             self._fell_back(report, loader, reason, t0)
             return
-        tensors = self._tensors(model, model_config, report, t0, device)
+        tensors, checkpoint = self._tensors(plan, model, model_config, report, t0, device)
         if pin is not None:
-            pin.precheck(self._checkpoint)
+            pin.precheck(checkpoint)
         yield from pin.stream(tensors) if pin else tensors
         self._finish(report, t0)
         report.emit(self.config.report_path)
 
-    def _fallback_for(self, model_config: Any, pin: ContentPin | None) -> tuple[Any, str | None]:
-        """``(loader, reason)``: the loader the fallback policy picks when this checkpoint cannot be streamed
+    def _fallback_for(self, model_config: Any, pin: ContentPin | None) -> tuple[Any, str | None, ShardPlan | None]:
+        """``(loader, reason, None)``: the loader the fallback policy picks when this checkpoint cannot be streamed
         (:meth:`_why_not` says why; ``fall_back`` raises FallbackRefused where the policy forbids it; ``pin``
-        keeps hashing and checking on the fallback's stream), else ``(None, None)``."""
-        reason, possible = self._why_not(model_config)
+        keeps hashing and checking on the fallback's stream), else ``(None, None, the shards to stream)``."""
+        reason, possible, plan = self._why_not(model_config)
         if not reason:
-            return None, None
+            return None, None, plan
         return fall_back(LOAD_FORMAT, reason, self.config.fallback, self.load_config, possible=possible,
-                         pin=pin), reason
+                         pin=pin), reason, None
 
     def _content_pin(self, model_config: Any, report: LoadReport) -> ContentPin | None:
         """What ``content_hash`` / ``expected_content_digest`` ask of this load (None: no hashing). The digest lands
@@ -207,18 +234,18 @@ class RunaiStreamerLoader(BaseModelLoader):
         waited = report.extra.get("consumer_wait_s", report.read_wait_s)
         report.consume_s = max(report.wall_s - waited, 0.0)
 
-    def _tensors(self, model: Any, model_config: Any, report: LoadReport, t0: float,
-                 device: Any = None) -> Iterator[tuple[str, Any]]:
-        """``(name, tensor)`` of the checkpoint :meth:`_why_not` chose (``self._plan``) through the fan-out, GPU or
-        CPU path (``report`` filled in). Headers are validated, the fingerprint computed and the fan-out agreed on
-        here, before the iterator is returned: a bad checkpoint fails before the model is touched."""
-        plan, source = self._plan, weights_source(model_config)
-        ckpt = self._checkpoint = read_checkpoint(plan)
+    def _tensors(self, plan: ShardPlan, model: Any, model_config: Any, report: LoadReport, t0: float,
+                 device: Any = None) -> tuple[Iterator[tuple[str, Any]], Checkpoint]:
+        """``((name, tensor) iterator, checkpoint)``: the tensors of ``plan`` (the shards :meth:`_why_not` chose)
+        through the fan-out, GPU or CPU path (``report`` filled in), and the validated checkpoint. Headers are
+        validated, the fingerprint computed and the fan-out agreed on here, before the iterator is returned: a bad
+        checkpoint fails before the model is touched."""
+        source = weights_source(model_config)
+        ckpt = read_checkpoint(plan)
         for warning in ckpt.warnings():
             logger.warning("fastload: %s", warning)
-        # copies of duplicated names that the index assigns elsewhere are already left out of these headers
-        headers = list(ckpt.headers)
-        self._skips_copies = bool(ckpt.duplicates)
+        load = _Load(plan, ckpt, report)
+        headers = load.headers
         largest = max((h.largest for h in headers if h.largest), key=lambda t: t.nbytes, default=None)
         memory_limit = self.config.memory_limit
         device = _model_device(model) if device is None else device
@@ -231,12 +258,11 @@ class RunaiStreamerLoader(BaseModelLoader):
                 f"memory_limit >= {largest.nbytes}, 0 (= the largest tensor) or -1 (unlimited)."
             )
         self.config.warn_if_above_cgroup()
-        env, threads = runai_env.load_env(self.config, plan.files, report, direct=why_not_direct is None)
+        env, load.threads = runai_env.load_env(self.config, plan.files, report, direct=why_not_direct is None)
         fingerprint = from_vllm(model_config, headers)
         report.fingerprint, report.shards = fingerprint.short(), len(plan.files)
         if plan.ignored:
             logger.info("fastload: %s not in %s, not loaded: %s", LOAD_FORMAT, plan.index, ", ".join(plan.ignored))
-        self._total = ckpt.tensor_count
         report.extra["prepare_s"] = round(time.perf_counter() - t0, 4)  # shards, headers, fingerprint, strategy
         fan = self._fanout(device, why_not_direct, headers)
         from .devmem import outside_pools, uses_cumem_pool
@@ -249,36 +275,36 @@ class RunaiStreamerLoader(BaseModelLoader):
             with scoped_environ(env), outside_pools(in_sleep_pool):
                 try:
                     if fan is not None:
-                        yield from self._fanned_out_tensors(plan, headers, device, report, fan, threads)
+                        yield from self._fanned_out_tensors(load, device, fan)
                     elif device.type == "cuda":
-                        yield from self._gpu_tensors(plan, headers, device, report, why_not_direct, threads)
+                        yield from self._gpu_tensors(load, device, why_not_direct)
                     else:
-                        yield from self._cpu_tensors(plan, headers, report)
+                        yield from self._cpu_tensors(load)
                 finally:
                     if fan is not None:
                         fan.close()
 
-        return stream()
+        return stream(), ckpt
 
-    def _gpu_tensors(self, plan: ShardPlan, headers: list, device: Any, report: LoadReport,
-                     why_not_direct: str | None, threads: int | None) -> Iterator[tuple[str, Any]]:
+    def _gpu_tensors(self, load: _Load, device: Any, why_not_direct: str | None) -> Iterator[tuple[str, Any]]:
         """GPU path. ``why_not_direct`` is None (:meth:`_reads_into_pinned`): tensor pieces are read straight into a
         recycled pinned arena and the GPU copies them out (``streaming.direct``; read by this package's page-cache
-        reader with ``threads`` threads, or by runai when None); else runai reads into pageable memory and each
+        reader with ``load.threads`` threads, or by runai when None); else runai reads into pageable memory and each
         tensor is copied through a pinned ring (``streaming.pipeline``), logged with the reason when
         ``pinned_reader`` asked for the former. Both: async H2D on a side stream."""
         from .direct import release_pinned_cache, stream_to_device
         from .pipeline import H2DPipeline
         from .timing import StageTimes
 
-        cfg = self.config
+        cfg, report = self.config, load.report
         if why_not_direct is None:
             arena = self._take_arena(device, report)
             t, stats = StageTimes(), {}
-            it = stream_to_device(headers, device, cfg.pinned_slot_bytes, cfg.pinned_slots, t, arena, stats, threads)
+            it = stream_to_device(load.headers, device, cfg.pinned_slot_bytes, cfg.pinned_slots, t, arena, stats,
+                                  load.threads)
             arena = None  # the stream owns it now
             try:
-                yield from self._progress(self._storage_errors(plan, it))
+                yield from self._progress(self._storage_errors(load.plan, it), load)
             finally:
                 it.close()
                 release_pinned_cache()
@@ -292,7 +318,7 @@ class RunaiStreamerLoader(BaseModelLoader):
                           broken=why_not_direct.startswith(INTERNALS_CHANGED))
             with H2DPipeline(device, pinned_slot_bytes=cfg.pinned_slot_bytes, pinned_slots=cfg.pinned_slots,
                              copy_threads=cfg.copy_threads, pipeline_thread=cfg.pipeline_thread) as pipe:
-                yield from pipe.run(self._progress(self._stream(plan, headers, owned=False)))
+                yield from pipe.run(self._progress(self._stream(load, owned=False), load))
             t = pipe.times
             report.extra["pinned_ring_bytes"] = cfg.pinned_slot_bytes * cfg.pinned_slots
         report.extra["read_ring_pinned"] = why_not_direct is None
@@ -301,7 +327,7 @@ class RunaiStreamerLoader(BaseModelLoader):
     def _take_arena(self, device: Any, report: LoadReport) -> Any:
         """The pinned arena :meth:`_start_pinning` prepared for ``device`` (its seconds go to the report), or None
         (then the direct path allocates one itself)."""
-        future = getattr(self, "_arena_future", None)
+        future = self._arena_future
         if future is None or future.device != device.index:
             self._drop_arena()
             return None
@@ -323,27 +349,26 @@ class RunaiStreamerLoader(BaseModelLoader):
             step_down(f"{LOAD_FORMAT} reads the whole checkpoint on this rank (no fan-out)", why)
         return fan
 
-    def _fanned_out_tensors(self, plan: ShardPlan, headers: list, device: Any, report: LoadReport,
-                            fan: Any, threads: int | None) -> Iterator[tuple[str, Any]]:
+    def _fanned_out_tensors(self, load: _Load, device: Any, fan: Any) -> Iterator[tuple[str, Any]]:
         """This rank reads its share (``streaming.direct.stream_tensors``: pinned direct reads on a GPU, by this
-        package's reader with ``threads`` threads or by runai when None; runai's owned slots on CPU) and gets the
-        rest from the other ranks of its host (``streaming.fanout``)."""
+        package's reader with ``load.threads`` threads or by runai when None; runai's owned slots on CPU) and gets
+        the rest from the other ranks of its host (``streaming.fanout``)."""
         from .direct import release_pinned_cache, stream_tensors
         from .fanout import entries_of
         from .timing import StageTimes
 
-        cfg = self.config
+        cfg, report, headers = self.config, load.report, load.headers
         entries = entries_of(headers)
         owner = fan.owners(entries)
         only = {e.key for e, o in zip(entries, owner) if o == fan.me}
         arena = self._take_arena(device, report) if device.type == "cuda" else None
         t, stats = StageTimes(), {}
         local = stream_tensors(headers, device, cfg.pinned_slot_bytes, cfg.pinned_slots, t, arena, stats, only=only,
-                               threads=threads)
+                               threads=load.threads)
         arena = None  # the stream owns it now
-        it = fan.run(entries, owner, self._storage_errors(plan, local), device)
+        it = fan.run(entries, owner, self._storage_errors(load.plan, local), device)
         try:
-            yield from self._progress(it)
+            yield from self._progress(it, load)
         finally:
             it.close()
             release_pinned_cache()
@@ -369,14 +394,14 @@ class RunaiStreamerLoader(BaseModelLoader):
         return unsupported(headers)
 
     # -- helpers ----------------------------------------------------------------------------------------
-    def _why_not(self, model_config: Any) -> tuple[str | None, bool]:
-        """``(reason, fallback_possible)`` when this loader cannot serve the model's weights; ``(None, True)``
-        otherwise. Stores the chosen shards in ``self._plan``."""
+    def _why_not(self, model_config: Any) -> tuple[str | None, bool, ShardPlan | None]:
+        """``(reason, fallback_possible, None)`` when this loader cannot serve the model's weights; ``(None, True,
+        the chosen shards)`` otherwise."""
         source = weights_source(model_config)
         remote = is_object_uri(source)
         reason = missing_backend(source)
         if reason:
-            return reason, False
+            return reason, False, None
         if not remote and source.startswith(("/", "./", "../")) and not os.path.exists(source):
             # a local path that is not there (e.g. a reload_weights weights_path typo): vLLM's default loader would
             # take it for a hub repository id and try to download it
@@ -386,20 +411,21 @@ class RunaiStreamerLoader(BaseModelLoader):
         if not plan.files:
             found = [] if remote else sorted(os.listdir(source))[:8] if os.path.isdir(source) else []
             what = f"; it holds {', '.join(found)}" if found else ""
-            return f"no *.safetensors files in {source}{what}", not remote
-        self._plan = plan
-        return None, True
+            return f"no *.safetensors files in {source}{what}", not remote, None
+        return None, True, plan
 
-    def _stream(self, plan: ShardPlan, headers: list, owned: bool = True) -> Iterator[tuple[str, Any]]:
-        """``(name, host tensor)`` of every tensor of ``headers``. ``owned=False`` yields views into runai's reused
-        ring: only for a consumer that copies each tensor before asking for the next (the pinned pipeline does).
-        runai's ``SafetensorsStreamer`` reads whole files, so when copies of duplicated names are left out
-        (``_skips_copies``) the tensors are read by range instead (``streaming.direct.stream_tensors`` into owned
-        CPU tensors, in pieces of ``pinned_slot_bytes``, at most ``pinned_slots`` of them in flight)."""
+    def _stream(self, load: _Load, owned: bool = True) -> Iterator[tuple[str, Any]]:
+        """``(name, host tensor)`` of every tensor of the load's headers. ``owned=False`` yields views into runai's
+        reused ring: only for a consumer that copies each tensor before asking for the next (the pinned pipeline
+        does). runai's ``SafetensorsStreamer`` reads whole files, so when copies of duplicated names are left out
+        (``load.skips_copies``) the tensors are read by range instead (``streaming.direct.stream_tensors`` into
+        owned CPU tensors, in pieces of ``pinned_slot_bytes``, at most ``pinned_slots`` of them in flight)."""
         from runai_model_streamer import SafetensorsStreamer
 
+        plan, headers = load.plan, load.headers
+
         def tensors() -> Iterator[tuple[str, Any]]:
-            if getattr(self, "_skips_copies", False):
+            if load.skips_copies:
                 import torch
 
                 from .direct import stream_tensors
@@ -438,21 +464,21 @@ class RunaiStreamerLoader(BaseModelLoader):
                     f"shard), then start again") from e
             raise
 
-    def _progress(self, it: Iterator[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
-        """A progress bar over the tensors when vLLM's ``use_tqdm_on_load`` is on (its default)."""
-        if not getattr(self.load_config, "use_tqdm_on_load", False):
+    def _progress(self, it: Iterator[tuple[str, Any]], load: _Load) -> Iterator[tuple[str, Any]]:
+        """A progress bar over the load's tensors when vLLM's ``use_tqdm_on_load`` is on (its default)."""
+        if not getattr(self.load_config, "use_tqdm_on_load", False):  # vLLM's LoadConfig field (0.26-0.33)
             return it
         from tqdm import tqdm
 
-        return iter(tqdm(it, total=getattr(self, "_total", None), desc="fastload: streaming tensors", unit="tensor",
+        return iter(tqdm(it, total=load.checkpoint.tensor_count, desc="fastload: streaming tensors", unit="tensor",
                          mininterval=1.0))
 
-    def _cpu_tensors(self, plan: ShardPlan, headers: list, report: LoadReport) -> Iterator[tuple[str, Any]]:
+    def _cpu_tensors(self, load: _Load) -> Iterator[tuple[str, Any]]:
         """CPU path: runai's tensors straight to the model, counting tensors, bytes and the seconds spent waiting
-        for the reader into ``report``."""
+        for the reader into the load's report."""
         from .timing import StageTimes, next_timed
 
-        it, t = self._progress(self._stream(plan, headers)), StageTimes()
+        it, t = self._progress(self._stream(load), load), StageTimes()
         while True:
             item, waited = next_timed(it)
             t.read_wait_s += waited
@@ -461,7 +487,7 @@ class RunaiStreamerLoader(BaseModelLoader):
             t.tensors += 1
             t.bytes += item[1].numel() * item[1].element_size()
             yield item
-        t.feed(report)
+        t.feed(load.report)
 
     def _check_all_loaded(self, model: Any, model_config: Any, loaded: Any) -> None:
         """Raise when a parameter was not in the checkpoint, with vLLM's own check (as the default loader)."""

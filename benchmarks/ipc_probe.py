@@ -132,7 +132,8 @@ def main() -> None:
     elif a.role == "consumer":
         print(json.dumps(consumer(a.kind, a.path, a.pid)), flush=True)
     else:
-        print(f"| mechanism | exporter allocator | open+map ms ({a.gib:g} GiB) | bytes | after exporter SIGKILL | GPU used after (GiB) |")
+        print(f"| mechanism | exporter allocator | open+map ms ({a.gib:g} GiB) | bytes | after exporter SIGKILL "
+              f"| GPU used after (GiB) |")
         print("|---|---|---|---|---|---|")
         for kind in ("legacy", "vmm"):
             for exp in (False, True):

@@ -121,7 +121,8 @@ def run_one(name: str, model: str, tp: int, gmu: float, report: Path, extra: dic
         ex = {"socket_dir": SOCKET_DIR[0], "mode": name[4:], "report_path": str(report), "fallback": False}
     args = {"model": model, "load_format": fmt, "tp": tp, "gmu": gmu, "extra": ex}
     t, spawned = time.perf_counter(), time.time()
-    p = subprocess.run([sys.executable, "-c", CHILD, json.dumps(args)], capture_output=True, text=True, env=env, timeout=900)
+    p = subprocess.run([sys.executable, "-c", CHILD, json.dumps(args)], capture_output=True, text=True, env=env,
+                       timeout=900)
     wall = time.perf_counter() - t
     log = p.stdout + p.stderr
     if p.returncode != 0:
@@ -139,7 +140,7 @@ def run_one(name: str, model: str, tp: int, gmu: float, report: Path, extra: dic
         res["report"] = {k: r.get(k) for k in ("bytes", "wall_s", "read_wait_s", "gb_per_s", "content_digest", "extra")}
         if name.startswith("ipc_"):
             res["ipc_weights_s"] = r["extra"].get("weights_phase_s")
-    res["log_tail"] = "\n".join(l for l in log.splitlines() if "fastload" in l or "took" in l)[-2000:]
+    res["log_tail"] = "\n".join(line for line in log.splitlines() if "fastload" in line or "took" in line)[-2000:]
     return res
 
 
@@ -187,9 +188,11 @@ def write_outputs(results: dict, out: Path) -> None:
     lines = [
         f"Machine: {results['machine']}; date {results['date']}; vLLM {results['vllm']}; torch {results['torch']}; "
         f"model {results['model']} ({results['model_gb']:.2f} GB); TP={results['tp']}; "
-        f"H2D pinned {results['h2d'].get('pinned_h2d_gbps', '-')} GB/s, pageable {results['h2d'].get('pageable_h2d_gbps', '-')} GB/s",
+        f"H2D pinned {results['h2d'].get('pinned_h2d_gbps', '-')} GB/s, "
+        f"pageable {results['h2d'].get('pageable_h2d_gbps', '-')} GB/s",
         "",
-        "| loader | weights phase s | weights GB/s | \"Model loading took\" s | LLM() s | start -> ready s | start -> first token s | GPU used GiB (all processes) | KV blocks | greedy ids equal auto |",
+        "| loader | weights phase s | weights GB/s | \"Model loading took\" s | LLM() s | start -> ready s "
+        "| start -> first token s | GPU used GiB (all processes) | KV blocks | greedy ids equal auto |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     ref = next((r["ids"] for r in rows if r["loader"] == "auto"), None)
@@ -258,7 +261,8 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--extra", default="{}", help="extra-config JSON for runai_fastload")
     ap.add_argument("--daemon-extra", default=None,
-                    help="extra-config JSON of the preload daemon (its runai_streamer load), e.g. '{\"content_hash\": true}'")
+                    help="extra-config JSON of the preload daemon (its runai_streamer load), "
+                         "e.g. '{\"content_hash\": true}'")
     ap.add_argument("--out", type=Path, default=Path("bench-out"))
     a = ap.parse_args()
     if a.make:
@@ -277,7 +281,8 @@ def main() -> int:
                 pass
     h2d = h2d_bandwidth()
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu"
-    results = {"machine": f"{gpu} x{max(torch.cuda.device_count(), 1)}, {os.cpu_count()} CPUs", "date": time.strftime("%Y-%m-%d"),
+    results = {"machine": f"{gpu} x{max(torch.cuda.device_count(), 1)}, {os.cpu_count()} CPUs",
+               "date": time.strftime("%Y-%m-%d"),
                "vllm": vllm.__version__, "torch": torch.__version__, "model": a.model.name, "model_gb": size / 1e9,
                "tp": a.tp, "h2d": h2d, "command": " ".join(sys.argv), "loaders": []}
     names = [n for n in a.loaders.split(",") if available(n)]

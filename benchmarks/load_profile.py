@@ -146,7 +146,8 @@ class Window:
             "window_s": round(self.t1 - self.t0, 4), "window_cpu_s": round(self.cpu_s, 4),
             "spans": self.spans,
             "gc": {"pauses": len(self.gc), "total_s": round(sum(s for _, s in self.gc), 4),
-                   "by_generation": {g: round(sum(s for gg, s in self.gc if gg == g), 4) for g in {g for g, _ in self.gc}}},
+                   "by_generation": {g: round(sum(s for gg, s in self.gc if gg == g), 4)
+                                     for g in {g for g, _ in self.gc}}},
             "samples": self.samples, "sample_period_s": SAMPLE_S,
             "top": [(k, round(v / per, 3)) for k, v in self.top.most_common(40)],
             "inner": [(k, round(v / per, 3)) for k, v in self.inner.most_common(40)],
@@ -166,8 +167,8 @@ def _short(path: str) -> str:
 def instrument(w: Window) -> None:
     """Window = the model runner's ``load_model``; spans on what it calls (vLLM 0.26 names; missing ones skipped)."""
     from vllm.model_executor import model_loader as ml
-    from vllm.model_executor.model_loader import base_loader, utils as ml_utils
-
+    from vllm.model_executor.model_loader import base_loader
+    from vllm.model_executor.model_loader import utils as ml_utils
     from vllm.platforms import current_platform
 
     if current_platform.is_cpu():
@@ -197,6 +198,7 @@ def instrument(w: Window) -> None:
     w.wrap(ml, "get_model_loader", "get_model_loader")
     w.wrap(runner.GPUModelRunner, "_setup_eagle3_aux_hidden_state_outputs", "_setup_eagle3_aux_hidden_state_outputs")
     from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
+
     from vllm_fastload.ipc.loader import IpcCacheLoader
     from vllm_fastload.streaming.loader import RunaiStreamerLoader
 

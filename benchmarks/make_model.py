@@ -28,8 +28,10 @@ SHAPES = {
 
 
 def tensors_of(s: dict) -> dict[str, tuple]:
-    h, i, kv = s["hidden_size"], s["intermediate_size"], s["num_key_value_heads"] * s["hidden_size"] // s["num_attention_heads"]
-    out = {"model.embed_tokens.weight": (s["vocab_size"], h), "model.norm.weight": (h,), "lm_head.weight": (s["vocab_size"], h)}
+    h, i = s["hidden_size"], s["intermediate_size"]
+    kv = s["num_key_value_heads"] * s["hidden_size"] // s["num_attention_heads"]
+    out = {"model.embed_tokens.weight": (s["vocab_size"], h), "model.norm.weight": (h,),
+           "lm_head.weight": (s["vocab_size"], h)}
     for layer in range(s["num_hidden_layers"]):
         p = f"model.layers.{layer}."
         out.update({

@@ -7,16 +7,16 @@ serve, with the tensor names their real checkpoints use (what vLLM's loaders exp
 Each entry is (family, size, dtype[, quantization]): the family decides the tensor names and config
 (:data:`FAMILIES`), the size the dimensions (:data:`SIZES`), the quantization the layout of the linear layers
 (:data:`QUANTS`: GPTQ 4- and 8-bit with and without act-order, AWQ, block FP8, compressed-tensors FP8 per
-channel and per tensor and W4A16); :data:`ENGINE_ARGS` adds what vLLM quantizes itself (online FP8, FP8 KV cache). Weights are small random values (scaled by 1/sqrt(fan-in)) so that greedy decoding
-is well defined; norms are about 1. Written with the safetensors library, one shard (two for ``small``).
+channel and per tensor and W4A16); :data:`ENGINE_ARGS` adds what vLLM quantizes itself (online FP8, FP8 KV
+cache). Weights are small random values (scaled by 1/sqrt(fan-in)) so that greedy decoding is well defined; norms are about 1. Written with the safetensors library, one shard (two for ``small``).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 from safetensors.torch import save_file

@@ -100,7 +100,7 @@ def main() -> None:
     torch.empty(1, device="cuda")
     construct()  # warm the allocator paths once
     rows = []
-    for i in range(3):
+    for _ in range(3):
         rows.append(("construct alone", construct()))
         rows.append(("pin 1 GiB alone (torch pinned allocator)", pin_torch()))
         c, p = beside(pin_torch)

@@ -7,9 +7,11 @@ Writes ``--files`` files of ``--gb`` GB in total into ``--dir`` (kept and reused
 leaves them in the page cache), then per config ``mode:threads:chunk_MiB:slots`` (mode ``read``: each thread
 reads into its own pinned slot, no copy; ``h2d``: a ring of ``slots`` pinned slots, threads read, the main thread
 issues one non-blocking H2D copy per chunk on a side stream, a recycler thread returns a slot after its copy's
-event; ``self``: each thread reads into its own ``slots`` slots and issues the copies itself; ``reg``: threads page-lock the page cache in place through a read-only mmap, ``cudaHostRegister`` with
+event; ``self``: each thread reads into its own ``slots`` slots and issues the copies itself; ``reg``: threads
+page-lock the page cache in place through a read-only mmap, ``cudaHostRegister`` with
 ``cudaHostRegisterReadOnly``, and unregister at once; ``regcopy``: the same, the main thread copies each locked
-chunk to the GPU and a recycler unregisters it after the copy) times reading every byte once, best of ``--repeat``. Also the pinned H2D bandwidth alone. Prints Markdown.
+chunk to the GPU and a recycler unregisters it after the copy) times reading every byte once, ``--repeat`` times
+(best and median printed). Also the pinned H2D bandwidth alone. Prints Markdown.
 """
 
 from __future__ import annotations
@@ -211,7 +213,8 @@ def run_reg(paths: list[Path], size: int, threads: int, chunk: int, copy: bool, 
             t = torch.frombuffer(mm, dtype=torch.uint8)
         tens.append(t)
         bases.append(t.data_ptr())
-    work = [(k, off, min(chunk, size - off), k * size + off) for k in range(len(paths)) for off in range(0, size, chunk)]
+    work = [(k, off, min(chunk, size - off), k * size + off)
+            for k in range(len(paths)) for off in range(0, size, chunk)]
     done: queue.SimpleQueue = queue.SimpleQueue()
     pending: queue.SimpleQueue = queue.SimpleQueue()
     counter = itertools.count()
@@ -302,6 +305,16 @@ def same_bytes(paths: list[Path], size: int, dst: torch.Tensor, samples: int = 8
     return True
 
 
+def run_mode(mode: str, paths: list[Path], size: int, work, threads: int, chunk: int, slots: int,
+             dst: torch.Tensor) -> float:
+    """Seconds of one run of ``mode`` (see the module docstring)."""
+    if mode in ("reg", "regcopy"):
+        return run_reg(paths, size, threads, chunk, mode == "regcopy", dst)
+    if mode == "self":
+        return run_self(work, threads, chunk, slots, dst)
+    return run_read(work, threads, chunk) if mode == "read" else run_h2d(work, threads, chunk, slots, dst)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--dir", default="/root/pread-probe")
@@ -325,22 +338,15 @@ def main() -> int:
         mode, threads, chunk_mib, slots = c.split(":")
         threads, chunk, slots = int(threads), int(chunk_mib) * MIB, int(slots)
         work = chunks_of(fds, size, chunk)
-        def once() -> float:
-            if mode in ("reg", "regcopy"):
-                return run_reg(paths, size, threads, chunk, mode == "regcopy", dst)
-            if mode == "self":
-                return run_self(work, threads, chunk, slots, dst)
-            return run_read(work, threads, chunk) if mode == "read" else run_h2d(work, threads, chunk, slots, dst)
-
         try:
-            runs = sorted(once() for _ in range(a.repeat))
+            runs = sorted(run_mode(mode, paths, size, work, threads, chunk, slots, dst) for _ in range(a.repeat))
             best, median = runs[0], runs[len(runs) // 2]
         except RuntimeError as e:
             print(f"| {mode} | {threads} | {chunk_mib} | {slots or '-'} | {e} | |", flush=True)
             continue
         ok = "" if mode in ("read", "reg") else (" (bytes ok)" if same_bytes(paths, size, dst) else " (BYTES DIFFER)")
-        print(f"| {mode} | {threads} | {chunk_mib} | {slots or '-'} | {best:.3f} | {median:.3f} | {total / best / 1e9:.1f}{ok} |",
-              flush=True)
+        print(f"| {mode} | {threads} | {chunk_mib} | {slots or '-'} | {best:.3f} | {median:.3f} | "
+              f"{total / best / 1e9:.1f}{ok} |", flush=True)
         dst.zero_()
     for fd in fds:
         os.close(fd)

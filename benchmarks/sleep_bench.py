@@ -148,7 +148,8 @@ def main() -> int:
                 results["daemon_ready_s"] = time.perf_counter() - t
             r, _ = run_case(a.model, case, sock, a.out / f"{case}.log", a.gmu)
             results["cases"][case] = r
-            print(f"[sleep] {case}: " + json.dumps({k: v for k, v in r.items() if not k.startswith(("before", "after"))}),
+            shown = {k: v for k, v in r.items() if not k.startswith(("before", "after"))}
+            print(f"[sleep] {case}: " + json.dumps(shown),
                   flush=True)
     finally:
         if daemon is not None:

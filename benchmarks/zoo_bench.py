@@ -64,7 +64,8 @@ def engine_args(name: str) -> dict:
 
 
 def cli_args(engine: dict) -> list[str]:
-    """``engine`` (LLM keyword arguments) as the daemon's command-line flags: ``kv_cache_dtype`` -> ``--kv-cache-dtype``."""
+    """``engine`` (LLM keyword arguments) as the daemon's command-line flags: ``kv_cache_dtype`` ->
+    ``--kv-cache-dtype``."""
     return [x for k, v in engine.items() for x in (f"--{k.replace('_', '-')}", str(v))]
 
 
@@ -202,7 +203,8 @@ def main() -> int:
     ap.add_argument("--lanes", type=int, default=1)
     ap.add_argument("--gmu", type=float, default=0.2)
     ap.add_argument("--kv-bytes", type=int, default=0,
-                    help="KV cache bytes per engine (vLLM's kv_cache_memory_bytes; 0: profile). Set it with --lanes > 1")
+                    help="KV cache bytes per engine (vLLM's kv_cache_memory_bytes; 0: profile). "
+                         "Set it with --lanes > 1")
     ap.add_argument("--models-dir", type=Path, default=Path(tempfile.gettempdir()) / "fastload-zoo")
     ap.add_argument("--out", type=Path, default=Path("zoo-out"))
     a = ap.parse_args()

@@ -77,7 +77,8 @@ def test_a_slot_is_reused_only_after_its_copy_event(tmp_path):
 
 def test_a_shard_cut_short_names_the_file_and_the_range(tmp_path):
     p, data = _file(tmp_path, 8192)
-    ring = preader.PreadRing([(str(p), [0, 8192], [8192, 4096])], [torch.empty(8192, dtype=torch.uint8) for _ in range(2)], 2)
+    slots = [torch.empty(8192, dtype=torch.uint8) for _ in range(2)]
+    ring = preader.PreadRing([(str(p), [0, 8192], [8192, 4096])], slots, 2)
     with pytest.raises(EOFError, match=f"{p} ended at byte 8192, 4096 bytes short of the range \\[8192, 12288\\)"):
         with ring:
             for piece in ring:
@@ -87,7 +88,8 @@ def test_a_shard_cut_short_names_the_file_and_the_range(tmp_path):
 
 def test_closing_early_stops_and_joins_every_thread(tmp_path):
     p, data = _file(tmp_path, 64 * 4096)
-    ring = preader.PreadRing([(str(p), *_ranges(len(data), 4096))], [torch.empty(4096, dtype=torch.uint8) for _ in range(4)], 4)
+    slots = [torch.empty(4096, dtype=torch.uint8) for _ in range(4)]
+    ring = preader.PreadRing([(str(p), *_ranges(len(data), 4096))], slots, 4)
     it = iter(ring)
     first = next(it)  # the consumer keeps this slot and stops: the other readers wait for slots
     assert bytes(first.data.numpy()) == data[first.range_index * 4096:(first.range_index + 1) * 4096]

@@ -83,9 +83,11 @@ def internals_changed() -> Optional[str]:
     except (TypeError, ValueError):
         params = None
     if params != ["slot_size"]:
-        return f"{INTERNALS_CHANGED}: requests_iterator._alloc_slot(slot_size) is {'missing' if alloc is None else params}"
+        what = "missing" if alloc is None else params
+        return f"{INTERNALS_CHANGED}: requests_iterator._alloc_slot(slot_size) is {what}"
     if tuple(getattr(Slot, "__slots__", ())) != ("memory", "address"):
-        return f"{INTERNALS_CHANGED}: slot_pool.Slot has slots {getattr(Slot, '__slots__', None)}, not (memory, address)"
+        slots = getattr(Slot, "__slots__", None)
+        return f"{INTERNALS_CHANGED}: slot_pool.Slot has slots {slots}, not (memory, address)"
     return None
 
 
@@ -455,8 +457,8 @@ def _pread_pieces(chunks: list, arena: Optional[torch.Tensor], pinned_slot_bytes
     """``(file id, range index, host bytes, give back)`` per range, from :class:`.preader.PreadRing` over
     ``pinned_slots`` slots of ``pinned_slot_bytes`` (carved from ``arena``; plain host memory without one).
     ``give back(event)`` returns the slot once the copy recorded by ``event`` finished (None: at once). Closing
-    stops the reader threads; the slots are dropped after ``copy_stream`` (None on CPU) finished (``times.slot_wait_s``: seconds
-    the threads waited for copies, summed over threads)."""
+    stops the reader threads; the slots are dropped after ``copy_stream`` (None on CPU) finished
+    (``times.slot_wait_s``: seconds the threads waited for copies, summed over threads)."""
     from .preader import PreadRing
 
     if arena is not None:

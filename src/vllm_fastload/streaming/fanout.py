@@ -45,7 +45,6 @@ from datetime import timedelta
 from typing import Any, Optional
 
 from ..errors import FastloadError
-from ..log import logger
 
 #: Descriptor codes exchanged each round (besides a tensor's index >= 0).
 DONE, FAILED = -1, -2
@@ -250,7 +249,7 @@ class Fanout:
         self.stats.sync_s += time.perf_counter() - t
         return [int(s.item()) for s in slots]
 
-    def _silent(self, e: BaseException) -> "FanoutError":
+    def _silent(self, e: BaseException) -> FanoutError:
         """A collective of the group failed: a rank died, or did not answer within the sync group's timeout."""
         first = next((ln for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
         return FanoutError(
@@ -364,8 +363,10 @@ def plan(distributed: Any, device: Any, distributed_timeout_s: float, reader_off
                       f"or file identities differ)")
     members = [at[r][1] for r in mine]
     if device.type == "cuda":
-        blind = [d for d in members if d != device.index and not (0 <= d < torch.cuda.device_count()
-                                                                  and torch.cuda.can_device_access_peer(device.index, d))]
+        def sees(d: int) -> bool:
+            return 0 <= d < torch.cuda.device_count() and torch.cuda.can_device_access_peer(device.index, d)
+
+        blind = [d for d in members if d != device.index and not sees(d)]
         verdicts: list = [None] * tp.world_size
         dist.all_gather_object(verdicts, blind, group=tp.cpu_group)
         no_p2p = sorted({(members[mine.index(r)], d) for r in mine

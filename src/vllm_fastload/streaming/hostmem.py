@@ -18,7 +18,8 @@ from __future__ import annotations
 import mmap
 import threading
 import weakref
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any, Optional
 
 import torch
 

@@ -27,14 +27,14 @@ from typing import Any
 
 from ..checkpoint import Checkpoint, ShardPlan, model_shards, read_checkpoint, shard_changed, weights_source
 from ..config import StreamerConfig
-from ..errors import CheckpointError, ConfigError
 from ..content import ContentPin
+from ..errors import CheckpointError, ConfigError
 from ..fallback import default_loader, fall_back, step_down
-from ..heap import freeze_for_load
 from ..fingerprint import from_vllm
+from ..heap import freeze_for_load
 from ..log import logger
 from ..report import LoadReport
-from ..storage import is_object_uri, scoped_environ, missing_backend, storage_error
+from ..storage import is_object_uri, missing_backend, scoped_environ, storage_error
 from . import runai_env
 
 try:  # vLLM is an optional dependency of the package, required to use the loader.

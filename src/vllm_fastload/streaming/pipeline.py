@@ -180,7 +180,8 @@ class H2DPipeline:
         if errors:
             raise errors[0]
 
-    def _run_inline(self, named: Iterator[tuple[str, torch.Tensor]], consumer: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    def _run_inline(self, named: Iterator[tuple[str, torch.Tensor]],
+                    consumer: Any) -> Iterator[tuple[str, torch.Tensor]]:
         """``pipeline_thread=False``: reader, memcpy and copy issue run in the consumer's thread between its
         ``weight_loader`` calls; the copies themselves still run asynchronously on the copy stream."""
         while True:
@@ -203,7 +204,7 @@ class H2DPipeline:
             self.pool.shutdown()
         return self.times
 
-    def __enter__(self) -> "H2DPipeline":
+    def __enter__(self) -> H2DPipeline:
         return self
 
     def __exit__(self, *exc: Any) -> None:

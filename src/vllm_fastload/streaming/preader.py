@@ -109,7 +109,7 @@ class PreadRing:
         self.slot_wait_s = 0.0
         self._lock = threading.Lock()
 
-    def __enter__(self) -> "PreadRing":
+    def __enter__(self) -> PreadRing:
         return self
 
     def __exit__(self, *exc: Any) -> None:

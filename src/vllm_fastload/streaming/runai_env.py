@@ -47,7 +47,8 @@ def config_env(config: Any) -> dict[str, str]:
     return env
 
 
-def load_env(config: Any, files: Sequence[str], report: Any, direct: bool = False) -> tuple[dict[str, str], Optional[int]]:
+def load_env(config: Any, files: Sequence[str], report: Any,
+             direct: bool = False) -> tuple[dict[str, str], Optional[int]]:
     """``(env, pread threads)``: everything one load sets for runai (name -> value): :func:`config_env`, then the
     object-storage endpoint, then :func:`fs_strategy_env` for ``files`` (the shards; ``report`` gets the strategy's
     facts; ``direct``: the load takes the direct pinned path), and the thread count of this package's reader (None:

@@ -49,7 +49,7 @@ class StageTimes:
     _copied_bytes: int = field(default=0, repr=False)
     _timed_bytes: int = field(default=0, repr=False)
 
-    def measures(self, *stages: str) -> "StageTimes":
+    def measures(self, *stages: str) -> StageTimes:
         """Declare ``stages`` (field names) as stages of this load: from None to 0.0 (a value already counted
         stays). Returns ``self``."""
         for name in stages:

@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if argv and argv[0] == "preload":
         from .errors import FastloadError
-        from .ipc.daemon import main as preload_main
+        from .ipc.daemon.main import main as preload_main
 
         rest = argv[1:]
         if rest and not rest[0].startswith("-"):  # `preload MODEL ...`, as `vllm serve MODEL ...` takes it
@@ -120,7 +120,7 @@ def _model_arg(argv: list[str]) -> str | None:
 
 def _preload_help() -> int:
     """``vllm-fastload preload --help``: the daemon's own flags, then where the engine args are listed."""
-    from .ipc.daemon import add_daemon_flags
+    from .ipc.daemon.main import add_daemon_flags
 
     p = argparse.ArgumentParser(
         prog="vllm-fastload preload", usage="vllm-fastload preload MODEL [vllm serve engine args] [daemon flags]",
@@ -137,10 +137,10 @@ def _preload_help() -> int:
 def _status(args: argparse.Namespace) -> int:
     import os
 
-    from .ipc.client import status_of
+    from .ipc.wire.client import status_of
     import stat
 
-    from .ipc.paths import SocketDir, file_kind, socket_dir_spec
+    from .ipc.wire.paths import SocketDir, file_kind, socket_dir_spec
 
     spec = socket_dir_spec(args.weight_cache_socket_dir)
     try:

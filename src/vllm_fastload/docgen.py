@@ -38,7 +38,7 @@ def _model_table(model: Any) -> list[str]:
 
 def render() -> str:
     """The whole Markdown page."""
-    from .ipc.daemon import add_daemon_flags
+    from .ipc.daemon.main import add_daemon_flags
 
     out = [
         "# Configuration reference",

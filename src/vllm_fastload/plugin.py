@@ -14,7 +14,7 @@ def register() -> None:
     """Register this plugin's load formats with vLLM (no-op when already registered in this process)."""
     from vllm.model_executor import model_loader as ml
 
-    from .ipc.loader import IpcCacheLoader
+    from .ipc.engine.loader import IpcCacheLoader
     from .streaming.loader import RunaiStreamerLoader
 
     registry = getattr(ml, "_LOAD_FORMAT_TO_MODEL_LOADER", {})

@@ -20,8 +20,8 @@ pytestmark = pytest.mark.e2e
 
 from tests.conftest import demo_with_stale_copies  # noqa: E402
 from tests.e2e_cpu.conftest import answer_of, failed_startup_log, ids_of  # noqa: E402
-from vllm_fastload.ipc import protocol  # noqa: E402
-from vllm_fastload.ipc.client import status_of  # noqa: E402
+from vllm_fastload.ipc.wire import protocol  # noqa: E402
+from vllm_fastload.ipc.wire.client import status_of  # noqa: E402
 from vllm_fastload.servers import PreloadDaemon, VllmServer, free_port  # noqa: E402
 
 

@@ -34,19 +34,19 @@ ROOT = Path(__file__).resolve().parents[2]
 from tests.conftest import Engine, one_shot  # noqa: E402
 from tests.gpu.zoo_cuda import zoo  # noqa: E402
 
-from vllm_fastload.ipc.client import status_of  # noqa: E402
-from vllm_fastload.ipc.layout import sample_checksums, view_at  # noqa: E402
-from vllm_fastload.ipc.backends import open_segment  # noqa: E402
-from vllm_fastload.ipc.layout import Placement  # noqa: E402
-from vllm_fastload.ipc.messages import SegmentMeta, TensorEntry  # noqa: E402
+from vllm_fastload.ipc.wire.client import status_of  # noqa: E402
+from vllm_fastload.ipc.memory.layout import sample_checksums, view_at  # noqa: E402
+from vllm_fastload.ipc.memory.backends import open_segment  # noqa: E402
+from vllm_fastload.ipc.memory.layout import Placement  # noqa: E402
+from vllm_fastload.ipc.wire.messages import SegmentMeta, TensorEntry  # noqa: E402
 from vllm_fastload.servers import PreloadDaemon  # noqa: E402
 
 # --- transport ------------------------------------------------------------------------------------------------
 EXPORTER = r"""
 import json, socket, sys, time, torch
 from tests.gpu.zoo_cuda import zoo
-from vllm_fastload.ipc.backends import get_transport
-from vllm_fastload.ipc.export import pack
+from vllm_fastload.ipc.memory.backends import get_transport
+from vllm_fastload.ipc.daemon.export import pack
 device = torch.device("cuda", 0)
 seg, entries = pack({k: v.cuda() for k, v in zoo().items()}, device)
 meta = get_transport(device).describe(seg, device)

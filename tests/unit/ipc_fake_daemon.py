@@ -24,12 +24,12 @@ import torch
 
 from tests.conftest import make_fingerprint as fingerprint, unix_listener  # importers use `fingerprint` from here
 from vllm_fastload.fingerprint import Fingerprint
-from vllm_fastload.ipc import protocol
-from vllm_fastload.ipc.health import start_health_server
-from vllm_fastload.ipc.export import pack
-from vllm_fastload.ipc.messages import Manifest, SegmentMeta, to_frame
-from vllm_fastload.ipc.shm import MemfdTransport
-from vllm_fastload.ipc.server import Limits, RankServer, RankState, acquire
+from vllm_fastload.ipc.wire import protocol
+from vllm_fastload.ipc.daemon.health import start_health_server
+from vllm_fastload.ipc.daemon.export import pack
+from vllm_fastload.ipc.wire.messages import Manifest, SegmentMeta, to_frame
+from vllm_fastload.ipc.memory.memfd import MemfdTransport
+from vllm_fastload.ipc.daemon.server import Limits, RankServer, RankState, acquire
 
 
 def weights(n_extra: int = 0) -> dict[str, torch.Tensor]:

@@ -18,7 +18,7 @@ from vllm.model_executor.model_loader.base_loader import BaseModelLoader  # noqa
 
 from tests.unit.test_ipc_tp_mismatch import ipc_loader, parallel, setup  # noqa: E402,F401
 from vllm_fastload import heap  # noqa: E402
-from vllm_fastload.ipc.state import InstallError  # noqa: E402
+from vllm_fastload.ipc.memory.state import InstallError  # noqa: E402
 from vllm_fastload.streaming.loader import RunaiStreamerLoader  # noqa: E402
 
 
@@ -111,8 +111,8 @@ def test_a_failed_mapping_frees_its_skeleton_and_clones_before_the_fallback_load
         seen["alive during the disk load"] = [k for k, r in refs.items() if r() is not None]
         return "disk"
 
-    monkeypatch.setattr("vllm_fastload.ipc.mapping._build_model", build)
-    monkeypatch.setattr("vllm_fastload.ipc.mapping._apply_entries", apply)
+    monkeypatch.setattr("vllm_fastload.ipc.engine.mapping._build_model", build)
+    monkeypatch.setattr("vllm_fastload.ipc.engine.mapping._apply_entries", apply)
     stub = types.SimpleNamespace(load_config=types.SimpleNamespace(load_format="auto"), load_model=disk)
     # the fallback's disk load (our runai_streamer) stands in
     monkeypatch.setattr("vllm_fastload.streaming.loader.RunaiStreamerLoader.load_model", lambda self, **kw: stub.load_model(**kw))

@@ -28,13 +28,13 @@ from tests.unit.ipc_fake_daemon import fingerprint, make_state, weights
 from tests.unit.test_ipc_faults import fake_daemon, thread_errors, wait_for  # noqa: F401 (fixtures)
 from vllm_fastload import cli  # noqa: F401 (imported before a child drops to a uid that cannot read the stdlib)
 from vllm_fastload.errors import SocketDirError, UntrustedPeer
-from vllm_fastload.ipc import protocol
-from vllm_fastload.ipc.client import CacheUnavailable, connect, fetch, status_of
-from vllm_fastload.ipc.health import metrics_text
-from vllm_fastload.ipc.server import RankServer, acquire
-from vllm_fastload.ipc.layout import view_at
-from vllm_fastload.ipc.messages import StatusReply, to_frame
-from vllm_fastload.ipc.paths import ENGINE_KEY, SocketDir, ensure_socket_dir, socket_dir_spec
+from vllm_fastload.ipc.wire import protocol
+from vllm_fastload.ipc.wire.client import CacheUnavailable, connect, fetch, status_of
+from vllm_fastload.ipc.daemon.health import metrics_text
+from vllm_fastload.ipc.daemon.server import RankServer, acquire
+from vllm_fastload.ipc.memory.layout import view_at
+from vllm_fastload.ipc.wire.messages import StatusReply, to_frame
+from vllm_fastload.ipc.wire.paths import ENGINE_KEY, SocketDir, ensure_socket_dir, socket_dir_spec
 from vllm_fastload.servers import free_port
 
 FP = fingerprint().to_dict()
@@ -312,7 +312,7 @@ def test_a_runtime_dir_of_another_user_is_one_clear_error_with_distinct_status_c
         import sys
 
         from vllm_fastload.cli import main as cli_main
-        from vllm_fastload.ipc.paths import ensure_socket_dir as ensure
+        from vllm_fastload.ipc.wire.paths import ensure_socket_dir as ensure
 
         out: dict = {}
         sys.stderr = io.StringIO()
@@ -363,7 +363,7 @@ def test_status_exit_codes_tell_no_daemon_from_cannot_look(tmp_path, capsys):
 def test_the_engine_fallback_reason_names_the_socket_dir_and_its_setting(tmp_path, monkeypatch):
     from vllm.config.load import LoadConfig
 
-    from vllm_fastload.ipc import loader as ipc_loader
+    from vllm_fastload.ipc.engine import loader as ipc_loader
 
     d = tmp_path / "socks"
     d.write_text("")
@@ -608,7 +608,7 @@ def preload_without_vllm(monkeypatch, model_dir) -> None:
     at ``model_dir``, and no fd limit raised."""
     from vllm.engine.arg_utils import EngineArgs
 
-    from vllm_fastload.ipc import daemon
+    from vllm_fastload.ipc.daemon import main as daemon
 
     cfg = types.SimpleNamespace(parallel_config=types.SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1),
                                 model_config=types.SimpleNamespace(model=str(model_dir)))
@@ -619,7 +619,7 @@ def preload_without_vllm(monkeypatch, model_dir) -> None:
 @pytest.mark.parametrize("outcome", ["returns", "raises"])
 def test_preload_removes_its_dist_init_dir_on_every_exit(tmp_path, monkeypatch, outcome):
     from vllm_fastload.cli import main as cli_main
-    from vllm_fastload.ipc import daemon
+    from vllm_fastload.ipc.daemon import main as daemon
 
     preload_without_vllm(monkeypatch, tmp_path)
     seen = {}
@@ -650,7 +650,7 @@ def test_a_second_daemon_gets_the_lock_message_before_the_health_port_error(tmp_
     from vllm.platforms import current_platform
 
     from vllm_fastload.cli import main as cli_main
-    from vllm_fastload.ipc.paths import device_identity, socket_path
+    from vllm_fastload.ipc.wire.paths import device_identity, socket_path
 
     preload_without_vllm(monkeypatch, tmp_path)
     sock_dir = tmp_path / "sock"

@@ -11,10 +11,10 @@ import torch
 
 from tests.conftest import make_fingerprint as fingerprint, unix_listener
 from tests.unit.ipc_fake_daemon import make_state
-from vllm_fastload.ipc import protocol
-from vllm_fastload.ipc.client import CacheUnavailable, FingerprintMismatch, fetch, status_of
-from vllm_fastload.ipc.server import RankServer, acquire
-from vllm_fastload.ipc.layout import view_at
+from vllm_fastload.ipc.wire import protocol
+from vllm_fastload.ipc.wire.client import CacheUnavailable, FingerprintMismatch, fetch, status_of
+from vllm_fastload.ipc.daemon.server import RankServer, acquire
+from vllm_fastload.ipc.memory.layout import view_at
 from vllm_fastload.errors import FastloadError
 
 
@@ -194,7 +194,7 @@ def test_eight_clients_attach_at_once_all_correct_and_counted(server):
 
 @pytest.mark.parametrize("problem", ["group-writable", "world-writable", "other-owner"])
 def test_socket_dir_must_be_private(tmp_path, problem):
-    from vllm_fastload.ipc.paths import ensure_socket_dir
+    from vllm_fastload.ipc.wire.paths import ensure_socket_dir
 
     d = tmp_path / "socks"
     d.mkdir(mode=0o700)
@@ -216,7 +216,7 @@ def test_socket_dir_must_be_private(tmp_path, problem):
 def test_a_socket_path_longer_than_unix_allows_is_named_with_the_fix(tmp_path):
     """GPU sockets are named by UUID (~40 chars): a long socket dir must fail clearly, not with 'AF_UNIX path too long'."""
     from vllm_fastload.errors import FastloadError
-    from vllm_fastload.ipc.paths import MAX_SOCKET_PATH, socket_path
+    from vllm_fastload.ipc.wire.paths import MAX_SOCKET_PATH, socket_path
 
     import tempfile
 

@@ -1,8 +1,8 @@
 """vLLM's in-place ``reload_weights`` on an ipc_cache model (issue 16), in one process, without a server.
 
-A skeleton built like :func:`vllm_fastload.ipc.mapping._build_model` builds it (under ``torch.device("meta")``,
+A skeleton built like :func:`vllm_fastload.ipc.engine.mapping._build_model` builds it (under ``torch.device("meta")``,
 vLLM's ``record_metadata_for_reloading`` called inside, as ``initialize_model`` does), tensors installed by the real
-:func:`vllm_fastload.ipc.state.install` as views into a real memfd segment (the daemon's side packed by the real
+:func:`vllm_fastload.ipc.memory.state.install` as views into a real memfd segment (the daemon's side packed by the real
 ``pack``, the engine's side mapped by the real ``MemfdTransport.open``), and vLLM 0.32's real ``reload_weights``
 with layerwise reload. The end-to-end version with servers: tests/e2e_cpu/test_ipc_reload_e2e.py.
 """
@@ -22,15 +22,15 @@ from vllm.config.load import LoadConfig  # noqa: E402
 from vllm.model_executor.model_loader.reload import inplace, layerwise  # noqa: E402
 from vllm.model_executor.model_loader.weight_utils import default_weight_loader  # noqa: E402
 
-from vllm_fastload.ipc import mapping  # noqa: E402
-from vllm_fastload.ipc.export import pack  # noqa: E402
-from vllm_fastload.ipc.layout import views  # noqa: E402
-from vllm_fastload.ipc.loader import IpcCacheLoader  # noqa: E402
-from vllm_fastload.ipc.reload import (  # noqa: E402
+from vllm_fastload.ipc.engine import mapping  # noqa: E402
+from vllm_fastload.ipc.daemon.export import pack  # noqa: E402
+from vllm_fastload.ipc.memory.layout import views  # noqa: E402
+from vllm_fastload.ipc.engine.loader import IpcCacheLoader  # noqa: E402
+from vllm_fastload.ipc.engine.reload import (  # noqa: E402
     ReloadRefused, checkpoint_loader, record_restore_device, refuse_shared_writes, shared_write_segments)
-from vllm_fastload.ipc.shm import MemfdTransport  # noqa: E402
-from vllm_fastload.ipc.state import install  # noqa: E402
-from vllm_fastload.ipc.transport import Transport  # noqa: E402
+from vllm_fastload.ipc.memory.memfd import MemfdTransport  # noqa: E402
+from vllm_fastload.ipc.memory.state import install  # noqa: E402
+from vllm_fastload.ipc.memory.transport import Transport  # noqa: E402
 
 CPU = torch.device("cpu")
 
@@ -148,7 +148,7 @@ def shared_model():
 
 
 def test_transports_declare_whether_writes_reach_the_daemon():
-    from vllm_fastload.ipc.cuda_vmm import CudaVmmTransport
+    from vllm_fastload.ipc.memory.cuda_vmm import CudaVmmTransport
 
     assert CudaVmmTransport.shares_writes and not MemfdTransport.shares_writes
     assert Transport.shares_writes  # a new backend is taken as shared until it says otherwise

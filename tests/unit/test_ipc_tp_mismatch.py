@@ -24,9 +24,9 @@ from tests.conftest import fake_model_config, write_safetensors  # noqa: E402
 from tests.unit.ipc_fake_daemon import make_state  # noqa: E402
 from vllm_fastload.errors import FallbackRefused  # noqa: E402
 from vllm_fastload.fingerprint import of_model  # noqa: E402
-from vllm_fastload.ipc.client import status_of  # noqa: E402
-from vllm_fastload.ipc.server import RankServer, acquire  # noqa: E402
-from vllm_fastload.ipc.loader import IpcCacheLoader  # noqa: E402
+from vllm_fastload.ipc.wire.client import status_of  # noqa: E402
+from vllm_fastload.ipc.daemon.server import RankServer, acquire  # noqa: E402
+from vllm_fastload.ipc.engine.loader import IpcCacheLoader  # noqa: E402
 
 
 def parallel(monkeypatch, tp_size: int, tp_rank: int) -> None:

@@ -19,7 +19,7 @@ pytest.importorskip("vllm")
 
 from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase  # noqa: E402
 
-from vllm_fastload.ipc.state import (  # noqa: E402
+from vllm_fastload.ipc.memory.state import (  # noqa: E402
     InstallError, NotExportable, audit, collect, install, object_states, processing_units, reprocess_modules,
     snapshot)
 

@@ -102,7 +102,7 @@ def test_an_ipc_cache_fallback_reads_the_disk_with_our_shard_rules(tmp_path, cap
 
     from tests.conftest import fake_model_config, write_safetensors
     from vllm_fastload.errors import CacheUnavailable
-    from vllm_fastload.ipc import loader as ipc_loader
+    from vllm_fastload.ipc.engine import loader as ipc_loader
 
     a = write_safetensors(tmp_path / "model-00001-of-00002.safetensors", {"norm": torch.ones(4), "x": torch.zeros(2)})
     b = write_safetensors(tmp_path / "model-00002-of-00002.safetensors", {"norm": torch.zeros(4), "y": torch.ones(2)})

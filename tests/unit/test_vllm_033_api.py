@@ -8,7 +8,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from vllm_fastload.ipc.loader import IpcCacheLoader  # noqa: E402
+from vllm_fastload.ipc.engine.loader import IpcCacheLoader  # noqa: E402
 from vllm_fastload.streaming.loader import RunaiStreamerLoader  # noqa: E402
 
 SRC = Path(__file__).resolve().parents[1] / "data" / "vllm_0_33"

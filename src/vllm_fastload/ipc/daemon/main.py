@@ -3,7 +3,7 @@
 Each rank builds the model exactly as the engine will (vLLM's engine-argument parser, its ``VllmConfig``, its
 parallel state), loads it (through our ``runai_streamer`` unless ``--load-format`` says otherwise), runs
 post-processing, collects what the model holds (:mod:`.state`), packs it into one shared-memory segment
-(:mod:`.shm`), drops the model and serves the segment over a 0600 Unix socket until SIGTERM/SIGINT.
+(:mod:`.memfd`), drops the model and serves the segment over a 0600 Unix socket until SIGTERM/SIGINT.
 Flag names follow upstream ``vllm preload`` (``--weight-cache-socket-dir``, ``--weight-cache-health-port``,
 ``--weight-cache-health-host``).
 """
@@ -19,10 +19,10 @@ import tempfile
 import threading
 from typing import Any, Iterator
 
-from ..log import logger
+from ...log import logger
 from .export import build_and_export
 from .health import start_health_server
-from .paths import SocketDir, SocketDirSpec, device_identity, socket_dir_spec, socket_path
+from ..wire.paths import SocketDir, SocketDirSpec, device_identity, socket_dir_spec, socket_path
 from .server import (ATTACH_TIMEOUT_S, IDLE_TIMEOUT_S, MAX_CONNECTIONS, Limits, RankServer, RankState, acquire,
                      check_lock_free, lock_name)
 

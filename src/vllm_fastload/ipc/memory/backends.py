@@ -6,17 +6,17 @@ import os
 
 import torch
 
-from .messages import SegmentMeta
+from ..wire.messages import SegmentMeta
 from .transport import NoTransport, Segment, Transport
 
 
 def get_transport(device: torch.device) -> Transport:
-    """The transport of ``device``: CPU -> ``memfd`` (:mod:`.shm`), CUDA -> ``cuda_vmm`` (:mod:`.cuda_vmm`).
+    """The transport of ``device``: CPU -> ``memfd`` (:mod:`.memfd`), CUDA -> ``cuda_vmm`` (:mod:`.cuda_vmm`).
 
     Raises :class:`.transport.NoTransport` naming the device type for every other device, ROCm included (HIP has
     the same VMM API, but :mod:`.cuda_vmm` binds ``libcuda``)."""
     if device.type == "cpu":
-        from .shm import MemfdTransport
+        from .memfd import MemfdTransport
 
         return MemfdTransport()
     if device.type == "cuda":

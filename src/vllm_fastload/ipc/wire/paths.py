@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from ..errors import FastloadError, SocketDirError
+from ...errors import FastloadError, SocketDirError
 
 
 def default_socket_dir() -> Path:

@@ -1,6 +1,6 @@
 """Where each exported tensor lives inside a rank's one export buffer, and the checksum samples that prove it.
 
-Transport-neutral: the buffer is a flat ``torch.uint8`` tensor, in host shared memory (memfd, :mod:`.shm`) or in
+Transport-neutral: the buffer is a flat ``torch.uint8`` tensor, in host shared memory (memfd, :mod:`.memfd`) or in
 device memory (CUDA VMM, :mod:`.cuda_vmm`); the one device-specific step, reading sample windows to the host, is
 the transport's (:meth:`.transport.Transport.read_windows`). Both daemon and engine use these functions, so the
 layout and the checksum are computed by one piece of code.
@@ -19,7 +19,7 @@ from typing import Any, Optional
 
 import torch
 
-from ..errors import ManifestError
+from ...errors import ManifestError
 
 #: Byte alignment of every tensor in the buffer (cudaMalloc's guarantee is 256 bytes).
 ALIGN = 256

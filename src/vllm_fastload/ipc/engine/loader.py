@@ -16,12 +16,12 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from ..config import IpcCacheConfig
-from ..errors import CheckpointError, FastloadError
-from ..fallback import default_loader, fall_back_on
-from ..heap import freeze_for_load
-from ..log import logger
-from ..report import LoadReport
+from ...config import IpcCacheConfig
+from ...errors import CheckpointError, FastloadError
+from ...fallback import default_loader, fall_back_on
+from ...heap import freeze_for_load
+from ...log import logger
+from ...report import LoadReport
 from .mapping import LOAD_FORMAT, ChecksumMismatch, engine_device, map_model
 from .reload import checkpoint_loader
 
@@ -101,7 +101,7 @@ class IpcCacheLoader(BaseModelLoader):
         :class:`~vllm_fastload.errors.SocketDirError` when the socket directory cannot be used."""
         from vllm.platforms import current_platform
 
-        from .paths import ENGINE_KEY, device_identity, ensure_socket_dir, socket_dir_spec, socket_path
+        from ..wire.paths import ENGINE_KEY, device_identity, ensure_socket_dir, socket_dir_spec, socket_path
 
         if self.config.socket_path:
             self.socket_origin = 'from "socket_path" in --model-loader-extra-config'

@@ -30,7 +30,7 @@ import threading
 import time
 from typing import Any, Optional
 
-from ..errors import FastloadError
+from ...errors import FastloadError
 
 #: The version both sides must speak (:func:`.messages.check_version`); raised whenever a message changes in a way
 #: the other side would refuse or misread (3: the manifest's ``reprocess`` names processing units and ``objects``

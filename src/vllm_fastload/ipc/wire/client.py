@@ -11,13 +11,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from ..errors import CacheUnavailable, FastloadError, SocketDirError, UntrustedPeer
-from ..log import logger
+from ...errors import CacheUnavailable, FastloadError, SocketDirError, UntrustedPeer
+from ...log import logger
 from . import messages, protocol
-from .backends import open_segment
+from ..memory.backends import open_segment
 from .messages import MessageError, parse_reply, to_frame
 from .paths import ENGINE_KEY, SocketDir, SocketDirSpec, upstream_sockets
-from .transport import Segment
+from ..memory.transport import Segment
 
 __all__ = ["CacheUnavailable", "FingerprintMismatch", "Lease", "connect", "fetch", "status_of"]
 

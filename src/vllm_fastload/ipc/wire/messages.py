@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
-from ..fingerprint import Fingerprint
+from ...fingerprint import Fingerprint
 from .protocol import PROTOCOL_VERSION, ProtocolError
 
 Mode = Literal["zero_copy", "copy"]

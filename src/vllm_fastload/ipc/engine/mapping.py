@@ -22,14 +22,14 @@ import gc
 import time
 from typing import Any, Iterator, Optional
 
-from ..config import IpcCacheConfig
-from ..errors import CacheUnavailable
-from ..log import logger
-from ..report import LoadReport
-from .backends import get_transport
-from .client import Lease, fetch
-from .messages import Manifest
-from .transport import Transport
+from ...config import IpcCacheConfig
+from ...errors import CacheUnavailable
+from ...log import logger
+from ...report import LoadReport
+from ..memory.backends import get_transport
+from ..wire.client import Lease, fetch
+from ..wire.messages import Manifest
+from ..memory.transport import Transport
 
 LOAD_FORMAT = "ipc_cache"
 #: Leases (connection + mapping) of zero_copy loads and their transports: they must live as long as the process
@@ -153,7 +153,7 @@ def map_model(vllm_config: Any, model_config: Any, prefix: str, path: str, confi
 
 def _fingerprint(vllm_config: Any, model_config: Any) -> tuple[Any, Any]:
     """``(shard plan, fingerprint)`` of what this engine would load (the same as ``runai_streamer`` reads)."""
-    from ..fingerprint import of_model
+    from ...fingerprint import of_model
 
     return of_model(model_config, vllm_config)
 
@@ -184,7 +184,7 @@ def _verify(lease: Lease, path: str) -> None:
     """Check every tensor's checksum sample in the mapped segment against the manifest, before anything is built
     (a corrupt daemon must not leave a half-built model behind). Raises :class:`ChecksumMismatch` naming the
     first tensor that differs, :class:`~vllm_fastload.errors.ManifestError` for an entry outside the segment."""
-    from .layout import sample_checksums
+    from ..memory.layout import sample_checksums
 
     entries = lease.manifest.tensors
     crcs = sample_checksums(lease.segment.buf, entries)
@@ -208,7 +208,7 @@ def _build_model(vllm_config: Any, model_config: Any, prefix: str) -> Any:
 def _view_tensors(lease: Lease, mode: str) -> dict[str, tuple[str, Any]]:
     """name -> ``(kind, tensor)``: views into the segment (``zero_copy``) or clones of them (``copy``). Raises
     :class:`~vllm_fastload.errors.ManifestError` naming an entry that does not fit the segment."""
-    from .layout import views
+    from ..memory.layout import views
 
     entries = lease.manifest.tensors
     mapped = views(lease.segment.buf, entries)
@@ -220,7 +220,7 @@ def _view_tensors(lease: Lease, mode: str) -> dict[str, tuple[str, Any]]:
 def _apply_entries(model: Any, tensors: dict[str, tuple[str, Any]], manifest: Manifest) -> None:
     """Install ``tensors``, the aliases and the attributes of ``manifest`` into the skeleton ``model``
     (:func:`.state.install`, whose :class:`.state.InstallError` it raises)."""
-    from .state import install
+    from ..memory.state import install
 
     install(model, tensors, manifest.aliases, manifest.reprocess, manifest.attrs, manifest.object_attrs)
 
@@ -238,7 +238,7 @@ def _reprocess(model: Any, manifest: Manifest, model_config: Any, transport: Tra
     device is done (copies in ``copy`` mode included), then audit the model (:func:`.state.audit`: no meta tensor
     left, every object the daemon's post-processing bound bound again), whose :class:`.state.InstallError` it
     raises: the fallback policy's case, not an engine that dies at its first forward."""
-    from .state import audit, reprocess_modules
+    from ..memory.state import audit, reprocess_modules
 
     reprocess_modules(model, manifest.reprocess, model_config)
     transport.synchronize(device)

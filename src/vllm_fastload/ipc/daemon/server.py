@@ -15,11 +15,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from ..errors import FastloadError
-from ..log import logger
-from . import messages, protocol
-from .paths import SocketDir, SocketDirSpec, file_kind
-from .transport import Segment
+from ...errors import FastloadError
+from ...log import logger
+from ..wire import messages, protocol
+from ..wire.paths import SocketDir, SocketDirSpec, file_kind
+from ..memory.transport import Segment
 
 
 @dataclass
@@ -314,7 +314,7 @@ class RankServer:
 
     def _hello(self, conn: socket.socket, msg: "messages.Hello") -> bool:
         """Answer a valid hello with the manifest (True) or an error (False)."""
-        from ..fingerprint import Fingerprint
+        from ...fingerprint import Fingerprint
 
         st = self.state
         if not st.ready.is_set():

@@ -39,7 +39,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..errors import CacheUnavailable, FastloadError, ManifestError
+from ...errors import CacheUnavailable, FastloadError, ManifestError
 
 _PLAIN = (int, float, str, bool, type(None), torch.dtype, torch.device)
 

@@ -27,8 +27,8 @@ import ctypes
 import os
 from typing import Any, Optional
 
-from ..errors import FastloadError, ManifestError
-from .messages import SegmentMeta
+from ...errors import FastloadError, ManifestError
+from ..wire.messages import SegmentMeta
 from .transport import Segment, Transport
 
 CU_MEM_ALLOCATION_TYPE_PINNED = 1
@@ -282,7 +282,7 @@ class CudaVmmTransport(Transport):
 
     def describe(self, segment: Segment, device: Any) -> SegmentMeta:
         """The segment's size and transport, and the GPU it lives on (so an engine of another GPU refuses it)."""
-        from .paths import device_identity
+        from ..wire.paths import device_identity
 
         return SegmentMeta(size=segment.size, transport=self.name,
                            device=device_identity("cuda", self.resolve(device).index))
@@ -291,7 +291,7 @@ class CudaVmmTransport(Transport):
         """Import and map the allocation (closes ``fd``). Raises :class:`~vllm_fastload.errors.ManifestError` when
         it is not a VMM segment or lives on another GPU than ``device``; :class:`CudaVmmError` when a driver call
         fails."""
-        from .paths import device_identity
+        from ..wire.paths import device_identity
 
         self.check(fd, meta, device)
         index = self.resolve(device).index

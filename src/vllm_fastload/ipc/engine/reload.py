@@ -24,8 +24,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Iterable, Optional
 
-from ..errors import FastloadError
-from ..log import logger
+from ...errors import FastloadError
+from ...log import logger
 
 
 class ReloadRefused(FastloadError):
@@ -107,8 +107,8 @@ def checkpoint_loader(load_config: Any, config: Any, *, for_reload: bool = True)
     share (``fallback``, ``report_path``, ``expected_content_digest``; ``report_path`` not for a fallback: the
     ipc_cache loader writes that report). Raises :class:`~vllm_fastload.errors.ConfigError` only if the shared
     keys were invalid."""
-    from ..config import StreamerConfig
-    from ..streaming.loader import RunaiStreamerLoader
+    from ...config import StreamerConfig
+    from ...streaming.loader import RunaiStreamerLoader
 
     shared = {k: getattr(config, k) for k in StreamerConfig.model_fields.keys() & type(config).model_fields.keys()}
     if for_reload:

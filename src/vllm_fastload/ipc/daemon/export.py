@@ -1,6 +1,6 @@
 """Build and export one rank's model: load it exactly as the engine will, post-process, pack.
 
-The daemon's rank process (:mod:`.daemon`) calls :func:`build_and_export` once; the result (a segment and its
+The daemon's rank process (:mod:`.main`) calls :func:`build_and_export` once; the result (a segment and its
 manifest) is what :mod:`.server` serves. What a model holds and how it is split into exported tensors and
 re-processed modules: :mod:`.state`; where each tensor sits in the segment: :mod:`.layout`.
 """
@@ -10,13 +10,13 @@ from __future__ import annotations
 import time
 from typing import Any, Optional
 
-from ..errors import FastloadError
-from ..log import logger
-from . import protocol
-from .backends import get_transport
-from .layout import fill, plan, sample_checksums
-from .messages import Manifest, TensorEntry
-from .transport import Segment
+from ...errors import FastloadError
+from ...log import logger
+from ..wire import protocol
+from ..memory.backends import get_transport
+from ..memory.layout import fill, plan, sample_checksums
+from ..wire.messages import Manifest, TensorEntry
+from ..memory.transport import Segment
 
 
 def finish_online_quantization(model: Any, model_config: Any) -> bool:
@@ -83,8 +83,8 @@ def build_and_export(vllm_config: Any, local_rank: int, rank: int, world_size: i
     from vllm.platforms import current_platform
     from vllm.utils.torch_utils import set_default_torch_dtype
 
-    from ..fingerprint import of_model
-    from .state import collect, object_states, snapshot
+    from ...fingerprint import of_model
+    from ..memory.state import collect, object_states, snapshot
 
     t0 = time.perf_counter()
     pc = vllm_config.parallel_config

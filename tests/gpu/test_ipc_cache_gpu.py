@@ -36,7 +36,7 @@ from tests.gpu.zoo_cuda import zoo  # noqa: E402
 
 from vllm_fastload.ipc.wire.client import status_of  # noqa: E402
 from vllm_fastload.ipc.memory.layout import sample_checksums, view_at  # noqa: E402
-from vllm_fastload.ipc.memory.backends import open_segment  # noqa: E402
+from vllm_fastload.ipc.memory.cuda_vmm import CudaVmmTransport  # noqa: E402
 from vllm_fastload.ipc.memory.layout import Placement  # noqa: E402
 from vllm_fastload.ipc.wire.messages import SegmentMeta, TensorEntry  # noqa: E402
 from vllm_fastload.servers import PreloadDaemon  # noqa: E402
@@ -79,7 +79,7 @@ def test_vmm_transport_across_processes_and_exporter_sigkill(expandable):
         data, fds, _, _ = socket.recv_fds(mine, 1 << 20, 1)
         assert fds, p.stderr.read() if p.poll() is not None else "no fd received"
         msg = json.loads(data.decode())
-        seg = open_segment(fds[0], SegmentMeta(**msg["meta"]), torch.device("cuda", 0))
+        seg = CudaVmmTransport().open(fds[0], SegmentMeta(**msg["meta"]), torch.device("cuda", 0))
         want = zoo()
         entries = {k: TensorEntry(**e) for k, e in msg["entries"].items()}
         crcs = sample_checksums(seg.buf, entries)

@@ -57,8 +57,7 @@ def make_state(path, fp: Fingerprint, tensors: dict[str, torch.Tensor]) -> RankS
 
 def serve(path: str, limits: Limits, health_port: int = 0) -> None:
     acquire(Path(path))  # the lock fd stays open for the process's life
-    srv = RankServer(make_state(path, fingerprint(), weights()), path, None, limits.max_connections,
-                     limits.idle_timeout_s, limits.attach_timeout_s)
+    srv = RankServer(make_state(path, fingerprint(), weights()), path, None, limits)
     srv.bind()
     if health_port:
         start_health_server("127.0.0.1", health_port, [path], limits)

@@ -13,7 +13,7 @@ import pytest
 
 from tests.conftest import make_fingerprint
 from vllm_fastload.errors import CacheUnavailable
-from vllm_fastload.ipc.wire.client import fetch
+from vllm_fastload.ipc.engine.mapping import fetch
 
 
 def upstream_daemon(path):

@@ -29,9 +29,10 @@ from tests.unit.test_ipc_faults import fake_daemon, thread_errors, wait_for  # n
 from vllm_fastload import cli  # noqa: F401 (imported before a child drops to a uid that cannot read the stdlib)
 from vllm_fastload.errors import SocketDirError, UntrustedPeer
 from vllm_fastload.ipc.wire import protocol
-from vllm_fastload.ipc.wire.client import CacheUnavailable, connect, fetch, status_of
+from vllm_fastload.ipc.engine.mapping import fetch
+from vllm_fastload.ipc.wire.client import CacheUnavailable, connect, status_of
 from vllm_fastload.ipc.daemon.health import metrics_text
-from vllm_fastload.ipc.daemon.server import RankServer, acquire
+from vllm_fastload.ipc.daemon.server import Limits, RankServer, acquire
 from vllm_fastload.ipc.memory.layout import view_at
 from vllm_fastload.ipc.wire.messages import StatusReply, to_frame
 from vllm_fastload.ipc.wire.paths import ENGINE_KEY, SocketDir, ensure_socket_dir, socket_dir_spec
@@ -57,9 +58,9 @@ def shared_tmp():
 
 @contextlib.contextmanager
 def server(path: Path, **limits):
-    """The real RankServer of fake weights on ``path`` in this process, with ``limits`` (RankServer's keywords)."""
+    """The real RankServer of fake weights on ``path`` in this process, with ``limits`` (:class:`Limits` fields)."""
     lock = acquire(path)
-    srv = RankServer(make_state(path, fingerprint(), weights()), path, **limits)
+    srv = RankServer(make_state(path, fingerprint(), weights()), path, limits=Limits(**limits))
     srv.bind()
     t = threading.Thread(target=srv.serve_forever, daemon=True)
     t.start()
@@ -207,7 +208,7 @@ def test_a_flipping_symlinked_socket_dir_never_hands_the_engine_forged_weights(s
             # guard 1: the socket dir is never followed through a link, on either side
             for _ in range(30):
                 with pytest.raises(SocketDirError) as e:
-                    fetch(str(link / name), FP, 2, 5, origin=socket_dir_spec(str(link), ENGINE_KEY).origin)
+                    fetch(str(link / name), FP, 2, 5, spec=socket_dir_spec(str(link), ENGINE_KEY))
                 assert f"socket dir {link} (from {ENGINE_KEY}) is a symbolic link (to " in str(e.value)
                 assert "link owned by uid 65534" in str(e.value) and "forged weights" in str(e.value)
             with pytest.raises(SocketDirError, match=f"socket dir {link} \\(from --weight-cache-socket-dir\\) is a "

@@ -12,7 +12,8 @@ import torch
 from tests.conftest import make_fingerprint as fingerprint, unix_listener
 from tests.unit.ipc_fake_daemon import make_state
 from vllm_fastload.ipc.wire import protocol
-from vllm_fastload.ipc.wire.client import CacheUnavailable, FingerprintMismatch, fetch, status_of
+from vllm_fastload.ipc.engine.mapping import fetch
+from vllm_fastload.ipc.wire.client import CacheUnavailable, FingerprintMismatch, status_of
 from vllm_fastload.ipc.daemon.server import RankServer, acquire
 from vllm_fastload.ipc.memory.layout import view_at
 from vllm_fastload.errors import FastloadError

@@ -107,7 +107,7 @@ def test_with_the_real_device_recorded_a_zero_copy_cpu_reload_is_private_to_the_
     assert {layerwise.get_layerwise_info(m).restore_device for m in model.modules()} == {CPU}
     # memfd is mapped copy-on-write: a reload may write, the writes stay in this process
     assert not MemfdTransport.shares_writes
-    assert shared_write_segments(model, [(types.SimpleNamespace(segment=engine_seg, path="s"), MemfdTransport())]) == []
+    assert shared_write_segments(model, [leased(types.SimpleNamespace(segment=engine_seg, path="s"), MemfdTransport())]) == []
     inplace.reload_weights(vllm_config(), model, iter(new_weights()), None, True)
     assert torch.equal(model.proj.weight, torch.full((3, 4), 7.0)) and torch.equal(model.norm.weight, torch.full((3,), 2.0))
     assert model.proj.weight.data_ptr() == mapped_ptr  # written in place (CUDA graphs keep their addresses)
@@ -138,6 +138,11 @@ class SharedWrites(Transport):
     shares_writes = True
 
 
+def leased(lease, transport):
+    """A zero_copy lease as :func:`.mapping.zero_copy_leases` lists it: its segment, socket path and transport."""
+    return types.SimpleNamespace(segment=lease.segment, path=lease.path, transport=transport)
+
+
 def shared_model():
     """A model whose parameters view the daemon's own MAP_SHARED segment, as a CUDA zero_copy engine's do."""
     daemon_seg, entries = pack(originals())
@@ -158,7 +163,7 @@ def test_a_zero_copy_reload_on_a_shares_writes_transport_is_refused_before_the_m
     model, daemon_seg, lease = shared_model()
     before = daemon_bytes(daemon_seg)
     params = {k: v for k, v in model.named_parameters()}
-    monkeypatch.setattr(mapping, "_LEASES", [(lease, SharedWrites())])
+    monkeypatch.setattr(mapping, "_LEASES", [leased(lease, SharedWrites())])
     loader = IpcCacheLoader(LoadConfig(load_format="ipc_cache", model_loader_extra_config={}))
     monkeypatch.setattr(inplace, "get_model_loader", lambda load_config: loader)
     with pytest.raises(ReloadRefused, match=r"would write into the preload daemon's memory at "
@@ -174,14 +179,14 @@ def test_a_zero_copy_reload_on_a_shares_writes_transport_is_refused_before_the_m
 
 def test_the_decision_looks_at_the_models_own_tensors():
     model, daemon_seg, lease = shared_model()
-    assert shared_write_segments(model, [(lease, SharedWrites())]) == [lease.path]
-    assert shared_write_segments(model, [(lease, MemfdTransport())]) == []  # a private mapping
+    assert shared_write_segments(model, [leased(lease, SharedWrites())]) == [lease.path]
+    assert shared_write_segments(model, [leased(lease, MemfdTransport())]) == []  # a private mapping
     copy = skeleton()  # copy mode and fallback loads: the engine's own memory
     install(copy, {k: ("param", v.clone()) for k, v in views(daemon_seg.buf, pack(originals())[1]).items()}, {}, [])
-    assert shared_write_segments(copy, [(lease, SharedWrites())]) == []
-    refuse_shared_writes(copy, [(lease, SharedWrites())])  # raises nothing
+    assert shared_write_segments(copy, [leased(lease, SharedWrites())]) == []
+    refuse_shared_writes(copy, [leased(lease, SharedWrites())])  # raises nothing
     gone = types.SimpleNamespace(segment=types.SimpleNamespace(buf=None, size=0), path="p")
-    assert shared_write_segments(model, [(gone, SharedWrites())]) == []
+    assert shared_write_segments(model, [leased(gone, SharedWrites())]) == []
     daemon_seg.close()
 
 

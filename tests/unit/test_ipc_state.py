@@ -11,7 +11,6 @@ pytest.importorskip("vllm")
 from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase  # noqa: E402
 
 from vllm_fastload.ipc.memory.layout import sample_checksums, view_at, views  # noqa: E402
-from vllm_fastload.ipc.memory.backends import open_segment  # noqa: E402
 from vllm_fastload.ipc.daemon.export import pack  # noqa: E402
 from vllm_fastload.ipc.memory.memfd import MemfdTransport  # noqa: E402
 from vllm_fastload.ipc.memory.state import (  # noqa: E402
@@ -77,7 +76,8 @@ def transported(exp):
     seg, entries = pack({k: t for k, (_, t) in exp.tensors.items()})
     import os
 
-    mapped = open_segment(os.dup(seg.fd), MemfdTransport().describe(seg, torch.device("cpu")), torch.device("cpu"))
+    cpu = torch.device("cpu")
+    mapped = MemfdTransport().open(os.dup(seg.fd), MemfdTransport().describe(seg, cpu), cpu)
     crcs = sample_checksums(mapped.buf, entries)
     out = {}
     for k, e in entries.items():

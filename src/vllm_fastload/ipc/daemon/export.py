@@ -16,7 +16,7 @@ from ..wire import protocol
 from ..memory.backends import get_transport
 from ..memory.layout import fill, plan, sample_checksums
 from ..wire.messages import Manifest, TensorEntry
-from ..memory.transport import Segment
+from ..memory.transport import Segment, Transport
 
 
 def finish_online_quantization(model: Any, model_config: Any) -> bool:
@@ -46,9 +46,10 @@ def rank_loader(load_config: Any) -> Any:
     return get_model_loader(load_config)
 
 
-def pack(tensors: dict[str, Any], device: Any = None, kinds: Optional[dict[str, str]] = None
-         ) -> tuple[Segment, dict[str, TensorEntry]]:
-    """Copy ``tensors`` (name -> ``torch.Tensor``) into one new segment of ``device``'s transport (default CPU).
+def pack(tensors: dict[str, Any], device: Any = None, kinds: Optional[dict[str, str]] = None,
+         transport: Optional[Transport] = None) -> tuple[Segment, dict[str, TensorEntry]]:
+    """Copy ``tensors`` (name -> ``torch.Tensor``) into one new segment on ``device`` (default CPU) made by
+    ``transport`` (default: the device's).
 
     Returns the segment and, per name, its manifest entry: the :func:`.layout.plan` placement, the checksum
     sample of the copied bytes and its ``kind`` from ``kinds`` (default ``"param"``). Raises
@@ -58,9 +59,10 @@ def pack(tensors: dict[str, Any], device: Any = None, kinds: Optional[dict[str, 
 
     device = torch.device("cpu") if device is None else device
     placements, size = plan(tensors)
-    segment = get_transport(device).allocate(size, device)
+    transport = transport or get_transport(device)
+    segment = transport.allocate(size, device)
     fill(segment.buf, tensors, placements)
-    crcs = sample_checksums(segment.buf, placements)
+    crcs = sample_checksums(segment.buf, placements, transport)
     kinds = kinds or {}
     # fields copied by hand: dataclasses.asdict deep-copies every list, a cost per tensor that showed at 20k tensors
     return segment, {k: TensorEntry(dtype=p.dtype, shape=p.shape, stride=p.stride, offset=p.offset, nbytes=p.nbytes,
@@ -117,7 +119,7 @@ def build_and_export(vllm_config: Any, local_rank: int, rank: int, world_size: i
         device = transport.resolve(device)
         # One export buffer per rank (one fd, one device allocation): engines open one handle and build every
         # tensor by offset. Peak memory during the copy is twice the weights; the model is freed right after.
-        segment, entries = pack(tensors, device, {k: kind for k, (kind, _) in exp.tensors.items()})
+        segment, entries = pack(tensors, device, {k: kind for k, (kind, _) in exp.tensors.items()}, transport)
         del model, snap, tensors
         exp.tensors.clear()
         transport.free_cached(device)

@@ -47,7 +47,7 @@ def serve_rank(vllm_config: Any, local_rank: int, rank: int, world_size: int, in
         raise
     state = RankState(fingerprint={}, segment=None, manifest=None, model=vllm_config.model_config.model,
                       device=identity, socket=str(path), load_s=0.0, nbytes=0, loading=True)
-    server = RankServer(state, path, sdir, limits.max_connections, limits.idle_timeout_s, limits.attach_timeout_s)
+    server = RankServer(state, path, sdir, limits)
     stopping = threading.Event()
 
     def on_signal(signum: int, _frame: Any) -> None:

@@ -69,15 +69,15 @@ def _model_tensors(model: Any) -> Iterable[Any]:
     yield from model.buffers()
 
 
-def shared_write_segments(model: Any, leases: Iterable[tuple[Any, Any]]) -> list[str]:
-    """The daemon sockets of ``leases`` (``(Lease, Transport)`` of zero_copy loads) whose transport shares writes
+def shared_write_segments(model: Any, leases: Iterable[Any]) -> list[str]:
+    """The daemon sockets of ``leases`` (:class:`.mapping.MappedLease` of zero_copy loads) whose transport shares writes
     (:attr:`.transport.Transport.shares_writes`) and whose segment holds a tensor of ``model``: a write into one of
     ``model``'s tensors could reach that daemon. Empty when the model serves from its own memory (copy mode, a
     fallback load, a private mapping)."""
     hits = []
     ranges = [r for r in map(_storage_range, _model_tensors(model)) if r is not None]
-    for lease, transport in leases:
-        if not transport.shares_writes or lease.segment.buf is None:
+    for lease in leases:
+        if not lease.transport.shares_writes or lease.segment.buf is None:
             continue
         seg = lease.segment.buf
         kind, lo, hi = seg.device.type, seg.data_ptr(), seg.data_ptr() + lease.segment.size
@@ -86,7 +86,7 @@ def shared_write_segments(model: Any, leases: Iterable[tuple[Any, Any]]) -> list
     return hits
 
 
-def refuse_shared_writes(model: Any, leases: Iterable[tuple[Any, Any]]) -> None:
+def refuse_shared_writes(model: Any, leases: Iterable[Any]) -> None:
     """Raise :class:`ReloadRefused` when reloading ``model`` in place would write into a daemon's memory
     (:func:`shared_write_segments` of ``leases``). Called before vLLM touches the model."""
     paths = shared_write_segments(model, leases)

@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-from ..wire.messages import SegmentMeta
-from .transport import NoTransport, Segment, Transport
+from .transport import NoTransport, Transport
 
 
 def get_transport(device: torch.device) -> Transport:
@@ -28,14 +25,3 @@ def get_transport(device: torch.device) -> Transport:
         return CudaVmmTransport()
     raise NoTransport(f"ipc_cache has no transport for {device.type} devices (CPU and CUDA only)")
 
-
-def open_segment(fd: int, meta: SegmentMeta, device: torch.device) -> Segment:
-    """Map the received segment ``meta`` describes on ``device`` through the device's transport (closes ``fd``).
-    Raises :class:`~vllm_fastload.errors.ManifestError` when the segment does not fit the device, and
-    :class:`.transport.NoTransport` for a device without a transport (``fd`` closed as well)."""
-    try:
-        transport = get_transport(device)
-    except NoTransport:
-        os.close(fd)
-        raise
-    return transport.open(fd, meta, device)

@@ -220,11 +220,18 @@ def ensure_socket_dir(path: Optional[str], create: bool = True, override: str = 
     ``create``. Raises :class:`~vllm_fastload.errors.SocketDirError` (see :meth:`SocketDir.open`) when it cannot be
     used; a directory that does not exist is returned as is when not ``create`` (no daemon made it yet)."""
     spec = socket_dir_spec(path, override)
+    check_socket_dir(spec, create)
+    return spec.path
+
+
+def check_socket_dir(spec: SocketDirSpec, create: bool = True) -> None:
+    """Check (and with ``create``, make 0700) the socket directory ``spec`` names. Raises
+    :class:`~vllm_fastload.errors.SocketDirError` (see :meth:`SocketDir.open`) when it cannot be used; a directory
+    that does not exist passes when not ``create`` (no daemon made it yet)."""
     try:
         SocketDir.open(spec, create).close()
     except FileNotFoundError:
         pass
-    return spec.path
 
 
 def device_identity(device_type: str, local_rank: int) -> str:

@@ -173,7 +173,8 @@ def parse_header(path: str, raw: bytes, header_len: int, file_size: Optional[int
                 f"expected {pos}); the file is not a valid safetensors file"
             )
         if t.begin < pos and t.nbytes:
-            raise CheckpointError(f"{path}: tensor {t.name!r} overlaps the previous tensor (starts at {t.begin} < {pos})")
+            raise CheckpointError(
+                f"{path}: tensor {t.name!r} overlaps the previous tensor (starts at {t.begin} < {pos})")
         if t.begin < pos:
             raise CheckpointError(
                 f"{path}: tensor {t.name!r} has zero elements but its data_offsets {[t.begin, t.end]} lie inside "
@@ -464,8 +465,8 @@ def resolve_duplicates(plan: ShardPlan, headers: list[SafetensorsHeader]) -> Che
         if plan.index is None:
             why = (f"no safetensors index ({SAFE_INDEX}) says which copy to load (loading both, the last copy "
                    f"read would win, in an order that depends on the reader)")
-            fix = (f"remove the file(s) that do not belong to the model, or add an index whose weight_map assigns "
-                   f"each tensor to one shard")
+            fix = ("remove the file(s) that do not belong to the model, or add an index whose weight_map assigns "
+                   "each tensor to one shard")
         else:
             said = f"assigns it to {wm[name]}" if name in wm else "does not list it"
             why = f"{plan.index} {said}"

@@ -136,10 +136,9 @@ def _preload_help() -> int:
 
 def _status(args: argparse.Namespace) -> int:
     import os
-
-    from .ipc.wire.client import status_of
     import stat
 
+    from .ipc.wire.client import status_of
     from .ipc.wire.paths import SocketDir, file_kind, socket_dir_spec
 
     spec = socket_dir_spec(args.weight_cache_socket_dir)

@@ -16,9 +16,8 @@ from typing import Any, ClassVar, Literal, Optional, Union
 
 from pydantic import BaseModel, ByteSize, ConfigDict, Field, TypeAdapter, ValidationError, field_validator
 
-from .log import logger
 from .errors import ConfigError
-
+from .log import logger
 
 _BYTESIZE = TypeAdapter(ByteSize)
 
@@ -155,7 +154,7 @@ class _LoaderConfig(BaseModel):
         return extra.get("allowed", "") if isinstance(extra, dict) else ""
 
     @classmethod
-    def from_extra(cls, extra: Optional[dict[str, Any]]) -> "_LoaderConfig":
+    def from_extra(cls, extra: Optional[dict[str, Any]]) -> _LoaderConfig:
         """Validate ``load_config.model_loader_extra_config`` (a dict, or None = all defaults).
 
         Raises :class:`ConfigError` naming the key, the value and the allowed form.

@@ -43,7 +43,8 @@ def test_page_locked_copies_asynchronously_and_unregisters(monkeypatch):
 
     unregistered = []
     real = hostmem._unregister
-    monkeypatch.setattr(hostmem, "_unregister", lambda ptr, device, keep: unregistered.append((ptr, device)) or real(ptr, device, keep))
+    monkeypatch.setattr(hostmem, "_unregister",
+                        lambda ptr, device, keep: unregistered.append((ptr, device)) or real(ptr, device, keep))
     t = page_locked(64 * 2**20)
     assert t.is_pinned()
     t.copy_(torch.arange(t.numel(), dtype=torch.int64).to(torch.uint8))

@@ -22,14 +22,15 @@ from pathlib import Path
 
 import torch
 
-from tests.conftest import make_fingerprint as fingerprint, unix_listener  # importers use `fingerprint` from here
+from tests.conftest import make_fingerprint as fingerprint  # importers use `fingerprint` from here
+from tests.conftest import unix_listener
 from vllm_fastload.fingerprint import Fingerprint
-from vllm_fastload.ipc.wire import protocol
-from vllm_fastload.ipc.daemon.health import start_health_server
 from vllm_fastload.ipc.daemon.export import pack
-from vllm_fastload.ipc.wire.messages import Manifest, SegmentMeta, to_frame
-from vllm_fastload.ipc.memory.memfd import MemfdTransport
+from vllm_fastload.ipc.daemon.health import start_health_server
 from vllm_fastload.ipc.daemon.server import Limits, RankServer, RankState, acquire
+from vllm_fastload.ipc.memory.memfd import MemfdTransport
+from vllm_fastload.ipc.wire import protocol
+from vllm_fastload.ipc.wire.messages import Manifest, SegmentMeta, to_frame
 
 
 def weights(n_extra: int = 0) -> dict[str, torch.Tensor]:

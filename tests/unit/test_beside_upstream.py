@@ -64,7 +64,7 @@ def test_only_an_upstream_socket_beside_ours_is_named_with_the_command(short_tmp
     finally:
         up.close()
     msg = str(e.value)
-    assert f"found 1 socket(s) of vLLM's own weight-cache daemon (`vllm preload`" in msg
+    assert "found 1 socket(s) of vLLM's own weight-cache daemon (`vllm preload`" in msg
     assert str(theirs / "vllm_weight_cache_0123abcd.sock") in msg
     assert "run `vllm-fastload preload <same engine args>` instead of `vllm preload`" in msg and "VLLM_PLUGINS" in msg
 

@@ -81,7 +81,8 @@ def test_ipc_cache_load_freezes_the_heap_unless_told_not_to(thawed, setup, monke
     stub = types.SimpleNamespace(load_config=types.SimpleNamespace(load_format="auto"),
                                  load_model=lambda **kw: "disk")
     # the fallback's disk load (our runai_streamer) stands in
-    monkeypatch.setattr("vllm_fastload.streaming.loader.RunaiStreamerLoader.load_model", lambda self, **kw: stub.load_model(**kw))
+    monkeypatch.setattr("vllm_fastload.streaming.loader.RunaiStreamerLoader.load_model",
+                        lambda self, **kw: stub.load_model(**kw))
     parallel(monkeypatch, 2, 1)  # a fingerprint mismatch: the load falls back, the heap was frozen at its start
     assert ipc_loader(srv.path, freeze_gc=freeze).load_model(vllm_config, model_config) == "disk"
     assert (gc.get_freeze_count() > 0) is freeze
@@ -115,7 +116,8 @@ def test_a_failed_mapping_frees_its_skeleton_and_clones_before_the_fallback_load
     monkeypatch.setattr("vllm_fastload.ipc.engine.mapping._apply_entries", apply)
     stub = types.SimpleNamespace(load_config=types.SimpleNamespace(load_format="auto"), load_model=disk)
     # the fallback's disk load (our runai_streamer) stands in
-    monkeypatch.setattr("vllm_fastload.streaming.loader.RunaiStreamerLoader.load_model", lambda self, **kw: stub.load_model(**kw))
+    monkeypatch.setattr("vllm_fastload.streaming.loader.RunaiStreamerLoader.load_model",
+                        lambda self, **kw: stub.load_model(**kw))
     parallel(monkeypatch, 1, 0)
     gc.disable()  # only reference counting frees anything now
     try:

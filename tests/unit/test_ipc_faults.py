@@ -21,11 +21,11 @@ import torch
 from tests.conftest import unix_listener
 from tests.unit.ipc_fake_daemon import fingerprint, make_state, weights
 from vllm_fastload.errors import FastloadError
-from vllm_fastload.ipc.wire import protocol
-from vllm_fastload.ipc.engine.mapping import fetch
-from vllm_fastload.ipc.wire.client import CacheUnavailable, status_of
 from vllm_fastload.ipc.daemon.server import RankServer, acquire
+from vllm_fastload.ipc.engine.mapping import fetch
 from vllm_fastload.ipc.memory.layout import view_at
+from vllm_fastload.ipc.wire import protocol
+from vllm_fastload.ipc.wire.client import CacheUnavailable, status_of
 from vllm_fastload.ipc.wire.messages import to_frame
 from vllm_fastload.servers import ManagedProcess
 

@@ -28,14 +28,14 @@ from tests.unit.ipc_fake_daemon import fingerprint, make_state, weights
 from tests.unit.test_ipc_faults import fake_daemon, thread_errors, wait_for  # noqa: F401 (fixtures)
 from vllm_fastload import cli  # noqa: F401 (imported before a child drops to a uid that cannot read the stdlib)
 from vllm_fastload.errors import SocketDirError, UntrustedPeer
-from vllm_fastload.ipc.wire import protocol
-from vllm_fastload.ipc.engine.mapping import fetch
-from vllm_fastload.ipc.wire.client import CacheUnavailable, connect, status_of
 from vllm_fastload.ipc.daemon.health import metrics_text
 from vllm_fastload.ipc.daemon.server import Limits, RankServer, acquire
+from vllm_fastload.ipc.engine.mapping import fetch
 from vllm_fastload.ipc.memory.layout import view_at
+from vllm_fastload.ipc.wire import protocol
+from vllm_fastload.ipc.wire.client import CacheUnavailable, connect, status_of
 from vllm_fastload.ipc.wire.messages import StatusReply, to_frame
-from vllm_fastload.ipc.wire.paths import ENGINE_KEY, SocketDir, ensure_socket_dir, socket_dir_spec
+from vllm_fastload.ipc.wire.paths import ENGINE_KEY, ensure_socket_dir, socket_dir_spec
 from vllm_fastload.servers import free_port
 
 FP = fingerprint().to_dict()
@@ -336,10 +336,12 @@ def test_a_runtime_dir_of_another_user_is_one_clear_error_with_distinct_status_c
     where = f"socket dir {d} (from $XDG_RUNTIME_DIR={runtime}) cannot be used by uid 65534: permission denied by " \
             f"{runtime} (owner uid 0, mode 700); set XDG_RUNTIME_DIR to this user's own runtime directory"
     assert out["status_rc"] == 2
-    assert out["status_err"].startswith(f"vllm-fastload status: error: {where}") and "Traceback" not in out["status_err"]
+    assert out["status_err"].startswith(f"vllm-fastload status: error: {where}")
+    assert "Traceback" not in out["status_err"]
     assert out["daemon"].startswith(where) and "(--weight-cache-socket-dir DIR)" in out["daemon"]
     assert out["engine"].startswith(where) and f"({ENGINE_KEY} DIR)" in out["engine"]
-    assert f"socket dir {d} (the directory of socket {d / 'x-target.sock'}) cannot be used by uid 65534" in out["connect"]
+    sock = d / "x-target.sock"
+    assert f"socket dir {d} (the directory of socket {sock}) cannot be used by uid 65534" in out["connect"]
     assert out["connect_s"] < 1
 
 
@@ -378,7 +380,8 @@ def test_the_engine_fallback_reason_names_the_socket_dir_and_its_setting(tmp_pat
         raise Stop
 
     monkeypatch.setattr("vllm_fastload.fallback.fall_back", fake_fall_back)
-    ld = ipc_loader.IpcCacheLoader(LoadConfig(load_format="ipc_cache", model_loader_extra_config={"socket_dir": str(d)}))
+    extra = {"socket_dir": str(d)}
+    ld = ipc_loader.IpcCacheLoader(LoadConfig(load_format="ipc_cache", model_loader_extra_config=extra))
     t = time.monotonic()
     with pytest.raises(Stop):
         ld.load_model(vllm_config=None, model_config=None)
@@ -683,7 +686,8 @@ def test_metrics_types_counters_and_gauges():
                      load_seconds=1.5, fingerprint_short="ab", model="/m", device="d", socket="s", fingerprint={},
                      client_modes=["zero_copy"], uptime_s=1.0, pid=1)
     text = metrics_text([st, None]).decode()
-    assert "# TYPE vllm_fastload_attaches_total counter" in text and 'vllm_fastload_attaches_total{rank="0"} 2.0' in text
+    assert "# TYPE vllm_fastload_attaches_total counter" in text
+    assert 'vllm_fastload_attaches_total{rank="0"} 2.0' in text
     assert "# TYPE vllm_fastload_fallbacks_seen_total counter" in text
     for gauge in ("tensors", "bytes", "attached_clients", "load_seconds", "ready"):
         assert f"# TYPE vllm_fastload_{gauge} gauge" in text

@@ -22,12 +22,17 @@ from vllm.config.load import LoadConfig  # noqa: E402
 from vllm.model_executor.model_loader.reload import inplace, layerwise  # noqa: E402
 from vllm.model_executor.model_loader.weight_utils import default_weight_loader  # noqa: E402
 
-from vllm_fastload.ipc.engine import mapping  # noqa: E402
 from vllm_fastload.ipc.daemon.export import pack  # noqa: E402
-from vllm_fastload.ipc.memory.layout import views  # noqa: E402
+from vllm_fastload.ipc.engine import mapping  # noqa: E402
 from vllm_fastload.ipc.engine.loader import IpcCacheLoader  # noqa: E402
 from vllm_fastload.ipc.engine.reload import (  # noqa: E402
-    ReloadRefused, checkpoint_loader, record_restore_device, refuse_shared_writes, shared_write_segments)
+    ReloadRefused,
+    checkpoint_loader,
+    record_restore_device,
+    refuse_shared_writes,
+    shared_write_segments,
+)
+from vllm_fastload.ipc.memory.layout import views  # noqa: E402
 from vllm_fastload.ipc.memory.memfd import MemfdTransport  # noqa: E402
 from vllm_fastload.ipc.memory.state import install  # noqa: E402
 from vllm_fastload.ipc.memory.transport import Transport  # noqa: E402
@@ -107,9 +112,11 @@ def test_with_the_real_device_recorded_a_zero_copy_cpu_reload_is_private_to_the_
     assert {layerwise.get_layerwise_info(m).restore_device for m in model.modules()} == {CPU}
     # memfd is mapped copy-on-write: a reload may write, the writes stay in this process
     assert not MemfdTransport.shares_writes
-    assert shared_write_segments(model, [leased(types.SimpleNamespace(segment=engine_seg, path="s"), MemfdTransport())]) == []
+    private = leased(types.SimpleNamespace(segment=engine_seg, path="s"), MemfdTransport())
+    assert shared_write_segments(model, [private]) == []
     inplace.reload_weights(vllm_config(), model, iter(new_weights()), None, True)
-    assert torch.equal(model.proj.weight, torch.full((3, 4), 7.0)) and torch.equal(model.norm.weight, torch.full((3,), 2.0))
+    assert torch.equal(model.proj.weight, torch.full((3, 4), 7.0))
+    assert torch.equal(model.norm.weight, torch.full((3,), 2.0))
     assert model.proj.weight.data_ptr() == mapped_ptr  # written in place (CUDA graphs keep their addresses)
     assert daemon_bytes(daemon_seg) == before  # the daemon's pages are untouched
     fresh = views(MemfdTransport().open(os.dup(daemon_seg.fd), MemfdTransport().describe(daemon_seg, CPU), CPU).buf,

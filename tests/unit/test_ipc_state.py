@@ -10,11 +10,10 @@ pytest.importorskip("vllm")
 
 from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase  # noqa: E402
 
-from vllm_fastload.ipc.memory.layout import sample_checksums, view_at, views  # noqa: E402
 from vllm_fastload.ipc.daemon.export import pack  # noqa: E402
+from vllm_fastload.ipc.memory.layout import sample_checksums, view_at, views  # noqa: E402
 from vllm_fastload.ipc.memory.memfd import MemfdTransport  # noqa: E402
-from vllm_fastload.ipc.memory.state import (  # noqa: E402
-    InstallError, collect, install, object_states, reprocess_modules, snapshot)
+from vllm_fastload.ipc.memory.state import InstallError, collect, install, object_states, reprocess_modules, snapshot  # noqa: E402
 
 
 class Packing(QuantizeMethodBase):

@@ -22,7 +22,8 @@ def test_entry_point_declared():
 
 
 def test_register_is_idempotent_and_replaces_builtin(caplog):
-    from vllm.model_executor.model_loader import _LOAD_FORMAT_TO_MODEL_LOADER as reg, get_model_loader
+    from vllm.model_executor.model_loader import _LOAD_FORMAT_TO_MODEL_LOADER as reg
+    from vllm.model_executor.model_loader import get_model_loader
 
     plugin.register()
     plugin.register()

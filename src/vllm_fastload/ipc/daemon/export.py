@@ -12,11 +12,11 @@ from typing import Any, Optional
 
 from ...errors import FastloadError
 from ...log import logger
-from ..wire import protocol
 from ..memory.backends import get_transport
 from ..memory.layout import fill, plan, sample_checksums
-from ..wire.messages import Manifest, TensorEntry
 from ..memory.transport import Segment, Transport
+from ..wire import protocol
+from ..wire.messages import Manifest, TensorEntry
 
 
 def finish_online_quantization(model: Any, model_config: Any) -> bool:
@@ -113,9 +113,9 @@ def build_and_export(vllm_config: Any, local_rank: int, rank: int, world_size: i
         tensors = {k: t for k, (_, t) in exp.tensors.items()}
         unloaded = [k for k, t in tensors.items() if t.device.type == "meta"]
         if unloaded:
-            raise FastloadError(f"{len(unloaded)} tensor(s) were never loaded in the daemon (still on the meta device), "
-                                f"e.g. {unloaded[0]!r}; this checkpoint/quantization is not supported by the preload "
-                                f"daemon yet — serve it with --load-format runai_streamer")
+            raise FastloadError(f"{len(unloaded)} tensor(s) were never loaded in the daemon (still on the meta "
+                                f"device), e.g. {unloaded[0]!r}; this checkpoint/quantization is not supported by the "
+                                f"preload daemon yet — serve it with --load-format runai_streamer")
         device = transport.resolve(device)
         # One export buffer per rank (one fd, one device allocation): engines open one handle and build every
         # tensor by offset. Peak memory during the copy is twice the weights; the model is freed right after.

@@ -17,9 +17,9 @@ from typing import Any, Optional
 
 from ...errors import FastloadError
 from ...log import logger
-from ..wire import messages, protocol
-from ..wire.paths import SocketDir, SocketDirSpec, file_kind
 from ..memory.transport import Segment
+from ..wire import messages, protocol
+from ..wire.paths import DAEMON_FLAG, SocketDir, SocketDirSpec, file_kind
 
 
 @dataclass
@@ -135,8 +135,7 @@ class RankServer:
     def __init__(self, state: RankState, path: Path, sdir: Optional[SocketDir] = None, limits: Limits = Limits()):
         self.state, self.path = state, Path(path)
         self._own_dir = sdir is None
-        self.sdir = sdir or SocketDir.open(SocketDirSpec(self.path.parent, "the directory of the socket",
-                                                         "--weight-cache-socket-dir"))
+        self.sdir = sdir or SocketDir.open(SocketDirSpec(self.path.parent, "the directory of the socket", DAEMON_FLAG))
         self.limits = limits
         self.sock: Optional[socket.socket] = None
         self.stop = threading.Event()
@@ -170,7 +169,7 @@ class RankServer:
         while not self.stop.is_set():
             try:
                 conn, _ = self.sock.accept()
-            except socket.timeout:
+            except TimeoutError:
                 continue
             except OSError as e:
                 if self.stop.is_set():
@@ -200,7 +199,8 @@ class RankServer:
 
     def _refuse_full(self, conn: socket.socket) -> None:
         """Tell a connection beyond ``max_connections`` why it is closed (without blocking the accept loop)."""
-        reason = (f"the daemon already serves {self.limits.max_connections} connections (--weight-cache-max-connections); "
+        most = self.limits.max_connections
+        reason = (f"the daemon already serves {most} connections (--weight-cache-max-connections); "
                   f"this one is refused: retry later, or raise the limit")
         try:
             conn.settimeout(0.2)
@@ -209,7 +209,7 @@ class RankServer:
             pass
         conn.close()
         self._log("full", logging.WARNING, "fastload: refused a connection on %s: %d connections open "
-                  "(--weight-cache-max-connections %d)", self.path, self.limits.max_connections, self.limits.max_connections)
+                  "(--weight-cache-max-connections %d)", self.path, most, most)
 
     def _timeout_for(self, c: _Client) -> Optional[float]:
         """How long the daemon waits for this connection's next frame."""
@@ -264,7 +264,7 @@ class RankServer:
         try:
             raw, fds = protocol.recv(conn, frame_timeout_s=self.limits.idle_timeout_s, limit=protocol.MAX_REQUEST_BYTES,
                                      budget=self.recv_budget)
-        except socket.timeout:
+        except TimeoutError:
             what = "between the manifest and the attach (--weight-cache-attach-timeout-s)" if timeout == \
                 self.limits.attach_timeout_s and c.got_manifest else "(--weight-cache-idle-timeout-s)"
             self._log("idle", logging.INFO, "fastload: closed client %d (pid %d): no complete frame within %g s %s",
@@ -321,7 +321,7 @@ class RankServer:
             return False
         return True
 
-    def _hello(self, conn: socket.socket, msg: "messages.Hello") -> bool:
+    def _hello(self, conn: socket.socket, msg: messages.Hello) -> bool:
         """Answer a valid hello with the manifest (True) or an error (False)."""
         from ...fingerprint import Fingerprint
 
@@ -358,11 +358,11 @@ class RankServer:
             os.close(fd)
         return True
 
-    def warm(self, manifest: "messages.Manifest") -> None:
+    def warm(self, manifest: messages.Manifest) -> None:
         """Encode ``manifest``'s frame now (the daemon calls it when its load is done, before it is ready)."""
         self._manifest_body(manifest)
 
-    def _manifest_body(self, manifest: "messages.Manifest") -> bytes:
+    def _manifest_body(self, manifest: messages.Manifest) -> bytes:
         """The encoded frame of ``manifest``, made once per manifest object: encoding a 100k-tensor manifest takes
         about a second, which every engine's hello would otherwise wait for."""
         with self._body_lock:
@@ -448,7 +448,7 @@ def acquire(path: Path, sdir: Optional[SocketDir] = None) -> int:
     """
     path = Path(path)
     own = sdir is None
-    sdir = sdir or SocketDir.open(SocketDirSpec(path.parent, "the directory of the socket", "--weight-cache-socket-dir"))
+    sdir = sdir or SocketDir.open(SocketDirSpec(path.parent, "the directory of the socket", DAEMON_FLAG))
     try:
         fd = sdir.open_file(lock_name(path), os.O_RDWR | os.O_CREAT, 0o600)
         try:

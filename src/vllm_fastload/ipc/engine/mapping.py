@@ -1,13 +1,13 @@
 """The engine side of an ``ipc_cache`` load, as a row of named steps (:func:`map_model`).
 
-:func:`engine_device` (which device and transport, resolved once for the load) -> :func:`_fingerprint` (what this
-engine would load) -> :func:`fetch` (connect, hello, the validated manifest; the segment mapped by that transport) -> :func:`_verify` (each
-tensor's checksum sample, before anything is built) -> :func:`_build_model` (the skeleton on the meta device) ->
-:func:`_view_tensors` (views into the segment, or clones in ``copy`` mode) -> :func:`_apply_entries` (install
-tensors, aliases and attributes) -> :func:`_record_restore_device` (the real device for vLLM's ``reload_weights``)
--> :func:`_reprocess` (post-processing of the modules the daemon marked) -> attach -> :func:`_send_release`
-(``copy``: the daemon may free its memory) or :func:`_keep_lease` (``zero_copy``: the connection lives as long as
-the process) -> :func:`_report`.
+:func:`engine_device` (which device and transport, resolved once for the load) -> :func:`_fingerprint` (what this engine
+would load) -> :func:`fetch` (connect, hello, the validated manifest; the segment mapped by that transport) ->
+:func:`_verify` (each tensor's checksum sample, before anything is built) -> :func:`_build_model` (the skeleton on the
+meta device) -> :func:`_view_tensors` (views into the segment, or clones in ``copy`` mode) -> :func:`_apply_entries`
+(install tensors, aliases and attributes) -> :func:`_record_restore_device` (the real device for vLLM's
+``reload_weights``) -> :func:`_reprocess` (post-processing of the modules the daemon marked) -> attach ->
+:func:`_send_release` (``copy``: the daemon may free its memory) or :func:`_keep_lease` (``zero_copy``: the connection
+lives as long as the process) -> :func:`_report`.
 
 Every step raises a :class:`~vllm_fastload.errors.CacheUnavailable` (or another
 :class:`~vllm_fastload.errors.FastloadError`) when the cache cannot serve the load; the loader turns that into
@@ -20,18 +20,19 @@ from __future__ import annotations
 import contextlib
 import gc
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 from ...config import IpcCacheConfig
 from ...errors import CacheUnavailable
 from ...log import logger
 from ...report import LoadReport
 from ..memory.backends import get_transport
+from ..memory.transport import Segment, Transport
 from ..wire.client import Lease, open_lease
 from ..wire.messages import Manifest, Mode
 from ..wire.paths import SocketDirSpec
-from ..memory.transport import Segment, Transport
 
 LOAD_FORMAT = "ipc_cache"
 

@@ -22,7 +22,8 @@ from disk with this plugin's ``runai_streamer`` loader.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Iterable, Optional
+from collections.abc import Iterable
+from typing import Any, Optional
 
 from ...errors import FastloadError
 from ...log import logger

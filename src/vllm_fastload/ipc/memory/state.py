@@ -530,7 +530,7 @@ def repoint_stale(model: nn.Module, replaced: dict[int, torch.Tensor]) -> None:
     keep the meta-device original. A reference held in a tuple is rebuilt as a tuple. References :func:`audit`
     cannot resolve stay for it to report."""
     for _, m in model.named_modules():
-        for path, holder, key, t in list(_tensor_refs(m)):
+        for _path, holder, key, t in list(_tensor_refs(m)):
             new = replaced.get(id(t))
             if new is None or t.device.type != "meta":
                 continue

@@ -1,5 +1,6 @@
 """Client side of the protocol: connect (bounded wait), hello with our fingerprint, receive the manifest and the
-segment's fd. It maps nothing: the engine maps the fd with the transport it resolved (:func:`..engine.mapping.fetch`)."""
+segment's fd. It maps nothing: the engine maps the fd with the transport it resolved
+(:func:`vllm_fastload.ipc.engine.mapping.fetch`)."""
 
 from __future__ import annotations
 
@@ -190,7 +191,8 @@ def connect(path: str, timeout_s: float, spec: Optional[SocketDirSpec] = None) -
             raise
         except OSError as e:
             s.close()
-            raise CacheUnavailable(f"cannot connect to the preload daemon at {path} ({type(e).__name__}: {e})") from None
+            raise CacheUnavailable(
+                f"cannot connect to the preload daemon at {path} ({type(e).__name__}: {e})") from None
         if time.monotonic() >= deadline:
             what = "no socket" if isinstance(last, FileNotFoundError) else f"{type(last).__name__}: {last}"
             theirs = upstream_sockets(sock_path.parent)
@@ -231,7 +233,7 @@ def open_lease(path: str, fingerprint: dict, connect_timeout_s: float, state_tim
             conn.settimeout(state_timeout_s)
             waited = "state_timeout_s"
             raw, fds = protocol.recv(conn)
-    except socket.timeout:
+    except TimeoutError:
         conn.close()
         if waited == "connect_timeout_s":
             raise CacheUnavailable(

@@ -42,7 +42,9 @@ def _wire_type(tp: Any) -> Any:
     if origin is None or not args:
         return tp
     if origin is tuple:
-        return list[_wire_type(args[0])] if len(args) == 2 and args[1] is Ellipsis else tuple[tuple(map(_wire_type, args))]
+        if len(args) == 2 and args[1] is Ellipsis:
+            return list[_wire_type(args[0])]
+        return tuple[tuple(map(_wire_type, args))]
     if origin is Union:
         return Union[tuple(_wire_type(a) for a in args)]
     if origin is list:

@@ -143,7 +143,7 @@ class SocketDir:
         self._prefix = via if os.path.isdir(via) else str(spec.path)
 
     @classmethod
-    def open(cls, spec: SocketDirSpec, create: bool = False) -> "SocketDir":
+    def open(cls, spec: SocketDirSpec, create: bool = False) -> SocketDir:
         """Open (``create``: first make it, 0700, and its parents) and verify ``spec.path``.
 
         Raises ``FileNotFoundError`` when it does not exist (and ``create`` is false): no daemon has made it yet.
@@ -208,7 +208,7 @@ class SocketDir:
             os.close(self.fd)
             self.fd = -1
 
-    def __enter__(self) -> "SocketDir":
+    def __enter__(self) -> SocketDir:
         return self
 
     def __exit__(self, *exc: Any) -> None:

@@ -87,13 +87,14 @@ def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
     return _CRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size))
 
 
-def _recv_exact(sock: socket.socket, n: int, fds: list[int], deadline: list[float], frame_timeout_s: Optional[float]) -> bytes:
+def _recv_exact(sock: socket.socket, n: int, fds: list[int], deadline: list[float],
+                frame_timeout_s: Optional[float]) -> bytes:
     buf = bytearray()
     while len(buf) < n:
         if deadline:
             left = deadline[0] - time.monotonic()
             if left <= 0:
-                raise socket.timeout(f"frame incomplete after {frame_timeout_s:g} s")
+                raise TimeoutError(f"frame incomplete after {frame_timeout_s:g} s")
             sock.settimeout(left)
         if not fds and len(buf) == 0:
             data, got_fds, _flags, _addr = socket.recv_fds(sock, n - len(buf), MAX_FDS)

@@ -258,29 +258,9 @@ class RankServer:
 
     def _serve_one(self, conn: socket.socket, c: _Client) -> bool:
         """Receive and answer one frame of client ``c``. Returns False when the connection is done."""
-        st = self.state
-        timeout = self._timeout_for(c)
-        conn.settimeout(timeout)
-        try:
-            raw, fds = protocol.recv(conn, frame_timeout_s=self.limits.idle_timeout_s, limit=protocol.MAX_REQUEST_BYTES,
-                                     budget=self.recv_budget)
-        except TimeoutError:
-            what = "between the manifest and the attach (--weight-cache-attach-timeout-s)" if timeout == \
-                self.limits.attach_timeout_s and c.got_manifest else "(--weight-cache-idle-timeout-s)"
-            self._log("idle", logging.INFO, "fastload: closed client %d (pid %d): no complete frame within %g s %s",
-                      c.cid, c.pid, timeout or self.limits.idle_timeout_s, what)
-            conn.settimeout(1.0)
-            _reply(conn, messages.Error(reason=f"no complete frame within {timeout or self.limits.idle_timeout_s:g}"
-                                 f" s {what}; closing the connection"))
+        raw = self._receive(conn, c)
+        if raw is None:
             return False
-        except protocol.PeerClosed:
-            return False
-        except protocol.ProtocolError as e:
-            self._log("frame", logging.WARNING, "fastload: closed client %d (pid %d): %s", c.cid, c.pid, e)
-            conn.settimeout(1.0)
-            _reply(conn, messages.Error(reason=f"bad frame: {e}; closing the connection"))
-            return False
-        protocol.close_fds(fds)
         try:
             msg = messages.parse_request(raw)
         except messages.MessageError as e:
@@ -289,37 +269,73 @@ class RankServer:
             _reply(conn, messages.Error(reason=str(e)))
             return True
         if isinstance(msg, messages.Status):
-            _reply(conn, st.status())
+            _reply(conn, self.state.status())
         elif isinstance(msg, messages.Hello):
             if self._hello(conn, msg):
                 c.got_manifest = True
         elif isinstance(msg, messages.Attach):
-            if not c.got_manifest or c.mode is not None:
-                why = "attach before this connection received the manifest (send hello first)" if not c.got_manifest \
-                    else f"this connection is already attached ({'released' if c.released else c.mode})"
-                _reply(conn, messages.Error(reason=f"attach refused: {why}"))
-                return True
-            c.mode = msg.mode
-            with st.lock:
-                st.clients[c.cid] = msg.mode
-                st.attaches += 1
-                n = len(st.clients)
-            logger.info("fastload: client %d (pid %d, uid %d) attached in %s mode; %d engine(s) attached", c.cid, c.pid,
-                        c.uid, msg.mode, n)
-            _reply(conn, messages.Attached(clients=n))
+            self._attach(conn, c, msg)
         elif isinstance(msg, messages.Release):
-            if c.mode != "copy" or c.released:
-                self._log("release", logging.WARNING, "fastload: refused a release from client %d (pid %d, uid %d): "
-                          "only a connection that received the manifest and attached in copy mode may release",
-                          c.cid, c.pid, c.uid)
-                _reply(conn, messages.Error(reason="release refused: only a connection that received "
-                                     "the manifest and attached in copy mode may release the daemon's memory"))
-                return True
-            _reply(conn, messages.Released(freed=self._release(c)))
-            c.released = True
+            self._answer_release(conn, c)
         else:  # bye
             return False
         return True
+
+    def _receive(self, conn: socket.socket, c: _Client) -> Optional[dict[str, Any]]:
+        """The next frame of client ``c`` (fds it carried closed), or None when the connection is done: the client
+        closed it, or sent no complete frame in time or a bad one (answered with an error frame, logged)."""
+        timeout = self._timeout_for(c)
+        conn.settimeout(timeout)
+        try:
+            raw, fds = protocol.recv(conn, frame_timeout_s=self.limits.idle_timeout_s,
+                                     limit=protocol.MAX_REQUEST_BYTES, budget=self.recv_budget)
+        except TimeoutError:
+            what = "between the manifest and the attach (--weight-cache-attach-timeout-s)" if timeout == \
+                self.limits.attach_timeout_s and c.got_manifest else "(--weight-cache-idle-timeout-s)"
+            self._log("idle", logging.INFO, "fastload: closed client %d (pid %d): no complete frame within %g s %s",
+                      c.cid, c.pid, timeout or self.limits.idle_timeout_s, what)
+            conn.settimeout(1.0)
+            _reply(conn, messages.Error(reason=f"no complete frame within {timeout or self.limits.idle_timeout_s:g}"
+                                 f" s {what}; closing the connection"))
+            return None
+        except protocol.PeerClosed:
+            return None
+        except protocol.ProtocolError as e:
+            self._log("frame", logging.WARNING, "fastload: closed client %d (pid %d): %s", c.cid, c.pid, e)
+            conn.settimeout(1.0)
+            _reply(conn, messages.Error(reason=f"bad frame: {e}; closing the connection"))
+            return None
+        protocol.close_fds(fds)
+        return raw
+
+    def _attach(self, conn: socket.socket, c: _Client, msg: messages.Attach) -> None:
+        """Answer client ``c``'s attach: counted in ``msg.mode`` after the manifest, at most once; else refused."""
+        if not c.got_manifest or c.mode is not None:
+            why = "attach before this connection received the manifest (send hello first)" if not c.got_manifest \
+                else f"this connection is already attached ({'released' if c.released else c.mode})"
+            _reply(conn, messages.Error(reason=f"attach refused: {why}"))
+            return
+        st = self.state
+        c.mode = msg.mode
+        with st.lock:
+            st.clients[c.cid] = msg.mode
+            st.attaches += 1
+            n = len(st.clients)
+        logger.info("fastload: client %d (pid %d, uid %d) attached in %s mode; %d engine(s) attached", c.cid, c.pid,
+                    c.uid, msg.mode, n)
+        _reply(conn, messages.Attached(clients=n))
+
+    def _answer_release(self, conn: socket.socket, c: _Client) -> None:
+        """Answer client ``c``'s release: only once, after a copy-mode attach (:meth:`_release`); else refused."""
+        if c.mode != "copy" or c.released:
+            self._log("release", logging.WARNING, "fastload: refused a release from client %d (pid %d, uid %d): "
+                      "only a connection that received the manifest and attached in copy mode may release",
+                      c.cid, c.pid, c.uid)
+            _reply(conn, messages.Error(reason="release refused: only a connection that received "
+                                 "the manifest and attached in copy mode may release the daemon's memory"))
+            return
+        _reply(conn, messages.Released(freed=self._release(c)))
+        c.released = True
 
     def _hello(self, conn: socket.socket, msg: messages.Hello) -> bool:
         """Answer a valid hello with the manifest (True) or an error (False)."""

@@ -217,6 +217,27 @@ def open_lease(path: str, fingerprint: dict, connect_timeout_s: float, state_tim
     and what :func:`connect` raises.
     """
     conn = connect(path, connect_timeout_s, spec)
+    try:
+        raw, fds = _hello(conn, path, fingerprint, connect_timeout_s, state_timeout_s)
+    except BaseException:
+        conn.close()
+        raise
+    try:
+        manifest = _manifest_of(raw, fds, path)
+    except BaseException:
+        protocol.close_fds(fds)
+        conn.close()
+        raise
+    conn.settimeout(None)
+    protocol.close_fds(fds[1:])  # the manifest's first segment is the rank's one; more are not used
+    return Lease(conn, manifest, path, fds[0])
+
+
+def _hello(conn: socket.socket, path: str, fingerprint: dict, connect_timeout_s: float,
+           state_timeout_s: float) -> tuple[dict[str, Any], list[int]]:
+    """Send hello with ``fingerprint`` on ``conn`` and return the daemon's answer, ``(message, fds)`` as received
+    (waiting up to ``state_timeout_s`` more while the daemon says it is loading). Raises
+    :class:`CacheUnavailable` saying what happened (no answer, still loading, closed, another protocol)."""
     # The first answer to hello comes at once: the manifest (or a refusal) from a ready daemon, a "loading" status
     # from one still loading (then the manifest within state_timeout_s). Nothing within connect_timeout_s: the
     # process holding the socket accepted the connection but does not answer (stopped, hung).
@@ -233,8 +254,8 @@ def open_lease(path: str, fingerprint: dict, connect_timeout_s: float, state_tim
             conn.settimeout(state_timeout_s)
             waited = "state_timeout_s"
             raw, fds = protocol.recv(conn)
+        return raw, fds
     except TimeoutError:
-        conn.close()
         if waited == "connect_timeout_s":
             raise CacheUnavailable(
                 f"daemon at {path} is not answering: it accepted the connection but sent no complete reply to "
@@ -244,23 +265,20 @@ def open_lease(path: str, fingerprint: dict, connect_timeout_s: float, state_tim
                                f"raise state_timeout_s, or start the engine once the daemon logged \"fastload: "
                                f"ready\"") from None
     except protocol.PeerClosed as e:
-        conn.close()
         raise CacheUnavailable(f"daemon at {path} closed the connection before sending the manifest ({e}; it may "
                                f"have died while loading or been killed during the hand-over; see its log)") from None
     except protocol.ProtocolError as e:
-        conn.close()
         raise CacheUnavailable(f"the process on {path} does not speak vllm-fastload's protocol ({e}). vLLM's own "
                                f"`vllm preload` daemon uses pickle frames, which this loader never reads; start "
                                f"`vllm-fastload preload` instead") from None
     except OSError as e:
-        conn.close()
         raise CacheUnavailable(f"daemon at {path} closed the connection during the hand-over ({e})") from None
 
-    def refuse(error: CacheUnavailable) -> CacheUnavailable:
-        protocol.close_fds(fds)
-        conn.close()
-        return error
 
+def _manifest_of(raw: dict[str, Any], fds: list[int], path: str) -> messages.Manifest:
+    """The validated manifest of the daemon's answer to hello (``raw`` with ``fds``, one per segment). Raises
+    :class:`FingerprintMismatch` for the daemon's refusal of our fingerprint, :class:`CacheUnavailable` for another
+    refusal, another protocol version, an invalid reply, or fds that do not match the segments."""
     try:
         if raw.get("type") == "manifest" and type(raw.get("version")) is int:
             messages.check_version(raw["version"], "daemon", "engine")  # before fields that may differ by version
@@ -268,20 +286,18 @@ def open_lease(path: str, fingerprint: dict, connect_timeout_s: float, state_tim
         if not isinstance(reply, (messages.Manifest, messages.Error)):
             raise MessageError(f"expected a manifest, got {reply.type!r}")
     except MessageError as e:
-        raise refuse(CacheUnavailable(f"daemon at {path} sent an unusable reply to hello ({e})")) from None
+        raise CacheUnavailable(f"daemon at {path} sent an unusable reply to hello ({e})") from None
     if isinstance(reply, messages.Error):
         if reply.mismatched:
             fields = ", ".join(f"{n} (daemon {a!r}, engine {b!r})" for n, a, b in reply.mismatched)
-            raise refuse(FingerprintMismatch(
+            raise FingerprintMismatch(
                 f"fingerprint mismatch with the daemon at {path}: {fields}; restart `vllm-fastload preload` with this "
-                f"engine's args, or start the engine with the daemon's", reply.mismatched))
-        raise refuse(CacheUnavailable(f"daemon at {path}: {reply.reason}"))
+                f"engine's args, or start the engine with the daemon's", reply.mismatched)
+        raise CacheUnavailable(f"daemon at {path}: {reply.reason}")
     if len(fds) != len(reply.segments):
-        raise refuse(CacheUnavailable(f"daemon at {path} sent a manifest of {len(reply.segments)} segment(s) with "
-                                      f"{len(fds)} file descriptor(s)"))
-    conn.settimeout(None)
-    protocol.close_fds(fds[1:])  # the manifest's first segment is the rank's one; more are not used
-    return Lease(conn, reply, path, fds[0])
+        raise CacheUnavailable(f"daemon at {path} sent a manifest of {len(reply.segments)} segment(s) with "
+                               f"{len(fds)} file descriptor(s)")
+    return reply
 
 
 def status_of(path: str, timeout_s: float = 2.0) -> Optional[messages.StatusReply]:

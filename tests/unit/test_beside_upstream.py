@@ -17,7 +17,9 @@ from vllm_fastload.ipc.engine.mapping import fetch
 
 
 def upstream_daemon(path):
-    """A stand-in for upstream's daemon: answers any request with a pickled dict in its framing."""
+    """A stand-in for upstream's daemon: answers any request with a pickled dict in its framing. It reads the
+    request first, as a daemon does: one that closed before the request arrived would make the engine's send fail
+    (EPIPE) before it could read the answer, a race and not what this test is about."""
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     s.bind(str(path))
     s.listen(4)
@@ -28,6 +30,10 @@ def upstream_daemon(path):
                 c, _ = s.accept()
             except OSError:
                 return
+            try:
+                c.recv(65536)
+            except OSError:
+                pass
             payload = pickle.dumps({"status": "ok", "handles": []})
             c.sendall(struct.pack("!Q", len(payload)) + payload)
             c.close()

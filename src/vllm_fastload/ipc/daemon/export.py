@@ -64,7 +64,7 @@ def pack(tensors: dict[str, Any], device: Any = None, kinds: Optional[dict[str, 
     fill(segment.buf, tensors, placements)
     crcs = sample_checksums(segment.buf, placements, transport)
     kinds = kinds or {}
-    # fields copied by hand: dataclasses.asdict deep-copies every list, a cost per tensor that showed at 20k tensors
+    # fields copied by hand: dataclasses.asdict would deep-copy every list, once per tensor
     return segment, {k: TensorEntry(dtype=p.dtype, shape=p.shape, stride=p.stride, offset=p.offset, nbytes=p.nbytes,
                                     checksum=crcs[k], kind=kinds.get(k, "param")) for k, p in placements.items()}
 
@@ -81,12 +81,9 @@ def build_and_export(vllm_config: Any, local_rank: int, rank: int, world_size: i
     import torch
     from vllm.config import set_current_vllm_config
     from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
-    from vllm.model_executor.model_loader.utils import initialize_model, process_weights_after_loading
     from vllm.platforms import current_platform
-    from vllm.utils.torch_utils import set_default_torch_dtype
 
     from ...fingerprint import of_model
-    from ..memory.state import collect, object_states, snapshot
 
     t0 = time.perf_counter()
     pc = vllm_config.parallel_config
@@ -99,38 +96,58 @@ def build_and_export(vllm_config: Any, local_rank: int, rank: int, world_size: i
     with set_current_vllm_config(vllm_config):
         ensure_model_parallel_initialized(pc.tensor_parallel_size, pc.pipeline_parallel_size)
         _, fp = of_model(mc, vllm_config)
-        loader = rank_loader(lc)
-        with set_default_torch_dtype(mc.dtype):
-            with device:
-                model = initialize_model(vllm_config=vllm_config, model_config=mc)
-            constructed = object_states(model)  # what the engine's skeleton will start from
-            loader.load_weights(model, mc)
-            content_digest = getattr(loader, "content_digest", None)  # our runai_streamer with content_hash
-            finish_online_quantization(model, mc)
-            snap = snapshot(model)
-            process_weights_after_loading(model, mc, device)
-        exp = collect(model, snap, constructed)
-        tensors = {k: t for k, (_, t) in exp.tensors.items()}
-        unloaded = [k for k, t in tensors.items() if t.device.type == "meta"]
-        if unloaded:
-            raise FastloadError(f"{len(unloaded)} tensor(s) were never loaded in the daemon (still on the meta "
-                                f"device), e.g. {unloaded[0]!r}; this checkpoint/quantization is not supported by the "
-                                f"preload daemon yet — serve it with --load-format runai_streamer")
+        exp, content_digest = _processed_export(vllm_config, device)
         device = transport.resolve(device)
         # One export buffer per rank (one fd, one device allocation): engines open one handle and build every
         # tensor by offset. Peak memory during the copy is twice the weights; the model is freed right after.
+        tensors = {k: t for k, (_, t) in exp.tensors.items()}
         segment, entries = pack(tensors, device, {k: kind for k, (kind, _) in exp.tensors.items()}, transport)
-        del model, snap, tensors
+        del tensors
         exp.tensors.clear()
         transport.free_cached(device)
     manifest = Manifest(type="manifest", version=protocol.PROTOCOL_VERSION, fingerprint=fp.to_dict(),
                         fingerprint_short=fp.short(), segments=[transport.describe(segment, device)], tensors=entries,
                         aliases=exp.aliases, reprocess=exp.reprocess, attrs=exp.attrs, object_attrs=exp.object_attrs,
                         objects=exp.objects, content_digest=content_digest)
+    _log_export(rank, entries, exp.reprocess)
+    return segment, manifest, time.perf_counter() - t0
+
+
+def _processed_export(vllm_config: Any, device: Any) -> tuple[Any, Optional[str]]:
+    """Build this rank's model on ``device``, load its weights with the rank's loader (:func:`rank_loader`),
+    post-process it and collect what an engine needs (:func:`.state.collect`). Returns ``(export, content digest
+    or None)``; the model itself is dropped on return (the export holds its tensors). Raises
+    :class:`~vllm_fastload.errors.FastloadError` naming a tensor that was never loaded (still on meta)."""
+    from vllm.model_executor.model_loader.utils import initialize_model, process_weights_after_loading
+    from vllm.utils.torch_utils import set_default_torch_dtype
+
+    from ..memory.state import collect, object_states, snapshot
+
+    mc = vllm_config.model_config
+    loader = rank_loader(vllm_config.load_config)
+    with set_default_torch_dtype(mc.dtype):
+        with device:
+            model = initialize_model(vllm_config=vllm_config, model_config=mc)
+        constructed = object_states(model)  # what the engine's skeleton will start from
+        loader.load_weights(model, mc)
+        content_digest = getattr(loader, "content_digest", None)  # our runai_streamer with content_hash
+        finish_online_quantization(model, mc)
+        snap = snapshot(model)
+        process_weights_after_loading(model, mc, device)
+    exp = collect(model, snap, constructed)
+    unloaded = [k for k, (_, t) in exp.tensors.items() if t.device.type == "meta"]
+    if unloaded:
+        raise FastloadError(f"{len(unloaded)} tensor(s) were never loaded in the daemon (still on the meta "
+                            f"device), e.g. {unloaded[0]!r}; this checkpoint/quantization is not supported by the "
+                            f"preload daemon yet — serve it with --load-format runai_streamer")
+    return exp, content_digest
+
+
+def _log_export(rank: int, entries: dict[str, TensorEntry], reprocess: list[str]) -> None:
+    """One INFO line: how many tensors rank ``rank`` exported, their bytes by dtype, the layers engines re-process."""
     by_dtype: dict[str, int] = {}
     for e in entries.values():
         by_dtype[e.dtype] = by_dtype.get(e.dtype, 0) + e.nbytes
     logger.info("fastload: rank %d: %d tensors exported as is (bytes by dtype: %s), %d layer(s) re-processed by the "
                 "engine: %s", rank, len(entries), ", ".join(f"{d}={n}" for d, n in sorted(by_dtype.items())),
-                len(exp.reprocess), ", ".join(exp.reprocess[:6]) + (" ..." if len(exp.reprocess) > 6 else ""))
-    return segment, manifest, time.perf_counter() - t0
+                len(reprocess), ", ".join(reprocess[:6]) + (" ..." if len(reprocess) > 6 else ""))

@@ -1,4 +1,4 @@
-"""vLLM's in-place ``reload_weights`` on an engine that loaded with ``ipc_cache`` (issue 16).
+"""vLLM's in-place ``reload_weights`` on an engine that loaded with ``ipc_cache``.
 
 vLLM 0.32 (``vllm.model_executor.model_loader.reload.inplace.reload_weights``) asks the engine's loader for
 ``get_all_weights(model_config, model)``, puts every layer back on the meta device, and per layer materializes it
@@ -8,7 +8,7 @@ addresses). Two things differ for a mapped model:
 
 * the skeleton was built under ``torch.device("meta")`` (:func:`.mapping._build_model`), so
   ``initialize_model``'s ``record_metadata_for_reloading`` recorded ``restore_device = meta`` for every module and
-  the reload failed with "Cannot copy out of meta tensor": :func:`record_restore_device` records the engine's
+  the reload would fail with "Cannot copy out of meta tensor": :func:`record_restore_device` records the engine's
   device once the mapped tensors are installed;
 * in ``zero_copy`` mode the served tensors ARE the daemon's memory. The CPU transport maps it copy-on-write
   (``MAP_PRIVATE``: the written pages become this engine's own), the CUDA transport read-write and shared

@@ -169,6 +169,8 @@ class _LoaderConfig(BaseModel):
         return cls(**extra)
 
 
+#: How an ``ipc_cache`` engine uses the daemon's memory (``mode``; also the wire's ``attach`` mode).
+Mode = Literal["zero_copy", "copy"]
 #: How runai reads local files (``fs_strategy``).
 FsStrategy = Literal["auto", "runai", "io_uring_direct", "io_uring_buffered", "libaio_direct", "sync_buffered"]
 
@@ -326,7 +328,7 @@ class IpcCacheConfig(_LoaderConfig):
 
     LOAD_FORMAT: ClassVar[str] = "ipc_cache"
 
-    mode: Literal["zero_copy", "copy"] = key(
+    mode: Mode = key(
         "zero_copy",
         allowed="'zero_copy' (map the daemon's memory) or 'copy' (clone it, then the daemon frees its copy)",
         description="zero_copy: map the daemon's memory (one copy in memory); copy: clone into engine memory, then "

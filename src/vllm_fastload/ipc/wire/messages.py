@@ -15,10 +15,9 @@ from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
+from ...config import Mode
 from ...fingerprint import Fingerprint
 from .protocol import PROTOCOL_VERSION, ProtocolError
-
-Mode = Literal["zero_copy", "copy"]
 
 
 class MessageError(ProtocolError):

@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.fastload-installed
 LOCK   := requirements/cpu-lock.txt
 EXTRAS := cpu,s3,demo,test
 
-.PHONY: venv demo test unit e2e lock clean
+.PHONY: venv demo test unit e2e lint lock clean
 
 venv: $(STAMP)
 
@@ -27,9 +27,13 @@ $(STAMP): pyproject.toml $(LOCK)
 demo: venv
 	$(PY) -m vllm_fastload.demo
 
-# pytest exit code 5 means "no tests ran": that is a failure here.
-test: venv
+# The linter first (seconds), then every test. pytest exit code 5 means "no tests ran": that is a failure here.
+test: lint
 	$(PY) -m pytest -v -rs tests; rc=$$?; if [ $$rc -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; exit $$rc
+
+# ruff, with the rules and line length of pyproject.toml [tool.ruff]
+lint: venv
+	$(PY) -m ruff check .
 
 unit: venv
 	$(PY) -m pytest -q tests/unit

@@ -47,7 +47,7 @@ def exporter(kind: str, path: str, gib: float) -> None:
                "ev_h": base64.b64encode(ev_h or b"").decode(), "ev_sync": ev_sync, "n": n, "sum": total}
         conn.sendall(json.dumps(msg).encode() + b"\n")
     else:
-        from vllm_fastload.ipc.cuda_vmm import VmmBuffer
+        from vllm_fastload.ipc.memory.cuda_vmm import VmmBuffer
 
         vb = VmmBuffer.allocate(0, n)
         vb.tensor()[:n].copy_(buf)
@@ -74,7 +74,7 @@ def consumer(kind: str, path: str, export_pid: int) -> dict:
             msg["rc_off"], base64.b64decode(msg["ev_h"]) or None, msg["ev_sync"])
         t = torch.empty(0, dtype=torch.uint8, device="cuda").set_(st)[: msg["n"]]
     else:
-        from vllm_fastload.ipc.cuda_vmm import VmmBuffer
+        from vllm_fastload.ipc.memory.cuda_vmm import VmmBuffer
 
         data, fds, _, _ = socket.recv_fds(s, 4096, 1)
         msg = json.loads(data.decode())

@@ -9,7 +9,7 @@ process. The window is the model runner's ``load_model`` (vLLM times "Model load
 ``get_model_loader`` to after the loader returned). In it this script records, without slowing Python down:
 
 - spans: wall seconds of named calls (``get_model_loader``, the loader's ``load_model``, vLLM's
-  ``initialize_model``, ``process_weights_after_loading``, each step of :mod:`vllm_fastload.ipc.mapping`),
+  ``initialize_model``, ``process_weights_after_loading``, each step of :mod:`vllm_fastload.ipc.engine.mapping`),
   each with the process CPU seconds spent meanwhile (wall >> CPU: waiting on the GPU, a lock or the disk);
 - samples: every 2 ms the main thread's stack; each sample is counted for the innermost frame of this package, vLLM
   or PyTorch, and for the frames directly under the window (what cProfile cannot attribute, C calls included, lands
@@ -199,7 +199,7 @@ def instrument(w: Window) -> None:
     w.wrap(runner.GPUModelRunner, "_setup_eagle3_aux_hidden_state_outputs", "_setup_eagle3_aux_hidden_state_outputs")
     from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
-    from vllm_fastload.ipc.loader import IpcCacheLoader
+    from vllm_fastload.ipc.engine.loader import IpcCacheLoader
     from vllm_fastload.streaming.loader import RunaiStreamerLoader
 
     for cls in (DefaultModelLoader, IpcCacheLoader, RunaiStreamerLoader):
@@ -216,9 +216,9 @@ def instrument(w: Window) -> None:
     except ImportError:
         pass
     try:
-        from vllm_fastload.ipc import mapping
+        from vllm_fastload.ipc.engine import mapping
 
-        for step in ("_fingerprint", "_fetch_entries", "_check_content", "_verify", "_build_model", "_view_tensors",
+        for step in ("_fingerprint", "fetch", "_check_content", "_verify", "_build_model", "_view_tensors",
                      "_apply_entries", "_reprocess", "_send_release", "_keep_lease", "_report", "initialize_model",
                      "process_weights_after_loading"):
             w.wrap(mapping, step, f"mapping.{step}")

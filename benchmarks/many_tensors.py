@@ -53,14 +53,14 @@ class Skeleton(nn.Module):
 
 def run(n: int, nbytes: int) -> dict[str, float]:
     from tests.conftest import make_fingerprint
-    from vllm_fastload.ipc import protocol
-    from vllm_fastload.ipc.client import fetch
-    from vllm_fastload.ipc.export import pack
-    from vllm_fastload.ipc.layout import sample_checksums, views
-    from vllm_fastload.ipc.messages import Manifest, to_frame
-    from vllm_fastload.ipc.server import RankServer, RankState, acquire
-    from vllm_fastload.ipc.shm import MemfdTransport
-    from vllm_fastload.ipc.state import install
+    from vllm_fastload.ipc.daemon.export import pack
+    from vllm_fastload.ipc.daemon.server import RankServer, RankState, acquire
+    from vllm_fastload.ipc.engine.mapping import fetch
+    from vllm_fastload.ipc.memory.layout import sample_checksums, views
+    from vllm_fastload.ipc.memory.memfd import MemfdTransport
+    from vllm_fastload.ipc.memory.state import install
+    from vllm_fastload.ipc.wire import protocol
+    from vllm_fastload.ipc.wire.messages import Manifest, to_frame
 
     ts = tensors(n, nbytes)
     out: dict[str, float] = {}

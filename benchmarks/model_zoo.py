@@ -8,7 +8,8 @@ Each entry is (family, size, dtype[, quantization]): the family decides the tens
 (:data:`FAMILIES`), the size the dimensions (:data:`SIZES`), the quantization the layout of the linear layers
 (:data:`QUANTS`: GPTQ 4- and 8-bit with and without act-order, AWQ, block FP8, compressed-tensors FP8 per
 channel and per tensor and W4A16); :data:`ENGINE_ARGS` adds what vLLM quantizes itself (online FP8, FP8 KV
-cache). Weights are small random values (scaled by 1/sqrt(fan-in)) so that greedy decoding is well defined; norms are about 1. Written with the safetensors library, one shard (two for ``small``).
+cache). Weights are small random values (scaled by 1/sqrt(fan-in)) so that greedy decoding is well defined;
+norms are about 1. Written with the safetensors library, one shard (two for ``small``).
 """
 
 from __future__ import annotations

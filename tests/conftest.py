@@ -21,8 +21,8 @@ import struct
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Callable, Iterator
 
 import pytest
 
@@ -285,7 +285,8 @@ prompts = [{"prompt_token_ids": p} for p in ([1, 5, 9, 200, 31], [7, 7, 7, 1000]
 def ids():
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, detokenize=False))
     return [list(o.outputs[0].token_ids) for o in outs]
-print("RESULT " + json.dumps({"ids": ids(), "blocks": llm.llm_engine.vllm_config.cache_config.num_gpu_blocks}), flush=True)
+blocks = llm.llm_engine.vllm_config.cache_config.num_gpu_blocks
+print("RESULT " + json.dumps({"ids": ids(), "blocks": blocks}), flush=True)
 for line in sys.stdin:
     if line.strip() != "gen":
         break

@@ -118,6 +118,26 @@ def parse_header(path: str, raw: bytes, header_len: int, file_size: Optional[int
     not match shape x dtype, a hole or overlap between tensors (a zero-element tensor inside another tensor's
     range included: runai-model-streamer refuses those), a truncated file or trailing bytes.
     """
+    obj = _header_object(path, raw)
+    metadata = _header_metadata(path, obj)
+    tensors = {name: _tensor_info(path, name, spec) for name, spec in obj.items()}
+    header = SafetensorsHeader(
+        path=path,
+        header_len=header_len,
+        header_sha256=hashlib.sha256(raw).hexdigest(),
+        tensors=tensors,
+        metadata=metadata,
+        data_bytes=_covered_bytes(path, tensors),
+        file_size=file_size,
+        identity=identity,
+    )
+    if file_size is not None:
+        _check_file_size(header, file_size)
+    return header
+
+
+def _header_object(path: str, raw: bytes) -> dict[str, Any]:
+    """The header JSON ``raw`` as an object (duplicate names refused). Raises :class:`CheckpointError`."""
     try:
         obj = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates(path))
     except CheckpointError:
@@ -126,6 +146,11 @@ def parse_header(path: str, raw: bytes, header_len: int, file_size: Optional[int
         raise CheckpointError(f"{path}: safetensors header is not valid JSON ({e})") from None
     if not isinstance(obj, dict):
         raise CheckpointError(f"{path}: safetensors header must be a JSON object, got {type(obj).__name__}")
+    return obj
+
+
+def _header_metadata(path: str, obj: dict[str, Any]) -> Optional[dict[str, str]]:
+    """Pop and return the header's ``__metadata__`` (a str -> str object, or None). Raises :class:`CheckpointError`."""
     metadata = None
     if "__metadata__" in obj:
         metadata = obj.pop("__metadata__")  # null: as absent (the safetensors library reads it so)
@@ -134,34 +159,43 @@ def parse_header(path: str, raw: bytes, header_len: int, file_size: Optional[int
             raise CheckpointError(
                 f"{path}: '__metadata__' must be an object of string values (or absent), got {metadata!r}"
             )
-    tensors: dict[str, TensorInfo] = {}
-    for name, spec in obj.items():
-        if not isinstance(spec, dict):
-            raise CheckpointError(f"{path}: tensor {name!r}: entry must be an object, got {spec!r}")
-        dtype = spec.get("dtype")
-        if dtype not in DTYPE_BYTES:
-            raise CheckpointError(
-                f"{path}: tensor {name!r} has unknown dtype {dtype!r}; known: {', '.join(sorted(DTYPE_BYTES))}"
-            )
-        shape = spec.get("shape")
-        offs = spec.get("data_offsets")
-        if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 2**63
-                                                  for d in shape):  # torch sizes are int64, even of empty tensors
-            raise CheckpointError(f"{path}: tensor {name!r} has an invalid shape {shape!r} (dimensions are integers "
-                                  f"from 0 to 2**63 - 1)")
-        if (
-            not isinstance(offs, list) or len(offs) != 2
-            or not all(isinstance(o, int) and not isinstance(o, bool) and o >= 0 for o in offs)
-            or offs[1] < offs[0]
-        ):
-            raise CheckpointError(f"{path}: tensor {name!r} has invalid data_offsets {offs!r}")
-        expect = math.ceil(math.prod(shape) * DTYPE_BYTES[dtype])
-        if offs[1] - offs[0] != expect:
-            raise CheckpointError(
-                f"{path}: tensor {name!r} ({dtype}, shape {shape}) needs {expect} bytes but data_offsets "
-                f"{offs} span {offs[1] - offs[0]}"
-            )
-        tensors[name] = TensorInfo(name, dtype, tuple(shape), offs[0], offs[1])
+    return metadata
+
+
+def _tensor_info(path: str, name: str, spec: Any) -> TensorInfo:
+    """Tensor ``name``'s header entry ``spec`` validated: a known dtype, a shape, data offsets spanning exactly
+    shape x dtype bytes. Raises :class:`CheckpointError` naming the file and the tensor."""
+    if not isinstance(spec, dict):
+        raise CheckpointError(f"{path}: tensor {name!r}: entry must be an object, got {spec!r}")
+    dtype = spec.get("dtype")
+    if dtype not in DTYPE_BYTES:
+        raise CheckpointError(
+            f"{path}: tensor {name!r} has unknown dtype {dtype!r}; known: {', '.join(sorted(DTYPE_BYTES))}"
+        )
+    shape = spec.get("shape")
+    offs = spec.get("data_offsets")
+    if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 2**63
+                                              for d in shape):  # torch sizes are int64, even of empty tensors
+        raise CheckpointError(f"{path}: tensor {name!r} has an invalid shape {shape!r} (dimensions are integers "
+                              f"from 0 to 2**63 - 1)")
+    if (
+        not isinstance(offs, list) or len(offs) != 2
+        or not all(isinstance(o, int) and not isinstance(o, bool) and o >= 0 for o in offs)
+        or offs[1] < offs[0]
+    ):
+        raise CheckpointError(f"{path}: tensor {name!r} has invalid data_offsets {offs!r}")
+    expect = math.ceil(math.prod(shape) * DTYPE_BYTES[dtype])
+    if offs[1] - offs[0] != expect:
+        raise CheckpointError(
+            f"{path}: tensor {name!r} ({dtype}, shape {shape}) needs {expect} bytes but data_offsets "
+            f"{offs} span {offs[1] - offs[0]}"
+        )
+    return TensorInfo(name, dtype, tuple(shape), offs[0], offs[1])
+
+
+def _covered_bytes(path: str, tensors: dict[str, TensorInfo]) -> int:
+    """The bytes of the data section the tensors cover, with neither a hole nor an overlap. Raises
+    :class:`CheckpointError` naming the first tensor that breaks the coverage."""
     # Coverage, as runai-model-streamer checks it: in (begin, size) order (a zero-element tensor sharing a start
     # sorts first) every tensor starts exactly where the previous one ends.
     pos, last = 0, None
@@ -173,7 +207,8 @@ def parse_header(path: str, raw: bytes, header_len: int, file_size: Optional[int
                 f"expected {pos}); the file is not a valid safetensors file"
             )
         if t.begin < pos and t.nbytes:
-            raise CheckpointError(f"{path}: tensor {t.name!r} overlaps the previous tensor (starts at {t.begin} < {pos})")
+            raise CheckpointError(
+                f"{path}: tensor {t.name!r} overlaps the previous tensor (starts at {t.begin} < {pos})")
         if t.begin < pos:
             raise CheckpointError(
                 f"{path}: tensor {t.name!r} has zero elements but its data_offsets {[t.begin, t.end]} lie inside "
@@ -184,37 +219,32 @@ def parse_header(path: str, raw: bytes, header_len: int, file_size: Optional[int
         if t.nbytes:
             last = t
         pos = max(pos, t.end)
-    header = SafetensorsHeader(
-        path=path,
-        header_len=header_len,
-        header_sha256=hashlib.sha256(raw).hexdigest(),
-        tensors=tensors,
-        metadata=metadata,
-        data_bytes=pos,
-        file_size=file_size,
-        identity=identity,
-    )
-    if file_size is not None:
-        if file_size < header.declared_size:
-            data_start = header.declared_size - header.data_bytes
-            first = min((t for t in tensors.values() if data_start + t.end > file_size), key=lambda t: t.begin)
-            missing = header.declared_size - file_size
-            # a header that claims more data than the whole file holds was not cut short by a copy: it is wrong
-            fix = ("the header declares more missing data than the file holds, which no interrupted download "
-                   "explains: the header is corrupt or hand-edited; re-export the checkpoint"
-                   if missing > file_size else "an interrupted download or copy: download or upload the shard again")
-            raise CheckpointError(
-                f"{path}: file is truncated: {file_size} bytes, but its header declares {header.declared_size}: "
-                f"tensor {first.name!r} ({first.dtype}, shape {list(first.shape)}, data_offsets "
-                f"[{first.begin}, {first.end}]) ends at byte {data_start + first.end}, past the end of the file "
-                f"({missing} bytes missing in all); {fix}"
-            )
-        if file_size > header.declared_size:
-            raise CheckpointError(
-                f"{path}: {file_size - header.declared_size} bytes of trailing data after the last tensor "
-                f"(file {file_size} bytes, header declares {header.declared_size})"
-            )
-    return header
+    return pos
+
+
+def _check_file_size(header: SafetensorsHeader, file_size: int) -> None:
+    """Raise :class:`CheckpointError` when the file of ``header`` (``file_size`` bytes) is truncated (naming the
+    first tensor past its end, and whether a copy could explain it) or has bytes after the last tensor."""
+    path, tensors = header.path, header.tensors
+    if file_size < header.declared_size:
+        data_start = header.declared_size - header.data_bytes
+        first = min((t for t in tensors.values() if data_start + t.end > file_size), key=lambda t: t.begin)
+        missing = header.declared_size - file_size
+        # a header that claims more data than the whole file holds was not cut short by a copy: it is wrong
+        fix = ("the header declares more missing data than the file holds, which no interrupted download "
+               "explains: the header is corrupt or hand-edited; re-export the checkpoint"
+               if missing > file_size else "an interrupted download or copy: download or upload the shard again")
+        raise CheckpointError(
+            f"{path}: file is truncated: {file_size} bytes, but its header declares {header.declared_size}: "
+            f"tensor {first.name!r} ({first.dtype}, shape {list(first.shape)}, data_offsets "
+            f"[{first.begin}, {first.end}]) ends at byte {data_start + first.end}, past the end of the file "
+            f"({missing} bytes missing in all); {fix}"
+        )
+    if file_size > header.declared_size:
+        raise CheckpointError(
+            f"{path}: {file_size - header.declared_size} bytes of trailing data after the last tensor "
+            f"(file {file_size} bytes, header declares {header.declared_size})"
+        )
 
 
 def shard_changed(files: Iterable[str]) -> Optional[str]:
@@ -464,8 +494,8 @@ def resolve_duplicates(plan: ShardPlan, headers: list[SafetensorsHeader]) -> Che
         if plan.index is None:
             why = (f"no safetensors index ({SAFE_INDEX}) says which copy to load (loading both, the last copy "
                    f"read would win, in an order that depends on the reader)")
-            fix = (f"remove the file(s) that do not belong to the model, or add an index whose weight_map assigns "
-                   f"each tensor to one shard")
+            fix = ("remove the file(s) that do not belong to the model, or add an index whose weight_map assigns "
+                   "each tensor to one shard")
         else:
             said = f"assigns it to {wm[name]}" if name in wm else "does not list it"
             why = f"{plan.index} {said}"

@@ -12,6 +12,36 @@ from . import __version__
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``vllm-fastload`` console script. Returns the process exit code."""
+    p = _parser()
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv:  # a bare `vllm-fastload`: what it can do, not argparse's "arguments are required"
+        p.print_help()
+        return 2
+    if argv[0] == "preload":  # the daemon parses its own flags and vLLM's engine args
+        return _preload(argv[1:])
+    args, rest = p.parse_known_args(argv)
+    if rest and args.cmd != "inspect":
+        p.error(f"unrecognized arguments: {' '.join(rest)}")
+    if args.cmd == "inspect":
+        return _inspect(args, rest)
+    if args.cmd == "status":
+        from .errors import FastloadError
+
+        try:
+            return _status(args)
+        except FastloadError as e:
+            print(f"vllm-fastload status: error: {e}", file=sys.stderr)
+            return 2
+    if args.cmd == "build-demo-model":
+        from .demo_model import build_model
+
+        print(build_model(args.out))
+        return 0
+    return 1
+
+
+def _parser() -> argparse.ArgumentParser:
+    """The parser of every subcommand but ``preload``'s own arguments."""
     p = argparse.ArgumentParser(prog="vllm-fastload", description="Fast vLLM start and restart (model-loader plugin).")
     p.add_argument("--version", action="version", version=f"vllm-fastload {__version__}")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -37,75 +67,60 @@ def main(argv: list[str] | None = None) -> int:
                     help="the daemons' socket directory (default: the daemon's default, "
                          "$XDG_RUNTIME_DIR/vllm-fastload or /tmp/vllm-fastload-<uid>)")
     st.add_argument("--json", action="store_true")
-    argv = sys.argv[1:] if argv is None else argv
-    if not argv:  # a bare `vllm-fastload`: what it can do, not argparse's "arguments are required"
-        p.print_help()
+    return p
+
+
+def _preload(rest: list[str]) -> int:
+    """``vllm-fastload preload [MODEL] <args>``: check the model argument, then run the daemon
+    (:func:`vllm_fastload.ipc.daemon.main.main`). Returns the exit code (2 with one line for a missing model)."""
+    from .errors import FastloadError
+    from .ipc.daemon.main import main as preload_main
+
+    if rest and not rest[0].startswith("-"):  # `preload MODEL ...`, as `vllm serve MODEL ...` takes it
+        rest = ["--model", rest[0], *rest[1:]]
+    if any(a in ("-h", "--help") for a in rest):  # the daemon's own flags first, without importing vLLM
+        return _preload_help()
+    asks_help = any(a.split("=", 1)[0] in ("-h", "--help") for a in rest)
+    model = _model_arg(rest)
+    if not asks_help and model is not None and (model.startswith(("/", "./", "../", "~")) and
+                                                not os.path.isdir(os.path.expanduser(model))):
+        print(f"vllm-fastload preload: error: model directory {model} does not exist (or is not a directory): "
+              f"pass the directory holding config.json and the *.safetensors", file=sys.stderr)
         return 2
-    if argv and argv[0] == "preload":
-        from .errors import FastloadError
-        from .ipc.daemon import main as preload_main
+    if not asks_help and not model:
+        # vLLM would pick its default model and try to download it from the hub
+        print("vllm-fastload preload: error: no model: pass it first (`vllm-fastload preload /models/llama ...`) "
+              "or as --model, with the engine args the engine will use", file=sys.stderr)
+        return 2
+    try:
+        return preload_main(rest)
+    except FastloadError as e:
+        print(f"vllm-fastload preload: error: {e}", file=sys.stderr)
+        return 2
 
-        rest = argv[1:]
-        if rest and not rest[0].startswith("-"):  # `preload MODEL ...`, as `vllm serve MODEL ...` takes it
-            rest = ["--model", rest[0], *rest[1:]]
-        if any(a in ("-h", "--help") for a in rest):  # the daemon's own flags first, without importing vLLM
-            return _preload_help()
-        asks_help = any(a.split("=", 1)[0] in ("-h", "--help") for a in rest)
-        model = _model_arg(rest)
-        if not asks_help and model is not None and (model.startswith(("/", "./", "../", "~")) and
-                                                    not os.path.isdir(os.path.expanduser(model))):
-            print(f"vllm-fastload preload: error: model directory {model} does not exist (or is not a directory): "
-                  f"pass the directory holding config.json and the *.safetensors", file=sys.stderr)
-            return 2
-        if not asks_help and not model:
-            # vLLM would pick its default model and try to download it from the hub
-            print("vllm-fastload preload: error: no model: pass it first (`vllm-fastload preload /models/llama ...`) "
-                  "or as --model, with the engine args the engine will use", file=sys.stderr)
-            return 2
-        try:
-            return preload_main(rest)
-        except FastloadError as e:
-            print(f"vllm-fastload preload: error: {e}", file=sys.stderr)
-            return 2
-    args, rest = p.parse_known_args(argv)
-    if rest and args.cmd != "inspect":
-        p.error(f"unrecognized arguments: {' '.join(rest)}")
-    if args.cmd == "inspect":
-        if not args.source.strip():
-            print("vllm-fastload inspect: error: the source is empty: pass a model directory or an s3:// / gs:// / "
-                  "az:// prefix", file=sys.stderr)
-            return 2
 
-        # vLLM's INFO lines (engine config) would land in the middle of the report on stdout; warnings still
-        # reach stderr through logging's last-resort handler
-        os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
-        from .errors import FastloadError
-        from .inspect import inspect, render
+def _inspect(args: argparse.Namespace, engine_args: list[str]) -> int:
+    """``vllm-fastload inspect``: print the report; 0 fine, 1 a problem, 2 cannot inspect (the reason on stderr)."""
+    if not args.source.strip():
+        print("vllm-fastload inspect: error: the source is empty: pass a model directory or an s3:// / gs:// / "
+              "az:// prefix", file=sys.stderr)
+        return 2
+    # vLLM's INFO lines (engine config) would land in the middle of the report on stdout; warnings still
+    # reach stderr through logging's last-resort handler
+    os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
+    from .errors import FastloadError
+    from .inspect import inspect, render
 
-        try:
-            rep = inspect(args.source, rest, with_fingerprint=not args.no_fingerprint,
-                          content_digest=args.content_digest)
-        except (FastloadError, OSError) as e:
-            print(f"vllm-fastload inspect: error: {e}", file=sys.stderr)
-            if args.json:  # a script reading stdout gets the reason too, not an empty document
-                print(json.dumps({"source": args.source, "error": str(e)}, indent=2))
-            return 2
-        print(json.dumps(rep, indent=2) if args.json else render(rep))
-        return 1 if rep["problems"] else 0
-    if args.cmd == "status":
-        from .errors import FastloadError
-
-        try:
-            return _status(args)
-        except FastloadError as e:
-            print(f"vllm-fastload status: error: {e}", file=sys.stderr)
-            return 2
-    if args.cmd == "build-demo-model":
-        from .demo_model import build_model
-
-        print(build_model(args.out))
-        return 0
-    return 1
+    try:
+        rep = inspect(args.source, engine_args, with_fingerprint=not args.no_fingerprint,
+                      content_digest=args.content_digest)
+    except (FastloadError, OSError) as e:
+        print(f"vllm-fastload inspect: error: {e}", file=sys.stderr)
+        if args.json:  # a script reading stdout gets the reason too, not an empty document
+            print(json.dumps({"source": args.source, "error": str(e)}, indent=2))
+        return 2
+    print(json.dumps(rep, indent=2) if args.json else render(rep))
+    return 1 if rep["problems"] else 0
 
 
 def _model_arg(argv: list[str]) -> str | None:
@@ -120,7 +135,7 @@ def _model_arg(argv: list[str]) -> str | None:
 
 def _preload_help() -> int:
     """``vllm-fastload preload --help``: the daemon's own flags, then where the engine args are listed."""
-    from .ipc.daemon import add_daemon_flags
+    from .ipc.daemon.main import add_daemon_flags
 
     p = argparse.ArgumentParser(
         prog="vllm-fastload preload", usage="vllm-fastload preload MODEL [vllm serve engine args] [daemon flags]",
@@ -136,11 +151,10 @@ def _preload_help() -> int:
 
 def _status(args: argparse.Namespace) -> int:
     import os
-
-    from .ipc.client import status_of
     import stat
 
-    from .ipc.paths import SocketDir, file_kind, socket_dir_spec
+    from .ipc.wire.client import status_of
+    from .ipc.wire.paths import SocketDir, file_kind, socket_dir_spec
 
     spec = socket_dir_spec(args.weight_cache_socket_dir)
     try:

@@ -2,6 +2,8 @@
 
 Every model is strict: unknown keys, wrong types (``"16"`` for an int, ``true`` for a size) and out-of-range
 values raise :class:`~vllm_fastload.errors.ConfigError` naming the key, the value and the allowed form.
+Each key is declared once, with :func:`key`: its default, allowed form, description and bounds feed both the
+error messages and docs/configuration.md (:mod:`vllm_fastload.docgen`).
 Validation has no side effects: :mod:`vllm_fastload.streaming.runai_env` turns a validated config into
 runai-model-streamer's environment variables, which the loader applies for the load only.
 """
@@ -14,9 +16,8 @@ from typing import Any, ClassVar, Literal, Optional, Union
 
 from pydantic import BaseModel, ByteSize, ConfigDict, Field, TypeAdapter, ValidationError, field_validator
 
-from .log import logger
 from .errors import ConfigError
-
+from .log import logger
 
 _BYTESIZE = TypeAdapter(ByteSize)
 
@@ -50,42 +51,48 @@ def as_seconds(value: Any) -> float:
     return float(value)
 
 
+def key(default: Any, *, allowed: str, description: str, **bounds: Any) -> Any:
+    """Declare one extra-config key, once: its ``default``, the ``allowed`` form (quoted by :class:`ConfigError`
+    messages and docs/configuration.md), its ``description`` (docs, ``help()``) and pydantic's ``bounds``
+    (``gt``, ``le``, ...)."""
+    return Field(default, description=description, json_schema_extra={"allowed": allowed}, **bounds)
+
+
 class _LoaderConfig(BaseModel):
     """Fields shared by every load format of this plugin."""
 
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
 
     LOAD_FORMAT: ClassVar[str] = ""
-    ALLOWED: ClassVar[dict[str, str]] = {
-        "fallback": "true or false (JSON bool)",
-        "freeze_gc": "true or false (JSON bool)",
-        "report_path": "a file path (string) where a JSON load report is written",
-        "expected_content_digest": "'blake3:' and 64 lowercase hex digits, as `vllm-fastload inspect --content-digest` "
-        "prints",
-    }
 
-    fallback: bool = Field(
+    fallback: bool = key(
         True,
+        allowed="true or false (JSON bool)",
         description="When the fast path cannot serve the load: true = log a WARNING and load with vLLM's default "
         "loader; false = fail at startup with the reason.",
     )
-    report_path: Optional[str] = Field(
-        None, description="Write the load report as JSON to this path (overwritten atomically on each load)."
+    report_path: Optional[str] = key(
+        None,
+        allowed="a file path (string) where a JSON load report is written",
+        description="Write the load report as JSON to this path (overwritten atomically on each load).",
     )
-    expected_content_digest: Optional[str] = Field(
-        None, description="Pin the weights' content: hash every tensor's bytes (BLAKE3, docs/design.md, content "
-        "digest) and refuse weights whose digest differs. runai_streamer: the load fails after the last tensor "
-        "(no fallback: any loader reads the same files). ipc_cache: a daemon's weights are mapped only when the "
-        "daemon hashed them (\"content_hash\": true) to this digest, else the fallback policy applies and the disk "
-        "load is checked the same way.",
+    expected_content_digest: Optional[str] = key(
+        None,
+        allowed="'blake3:' and 64 lowercase hex digits, as `vllm-fastload inspect --content-digest` prints",
+        description="Pin the weights' content: hash every tensor's bytes (BLAKE3, docs/design.md, content digest) "
+        "and refuse weights whose digest differs. runai_streamer: the load fails after the last tensor (no fallback: "
+        "any loader reads the same files). ipc_cache: a daemon's weights are mapped only when the daemon hashed them "
+        "(\"content_hash\": true) to this digest, else the fallback policy applies and the disk load is checked the "
+        "same way.",
     )
-    freeze_gc: bool = Field(
+    freeze_gc: bool = key(
         True,
+        allowed="true or false (JSON bool)",
         description="GPU: freeze Python's garbage-collector heap (gc.freeze()) when the load starts, once per "
         "process, as vLLM does when the engine start ends, so the full collections vLLM's memory profiler runs after "
-        "the load walk only the objects made since. Like vLLM's own freeze, frozen objects that later become "
-        "garbage wait for the engine's shutdown: a process that outlives a failed LLM() start keeps its weights; set "
-        "false there (docs/design.md, garbage collector).",
+        "the load walk only the objects made since. Like vLLM's own freeze, frozen objects that later become garbage "
+        "wait for the engine's shutdown: a process that outlives a failed LLM() start keeps its weights; set false "
+        "there (docs/design.md, garbage collector).",
     )
 
     @field_validator("report_path")
@@ -126,7 +133,7 @@ class _LoaderConfig(BaseModel):
             key = str(err["loc"][0]) if err["loc"] else "?"
             value = data.get(key, err.get("input"))
             fields = type(self).model_fields
-            form = self.ALLOWED.get(key, fields[key].description or "") if key in fields else ""
+            form = type(self).allowed_form(key) if key in fields else ""
             reason = err["msg"].removeprefix("Value error, ")
             raise ConfigError(
                 f"--model-loader-extra-config: invalid value for key {key!r} of load format {self.LOAD_FORMAT!r}: "
@@ -141,7 +148,13 @@ class _LoaderConfig(BaseModel):
         cls.__doc__ = (cls.__doc__ or "").rstrip() + "\n\n    Keys:\n\n" + "\n".join(lines) + "\n"
 
     @classmethod
-    def from_extra(cls, extra: Optional[dict[str, Any]]) -> "_LoaderConfig":
+    def allowed_form(cls, name: str) -> str:
+        """The allowed form of key ``name`` as its :func:`key` declaration says (``""`` for an undeclared form)."""
+        extra = cls.model_fields[name].json_schema_extra
+        return extra.get("allowed", "") if isinstance(extra, dict) else ""
+
+    @classmethod
+    def from_extra(cls, extra: Optional[dict[str, Any]]) -> _LoaderConfig:
         """Validate ``load_config.model_loader_extra_config`` (a dict, or None = all defaults).
 
         Raises :class:`ConfigError` naming the key, the value and the allowed form.
@@ -156,6 +169,13 @@ class _LoaderConfig(BaseModel):
         return cls(**extra)
 
 
+#: How an ``ipc_cache`` engine uses the daemon's memory (``mode``; also the wire's ``attach`` mode).
+Mode = Literal["zero_copy", "copy"]
+#: How runai reads local files (``fs_strategy``).
+FsStrategy = Literal["auto", "runai", "pread_buffered", "io_uring_direct", "io_uring_buffered", "libaio_direct",
+                     "sync_buffered"]
+
+
 class StreamerConfig(_LoaderConfig):
     """Extra-config of the ``runai_streamer`` load format.
 
@@ -163,50 +183,43 @@ class StreamerConfig(_LoaderConfig):
     """
 
     LOAD_FORMAT: ClassVar[str] = "runai_streamer"
-    ALLOWED: ClassVar[dict[str, str]] = {
-        **_LoaderConfig.ALLOWED,
-        "concurrency": "an integer from 1 to 4096 (JSON number, not a string), e.g. 16",
-        "memory_limit": "bytes as an integer >= -1 (-1 = unlimited, 0 = the largest tensor) or a string like '16GiB'",
-        "chunk_bytesize": "bytes as an integer > 0 or a string like '8MiB'",
-        "distributed": "\"auto\" (the default), true or false (JSON bool)",
-        "distributed_timeout_s": "seconds (a number from 0.1 to 86400) a rank of a fan-out waits for the others",
-        "fs_strategy": "one of auto, runai, pread_buffered, io_uring_direct, io_uring_buffered, libaio_direct, "
-                       "sync_buffered",
-        "pinned_slot_bytes": "bytes as an integer >= 4096 or a string like '64MiB'",
-        "pinned_slots": "an integer from 2 to 64",
-        "pinned_reader": "true or false (JSON bool)",
-        "pipeline_thread": "true or false (JSON bool)",
-        "copy_threads": "an integer from 1 to 128",
-        "content_hash": "true or false (JSON bool)",
-    }
 
-    concurrency: Optional[int] = Field(
-        None, gt=0, le=4096, description="Reader threads: of the runai-model-streamer pool (RUNAI_STREAMER_CONCURRENCY) "
-        "or of the pread_buffered reader."
+    concurrency: Optional[int] = key(
+        None, gt=0, le=4096,
+        allowed="an integer from 1 to 4096 (JSON number, not a string), e.g. 16",
+        description="Reader threads: of the runai-model-streamer pool (RUNAI_STREAMER_CONCURRENCY) or of the "
+        "pread_buffered reader.",
     )
-    memory_limit: Optional[Union[int, str]] = Field(
+    memory_limit: Optional[Union[int, str]] = key(
         None,
+        allowed="bytes as an integer >= -1 (-1 = unlimited, 0 = the largest tensor) or a string like '16GiB'",
         description="Host staging memory of the streamer in bytes; -1 unlimited, 0 = the largest tensor "
         "(RUNAI_STREAMER_MEMORY_LIMIT). On a GPU with pinned_reader (the default) the staging memory is the pinned "
         "slots instead ((pinned_slots + 2) x pinned_slot_bytes, rounded up to a power of two) and this key is not "
         "used.",
     )
-    chunk_bytesize: Optional[Union[int, str]] = Field(
-        None, description="Bytes per read request of one reader thread (RUNAI_STREAMER_CHUNK_BYTESIZE)."
+    chunk_bytesize: Optional[Union[int, str]] = key(
+        None,
+        allowed="bytes as an integer > 0 or a string like '8MiB'",
+        description="Bytes per read request of one reader thread (RUNAI_STREAMER_CHUNK_BYTESIZE).",
     )
-    distributed: Union[bool, Literal["auto"]] = Field(
-        "auto", description="TP > 1: the ranks of a TP group on one host split the checkpoint's bytes, each reads its "
-        "share and broadcasts it to the others (NCCL on GPUs), so a host reads every byte once. auto: on a GPU when "
-        "the host's ranks have peer access (P2P) and the pinned direct read path is used; true: also on CPU and "
-        "without P2P; false: every rank reads the whole checkpoint.",
-    )
-    distributed_timeout_s: float = Field(
-        300.0, ge=0.1, le=86400.0, description="Fan-out: seconds a rank waits for the others' next tensor before it fails the "
-        "load (a rank that stopped answering).",
-    )
-    fs_strategy: Literal["auto", "runai", "pread_buffered", "io_uring_direct", "io_uring_buffered", "libaio_direct",
-                         "sync_buffered"] = Field(
+    distributed: Union[bool, Literal["auto"]] = key(
         "auto",
+        allowed="\"auto\" (the default), true or false (JSON bool)",
+        description="TP > 1: the ranks of a TP group on one host split the checkpoint's bytes, each reads its share "
+        "and broadcasts it to the others (NCCL on GPUs), so a host reads every byte once. auto: on a GPU when the "
+        "host's ranks have peer access (P2P) and the pinned direct read path is used; true: also on CPU and without "
+        "P2P; false: every rank reads the whole checkpoint.",
+    )
+    distributed_timeout_s: float = key(
+        300.0, ge=0.1, le=86400.0,
+        allowed="seconds (a number from 0.1 to 86400) a rank of a fan-out waits for the others",
+        description="Fan-out: seconds a rank waits for the others' next tensor before it fails the load (a rank that "
+        "stopped answering).",
+    )
+    fs_strategy: FsStrategy = key(
+        "auto",
+        allowed="one of auto, runai, pread_buffered, io_uring_direct, io_uring_buffered, libaio_direct, sync_buffered",
         description="How local files are read. auto: when >= 90% of the shards are in the page cache (a restart), "
         "pread_buffered on the direct GPU path, else runai's sync_buffered with one reader per CPU (up to 32), split "
         "among this host's ranks, unless concurrency is set; otherwise runai's O_DIRECT default. pread_buffered: this "
@@ -214,26 +227,41 @@ class StreamerConfig(_LoaderConfig):
         "set, into pinned_slots slots of pinned_slot_bytes; local files, direct GPU path only). runai: always "
         "runai's default. The other values are runai's strategies (RUNAI_STREAMER_FS_STRATEGY).",
     )
-    pinned_slot_bytes: Union[int, str] = Field(
-        8 * 2**20, description="GPU only: bytes per pinned host slot (tensors larger are read and copied in pieces "
-        "of this size)."
+    pinned_slot_bytes: Union[int, str] = key(
+        8 * 2**20,
+        allowed="bytes as an integer >= 4096 or a string like '64MiB'",
+        description="GPU only: bytes per pinned host slot (tensors larger are read and copied in pieces of this "
+        "size).",
     )
-    pinned_reader: bool = Field(
-        True, description="GPU only: tensor pieces are read (by our reader or runai's, see fs_strategy) straight into "
-        "pinned slots and the GPU copies them "
-        "out (no host memcpy); false: runai reads into pageable memory and each tensor is copied through a "
-        "pinned ring."
+    pinned_reader: bool = key(
+        True,
+        allowed="true or false (JSON bool)",
+        description="GPU only: tensor pieces are read (by our reader or runai's, see fs_strategy) straight into "
+        "pinned slots and the GPU copies them out (no host memcpy); false: runai reads into pageable memory and each "
+        "tensor is copied through a pinned ring.",
     )
-    pipeline_thread: bool = Field(
-        False, description="GPU only, experimental: read, memcpy and copy issue in a producer thread, overlapped with "
-        "weight_loader calls; off by default because its memcpy competes with the reader threads for the CPUs."
+    pipeline_thread: bool = key(
+        False,
+        allowed="true or false (JSON bool)",
+        description="GPU only, experimental: read, memcpy and copy issue in a producer thread, overlapped with "
+        "weight_loader calls; off by default because its memcpy competes with the reader threads for the CPUs.",
     )
-    pinned_slots: int = Field(16, ge=2, le=64, description="GPU only: pinned slots (the read ring's depth, >= 2).")
-    copy_threads: int = Field(8, gt=0, le=128, description="GPU only: threads copying host slots into pinned memory.")
-    content_hash: bool = Field(
-        False, description="Hash every tensor's bytes while loading (BLAKE3) and report the checkpoint's content "
-        "digest (load report, log line); the preload daemon publishes it to engines that pin "
-        "expected_content_digest. On a GPU every byte is also copied back to the host to be hashed.",
+    pinned_slots: int = key(
+        16, ge=2, le=64,
+        allowed="an integer from 2 to 64",
+        description="GPU only: pinned slots (the read ring's depth, >= 2).",
+    )
+    copy_threads: int = key(
+        8, gt=0, le=128,
+        allowed="an integer from 1 to 128",
+        description="GPU only: threads copying host slots into pinned memory.",
+    )
+    content_hash: bool = key(
+        False,
+        allowed="true or false (JSON bool)",
+        description="Hash every tensor's bytes while loading (BLAKE3) and report the checkpoint's content digest "
+        "(load report, log line); the preload daemon publishes it to engines that pin expected_content_digest. On a "
+        "GPU every byte is also copied back to the host to be hashed.",
     )
 
     @property
@@ -305,25 +333,39 @@ class IpcCacheConfig(_LoaderConfig):
     """Extra-config of the ``ipc_cache`` load format (times in seconds)."""
 
     LOAD_FORMAT: ClassVar[str] = "ipc_cache"
-    ALLOWED: ClassVar[dict[str, str]] = {
-        **_LoaderConfig.ALLOWED,
-        "mode": "'zero_copy' (map the daemon's memory) or 'copy' (clone it, then the daemon frees its copy)",
-        "socket_dir": "a directory path (string) holding the daemons' sockets",
-        "socket_path": "the path (string) of one daemon's socket, overriding socket_dir",
-        "connect_timeout_s": "seconds (a number > 0, at most 86400) to wait for the daemon's socket to accept",
-        "state_timeout_s": "seconds (a number > 0, at most 86400) to wait for the daemon's manifest",
-        "is_draft": "true or false (set by vLLM for speculative-decoding drafts)",
-    }
 
-    mode: Literal["zero_copy", "copy"] = Field(
-        "zero_copy", description="zero_copy: map the daemon's memory (one copy in memory); copy: clone into engine "
-        "memory, then the daemon frees its copy and stays empty.")
-    socket_dir: Optional[str] = Field(None, description="Directory of the daemons' sockets (default: the daemon's default).")
-    socket_path: Optional[str] = Field(None, description="One daemon's socket path; overrides socket_dir.")
+    mode: Mode = key(
+        "zero_copy",
+        allowed="'zero_copy' (map the daemon's memory) or 'copy' (clone it, then the daemon frees its copy)",
+        description="zero_copy: map the daemon's memory (one copy in memory); copy: clone into engine memory, then "
+        "the daemon frees its copy and stays empty.",
+    )
+    socket_dir: Optional[str] = key(
+        None,
+        allowed="a directory path (string) holding the daemons' sockets",
+        description="Directory of the daemons' sockets (default: the daemon's default).",
+    )
+    socket_path: Optional[str] = key(
+        None,
+        allowed="the path (string) of one daemon's socket, overriding socket_dir",
+        description="One daemon's socket path; overrides socket_dir.",
+    )
     # bounded: socket timeouts take a time_t deadline, and a day is longer than any load
-    connect_timeout_s: float = Field(5.0, gt=0, le=86400, description="Seconds to wait for the daemon's socket to accept.")
-    state_timeout_s: float = Field(300.0, gt=0, le=86400, description="Seconds to wait for the daemon's manifest.")
-    is_draft: bool = Field(False, description="Set by vLLM for a speculative-decoding draft model.")
+    connect_timeout_s: float = key(
+        5.0, gt=0, le=86400,
+        allowed="seconds (a number > 0, at most 86400) to wait for the daemon's socket to accept",
+        description="Seconds to wait for the daemon's socket to accept.",
+    )
+    state_timeout_s: float = key(
+        300.0, gt=0, le=86400,
+        allowed="seconds (a number > 0, at most 86400) to wait for the daemon's manifest",
+        description="Seconds to wait for the daemon's manifest.",
+    )
+    is_draft: bool = key(
+        False,
+        allowed="true or false (set by vLLM for speculative-decoding drafts)",
+        description="Set by vLLM for a speculative-decoding draft model.",
+    )
 
     @field_validator("socket_dir", "socket_path")
     @classmethod

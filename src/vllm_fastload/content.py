@@ -11,9 +11,10 @@ tensors a load would use: duplicates that an index assigns elsewhere left out), 
 the UTF-8 name, NUL, the safetensors dtype (``BF16``), NUL, the shape as comma-separated decimals, NUL, and the
 32-byte BLAKE3 digest of the tensor's raw bytes as stored in the safetensors data section; the digest is BLAKE3 of
 the concatenated records. Dtype and shape are in it because the same bytes read as another dtype or shape are
-other weights, and a pin must not depend on the header being pinned some other way. Producers: :func:`checkpoint_digest` (``vllm-fastload inspect --content-digest``, reads the files),
-:class:`Hashing` (a loader's tensor stream, ``"content_hash": true`` in the extra-config; the preload daemon
-publishes it in its manifest). BLAKE3 via the ``blake3`` package (a dependency of vLLM itself), multi-threaded for
+other weights, and a pin must not depend on the header being pinned some other way. Producers: :func:`checkpoint_digest`
+(``vllm-fastload inspect --content-digest``, reads the files), :class:`Hashing` (a loader's tensor stream,
+``"content_hash": true`` in the extra-config; the preload daemon publishes it in its manifest). BLAKE3 via the
+``blake3`` package (a dependency of vLLM itself), multi-threaded for
 large inputs (``max_threads=blake3.AUTO``, which releases the GIL while hashing).
 """
 
@@ -24,8 +25,9 @@ import os
 import queue
 import re
 import threading
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Iterator, Optional
+from typing import Any, Optional
 
 from .errors import CheckpointError, ContentMismatch
 from .storage import is_object_uri

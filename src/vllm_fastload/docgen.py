@@ -31,14 +31,14 @@ def _model_table(model: Any) -> list[str]:
     rows = ["| key | type | default | allowed | effect |", "|---|---|---|---|---|"]
     for name, f in model.model_fields.items():
         default = f.default
-        rows.append(f"| `{name}` | {_type_of(f)} | `{default!r}` | {model.ALLOWED.get(name, '')} | "
+        rows.append(f"| `{name}` | {_type_of(f)} | `{default!r}` | {model.allowed_form(name)} | "
                     f"{(f.description or '').replace('|', '/')} |")
     return rows
 
 
 def render() -> str:
     """The whole Markdown page."""
-    from .ipc.daemon import add_daemon_flags
+    from .ipc.daemon.main import add_daemon_flags
 
     out = [
         "# Configuration reference",

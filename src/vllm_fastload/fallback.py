@@ -23,13 +23,12 @@ if TYPE_CHECKING:
     from .content import ContentPin
 from .errors import CheckpointError, FallbackRefused, FastloadError
 
-
 #: The load format used when falling back (vLLM's DefaultModelLoader).
 FALLBACK_FORMAT = "auto"
 
 
 def fall_back(load_format: str, reason: str, allow: bool, load_config: Any, *, possible: bool = True,
-              pin: Optional["ContentPin"] = None, via: Any = None) -> Any:
+              pin: Optional[ContentPin] = None, via: Any = None) -> Any:
     """Apply the policy and return vLLM's ``DefaultModelLoader`` for ``load_config`` (format ``auto``), or ``via``.
 
     ``via``: a disk loader of this plugin to return instead (``ipc_cache`` passes its ``runai_streamer``, so a
@@ -79,7 +78,7 @@ def step_down(what: str, reason: str, *, broken: bool = False) -> None:
 
 
 def fall_back_on(load_format: str, error: FastloadError, allow: bool, load_config: Any,
-                 pin: Optional["ContentPin"] = None, via: Any = None) -> Any:
+                 pin: Optional[ContentPin] = None, via: Any = None) -> Any:
     """The policy for a fast path that failed with ``error``: :func:`fall_back` with the error's message as the
     reason, except for a :class:`~vllm_fastload.errors.CheckpointError`, which is raised again: the checkpoint
     itself is unusable (a malformed shard, a duplicate name without an index), vLLM's default loader would read

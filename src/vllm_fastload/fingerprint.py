@@ -2,8 +2,8 @@
 
 A :class:`Fingerprint` covers the checkpoint (sorted shard names, sizes, a SHA-256 of each safetensors header and
 each shard's identity: local files' mtime_ns, device and inode; objects' ETag and version id), the model
-architecture, the bytes of its ``config.json``, dtype, quantization, RoPE settings, revision, KV-cache dtype, the parallel
-layout (TP/PP/DP size and rank) and the vLLM and plugin versions. Two loads with equal fingerprints produce the
+architecture, the bytes of its ``config.json``, dtype, quantization, RoPE settings, revision, KV-cache dtype, the
+parallel layout (TP/PP/DP size and rank) and the vLLM and plugin versions. Two loads with equal fingerprints produce the
 same weights; :meth:`Fingerprint.mismatched_fields` says why two differ. This module imports neither vLLM nor
 torch; :func:`from_vllm` reads the vLLM objects it is given.
 """
@@ -13,8 +13,9 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Iterable, Optional
+from typing import Any, Optional
 
 from . import __version__
 from .checkpoint import SafetensorsHeader, ShardPlan, model_shards, read_checkpoint
@@ -37,7 +38,7 @@ class ShardFacts:
     version_id: Optional[str] = None
 
     @classmethod
-    def of(cls, header: SafetensorsHeader) -> "ShardFacts":
+    def of(cls, header: SafetensorsHeader) -> ShardFacts:
         """Facts of a parsed header (identity fields None when the header was parsed without one)."""
         ident = header.identity
         return cls(header.path.rstrip("/").rsplit("/", 1)[-1], header.declared_size, header.header_sha256,
@@ -80,7 +81,7 @@ class Fingerprint:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "Fingerprint":
+    def from_dict(cls, d: dict[str, Any]) -> Fingerprint:
         """Inverse of :meth:`to_dict`. Raises ``TypeError``/``KeyError`` on a malformed dict."""
         d = dict(d)
         d["shards"] = tuple(ShardFacts(**s) for s in d["shards"])
@@ -94,7 +95,7 @@ class Fingerprint:
         """First 12 hex digits of :meth:`digest`, for log lines."""
         return self.digest()[:12]
 
-    def mismatched_fields(self, other: "Fingerprint") -> list[tuple[str, Any, Any]]:
+    def mismatched_fields(self, other: Fingerprint) -> list[tuple[str, Any, Any]]:
         """Fields that differ, as ``(field, self_value, other_value)``, in declaration order.
 
         For ``shards`` the values are the shards that differ: a name alone when the other side lacks it, else
@@ -111,7 +112,7 @@ class Fingerprint:
             out.append((f.name, a, b))
         return out
 
-    def explain(self, other: "Fingerprint") -> str:
+    def explain(self, other: Fingerprint) -> str:
         """Human text of :meth:`mismatched_fields`: ``field: mine != theirs; ...``."""
         return "; ".join(f"{n}: {a!r} != {b!r}" for n, a, b in self.mismatched_fields(other))
 
@@ -191,7 +192,8 @@ def from_vllm(model_config: Any, headers: Iterable[SafetensorsHeader], vllm_conf
         except ImportError:
             vllm_config = None
     cache = getattr(vllm_config, "cache_config", None)
-    archs = getattr(model_config, "architectures", None) or getattr(model_config.hf_config, "architectures", None) or ["?"]
+    archs = (getattr(model_config, "architectures", None) or getattr(model_config.hf_config, "architectures", None)
+             or ["?"])
     return Fingerprint(
         shards=tuple(ShardFacts.of(h) for h in headers),
         architecture=str(archs[0]),

@@ -20,8 +20,14 @@ import time
 from collections import Counter
 from typing import Any, Optional
 
-from .checkpoint import (DTYPE_BYTES, SafetensorsHeader, no_tensors_problem, read_header, resolve_duplicates,
-                         select_shards)
+from .checkpoint import (
+    DTYPE_BYTES,
+    SafetensorsHeader,
+    no_tensors_problem,
+    read_header,
+    resolve_duplicates,
+    select_shards,
+)
 from .content import checkpoint_digest
 from .errors import CheckpointError, FastloadError
 from .storage import is_object_uri

@@ -197,7 +197,7 @@ class ManagedProcess:
         self._log.close()
         return self.proc.returncode
 
-    def __enter__(self) -> "ManagedProcess":
+    def __enter__(self) -> ManagedProcess:
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -302,7 +302,7 @@ class PreloadDaemon(ManagedProcess):
             time.sleep(0.5)
         raise TimeoutError(f"preload daemon pid {self.pid} not ready after {timeout_s} s; log: {self.log_path}")
 
-    def ready_or_raise(self, timeout_s: float = 600.0) -> "PreloadDaemon":
+    def ready_or_raise(self, timeout_s: float = 600.0) -> PreloadDaemon:
         """:meth:`wait_ready`, returning this daemon; when it exited first, stop it and raise ``RuntimeError`` with
         the tail of its log (the benchmarks' start of a daemon)."""
         if not self.wait_ready(timeout_s):

@@ -223,7 +223,8 @@ def _s3_probe(uri: str, exc: Optional[BaseException] = None, timeout_s: float = 
                                 endpoint=os.environ.get("RUNAI_STREAMER_S3_ENDPOINT"))
             listed = client.list_objects_v2(Bucket=bucket, Prefix=prefix, MaxKeys=1000)
             keys = [o["Key"] for o in listed.get("Contents", [])]
-            if keys or key:  # a 1-byte ranged GET, as the streamer reads (HEAD is authorised differently by some stores)
+            # a 1-byte ranged GET, as the streamer reads (HEAD is authorised differently by some stores)
+            if keys or key:
                 client.get_object(Bucket=bucket, Key=keys[0] if keys else key, Range="bytes=0-0")["Body"].close()
             ok = (f"bucket and prefix are readable now ({len(keys)} object(s) under it); the failure was transient "
                   f"(timeout, throttling) or inside the streamer" if keys else
@@ -366,9 +367,9 @@ class FileIdentity:
 
 
 def file_identity(path: str) -> FileIdentity:
-    """Size and identity of a local file (``os.stat``, symlinks followed) or object (one request: S3 a
-    1-byte ranged ``GetObject`` with the listing's bounded timeouts, GCS ``get_blob``, Azure ``get_blob_properties``, through
-    the clients runai's backends build, so the same endpoint and credentials).
+    """Size and identity of a local file (``os.stat``, symlinks followed) or object (one request: S3 a 1-byte ranged
+    ``GetObject`` with the listing's bounded timeouts, GCS ``get_blob``, Azure ``get_blob_properties``, through the
+    clients runai's backends build, so the same endpoint and credentials).
 
     Raises ``OSError`` (local) or :class:`StorageError` naming the URI (object storage).
     """

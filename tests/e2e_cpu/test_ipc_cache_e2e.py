@@ -20,8 +20,8 @@ pytestmark = pytest.mark.e2e
 
 from tests.conftest import demo_with_stale_copies  # noqa: E402
 from tests.e2e_cpu.conftest import answer_of, failed_startup_log, ids_of  # noqa: E402
-from vllm_fastload.ipc import protocol  # noqa: E402
-from vllm_fastload.ipc.client import status_of  # noqa: E402
+from vllm_fastload.ipc.wire import protocol  # noqa: E402
+from vllm_fastload.ipc.wire.client import status_of  # noqa: E402
 from vllm_fastload.servers import PreloadDaemon, VllmServer, free_port  # noqa: E402
 
 
@@ -166,8 +166,9 @@ def test_restarted_daemon_replaced_the_stale_socket(daemon2):
 
 def test_fingerprint_mismatch_falls_back_naming_dtype(demo_model, sock_dir, e2e_logs, daemon2, reference_ids):
     # the daemon runs in float32 (servers.CPU_DTYPE), this engine in the checkpoint's bfloat16
-    srv = VllmServer(str(demo_model), ["--load-format", "ipc_cache", "--dtype", "bfloat16", "--model-loader-extra-config",
-                                       json.dumps({"socket_dir": str(sock_dir)})], log_path=e2e_logs / "bf16.log")
+    srv = VllmServer(str(demo_model), ["--load-format", "ipc_cache", "--dtype", "bfloat16",
+                                       "--model-loader-extra-config", json.dumps({"socket_dir": str(sock_dir)})],
+                     log_path=e2e_logs / "bf16.log")
     with srv:
         assert srv.wait_ready(), srv.diagnosis()
         log = srv.log()

@@ -8,17 +8,15 @@ from __future__ import annotations
 
 import json
 import shutil
-from pathlib import Path
 
 import pytest
 
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.e2e
 
+from tests.e2e_cpu.conftest import answer_of, failed_startup_log, ids_of  # noqa: E402
 from vllm_fastload.checkpoint import read_header  # noqa: E402
 from vllm_fastload.servers import VllmServer  # noqa: E402
-
-from tests.e2e_cpu.conftest import answer_of, failed_startup_log, ids_of  # noqa: E402
 
 
 def serve(model, args, log, env=None):
@@ -62,7 +60,6 @@ def test_local_dir_matches_default_loader(demo_model, logs, reference_ids, refer
     assert r["tensors"] == len(header.tensors) and r["bytes"] == header.data_bytes
     assert r["line"] in log  # the same line was logged by the server
     from vllm_fastload.inspect import inspect
-
     from vllm_fastload.servers import cpu_dtype_args
 
     rep = inspect(str(demo_model), ["--max-model-len", "2048", *cpu_dtype_args([])])  # the server's engine args
@@ -112,7 +109,8 @@ def test_bin_only_falls_back_with_warning(bin_only_model, logs, reference_ids):
         assert srv.wait_ready(), srv.diagnosis()
         assert ids_of(srv) == reference_ids
         log = srv.log()
-    assert "WARNING" in log and f"runai_streamer cannot serve this load: no *.safetensors files in {bin_only_model}" in log
+    assert "WARNING" in log
+    assert f"runai_streamer cannot serve this load: no *.safetensors files in {bin_only_model}" in log
     assert "Falling back to vLLM's default loader (load format 'auto')" in log
     r = json.loads(report.read_text())
     assert r["format_used"] == "auto" and r["fallback_reason"].startswith("no *.safetensors files")

@@ -33,20 +33,22 @@ ROOT = Path(__file__).resolve().parents[2]
 
 from tests.conftest import Engine, one_shot  # noqa: E402
 from tests.gpu.zoo_cuda import zoo  # noqa: E402
-
-from vllm_fastload.ipc.client import status_of  # noqa: E402
-from vllm_fastload.ipc.layout import sample_checksums, view_at  # noqa: E402
-from vllm_fastload.ipc.backends import open_segment  # noqa: E402
-from vllm_fastload.ipc.layout import Placement  # noqa: E402
-from vllm_fastload.ipc.messages import SegmentMeta, TensorEntry  # noqa: E402
+from vllm_fastload.ipc.memory.cuda_vmm import CudaVmmTransport  # noqa: E402
+from vllm_fastload.ipc.memory.layout import (  # noqa: E402
+    Placement,  # noqa: E402
+    sample_checksums,
+    view_at,
+)
+from vllm_fastload.ipc.wire.client import status_of  # noqa: E402
+from vllm_fastload.ipc.wire.messages import SegmentMeta, TensorEntry  # noqa: E402
 from vllm_fastload.servers import PreloadDaemon  # noqa: E402
 
 # --- transport ------------------------------------------------------------------------------------------------
 EXPORTER = r"""
 import json, socket, sys, time, torch
 from tests.gpu.zoo_cuda import zoo
-from vllm_fastload.ipc.backends import get_transport
-from vllm_fastload.ipc.export import pack
+from vllm_fastload.ipc.memory.backends import get_transport
+from vllm_fastload.ipc.daemon.export import pack
 device = torch.device("cuda", 0)
 seg, entries = pack({k: v.cuda() for k, v in zoo().items()}, device)
 meta = get_transport(device).describe(seg, device)
@@ -61,14 +63,16 @@ def test_checksums_of_a_cuda_buffer_equal_the_host_copy_s():
     """The engine checksums mapped GPU memory (D2H window copies), the CPU tests a host buffer: same numbers."""
     g = torch.Generator().manual_seed(5)
     buf = torch.randint(0, 256, (5 * 4096 + 333,), dtype=torch.uint8, generator=g)
-    entries = {"a": Placement("uint8", [5 * 4096], [1], 0, 5 * 4096), "b": Placement("uint8", [77], [1], 5 * 4096 + 256, 77)}
+    entries = {"a": Placement("uint8", [5 * 4096], [1], 0, 5 * 4096),
+               "b": Placement("uint8", [77], [1], 5 * 4096 + 256, 77)}
     assert sample_checksums(buf.cuda(), entries) == sample_checksums(buf, entries)
 
 
 @pytest.mark.parametrize("expandable", [False, True], ids=["default-allocator", "expandable_segments"])
 def test_vmm_transport_across_processes_and_exporter_sigkill(expandable):
     mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
+    path = os.pathsep.join([str(ROOT), str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])
+    env = {**os.environ, "PYTHONPATH": path}
     if expandable:
         env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
     p = subprocess.Popen([sys.executable, "-c", EXPORTER, str(theirs.fileno())], pass_fds=[theirs.fileno()],
@@ -79,7 +83,7 @@ def test_vmm_transport_across_processes_and_exporter_sigkill(expandable):
         data, fds, _, _ = socket.recv_fds(mine, 1 << 20, 1)
         assert fds, p.stderr.read() if p.poll() is not None else "no fd received"
         msg = json.loads(data.decode())
-        seg = open_segment(fds[0], SegmentMeta(**msg["meta"]), torch.device("cuda", 0))
+        seg = CudaVmmTransport().open(fds[0], SegmentMeta(**msg["meta"]), torch.device("cuda", 0))
         want = zoo()
         entries = {k: TensorEntry(**e) for k, e in msg["entries"].items()}
         crcs = sample_checksums(seg.buf, entries)

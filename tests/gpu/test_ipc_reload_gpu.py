@@ -32,7 +32,7 @@ if importlib.util.find_spec("vllm.model_executor.model_loader.reload") is None:
 
 from tests.gpu.test_ipc_cache_gpu import Engine as CacheEngine  # noqa: E402
 from tests.gpu.test_ipc_cache_gpu import sock, socket_of, start_daemon  # noqa: E402,F401 (sock: a fixture)
-from vllm_fastload.ipc.client import status_of  # noqa: E402
+from vllm_fastload.ipc.wire.client import status_of  # noqa: E402
 
 CHILD = r"""
 import json, sys

@@ -10,8 +10,9 @@ if not torch.cuda.is_available():
 
 pytest.importorskip("vllm")
 
-from tests.conftest import assert_zoo_bit_exact, fake_model_config, write_zoo  # noqa: E402
 from vllm.config.load import LoadConfig  # noqa: E402
+
+from tests.conftest import assert_zoo_bit_exact, fake_model_config, write_zoo  # noqa: E402
 from vllm_fastload.streaming.loader import RunaiStreamerLoader  # noqa: E402
 from vllm_fastload.streaming.pipeline import H2DPipeline  # noqa: E402
 

@@ -90,7 +90,7 @@ def main() -> int:
         def faulty(it):
             for k, item in enumerate(it):
                 if k == 2 and a.get("mode") == "fail":
-                    raise OSError("injected read failure on rank %d" % rank)
+                    raise OSError(f"injected read failure on rank {rank}")
                 if k == 2 and a.get("mode") == "die":
                     os._exit(7)
                 yield item
@@ -104,7 +104,8 @@ def main() -> int:
                 if device.type == "cuda":
                     torch.cuda._sleep(1000)  # a slow consumer: slots must not be refilled under pending copies
                 raw = t.cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
-                out["tensors"].setdefault(name, []).append([str(t.dtype), list(t.shape), hashlib.sha256(raw).hexdigest()])
+                digest = hashlib.sha256(raw).hexdigest()
+                out["tensors"].setdefault(name, []).append([str(t.dtype), list(t.shape), digest])
         except Exception as e:  # noqa: BLE001 - reported to the test
             out["error"] = f"{type(e).__name__}: {e}"
         finally:

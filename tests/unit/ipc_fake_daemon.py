@@ -22,14 +22,15 @@ from pathlib import Path
 
 import torch
 
-from tests.conftest import make_fingerprint as fingerprint, unix_listener  # importers use `fingerprint` from here
+from tests.conftest import make_fingerprint as fingerprint  # importers use `fingerprint` from here
+from tests.conftest import unix_listener
 from vllm_fastload.fingerprint import Fingerprint
-from vllm_fastload.ipc import protocol
-from vllm_fastload.ipc.health import start_health_server
-from vllm_fastload.ipc.export import pack
-from vllm_fastload.ipc.messages import Manifest, SegmentMeta, to_frame
-from vllm_fastload.ipc.shm import MemfdTransport
-from vllm_fastload.ipc.server import Limits, RankServer, RankState, acquire
+from vllm_fastload.ipc.daemon.export import pack
+from vllm_fastload.ipc.daemon.health import start_health_server
+from vllm_fastload.ipc.daemon.server import Limits, RankServer, RankState, acquire
+from vllm_fastload.ipc.memory.memfd import MemfdTransport
+from vllm_fastload.ipc.wire import protocol
+from vllm_fastload.ipc.wire.messages import Manifest, SegmentMeta, to_frame
 
 
 def weights(n_extra: int = 0) -> dict[str, torch.Tensor]:
@@ -57,8 +58,7 @@ def make_state(path, fp: Fingerprint, tensors: dict[str, torch.Tensor]) -> RankS
 
 def serve(path: str, limits: Limits, health_port: int = 0) -> None:
     acquire(Path(path))  # the lock fd stays open for the process's life
-    srv = RankServer(make_state(path, fingerprint(), weights()), path, None, limits.max_connections,
-                     limits.idle_timeout_s, limits.attach_timeout_s)
+    srv = RankServer(make_state(path, fingerprint(), weights()), path, None, limits)
     srv.bind()
     if health_port:
         start_health_server("127.0.0.1", health_port, [path], limits)

@@ -13,11 +13,13 @@ import pytest
 
 from tests.conftest import make_fingerprint
 from vllm_fastload.errors import CacheUnavailable
-from vllm_fastload.ipc.client import fetch
+from vllm_fastload.ipc.engine.mapping import fetch
 
 
 def upstream_daemon(path):
-    """A stand-in for upstream's daemon: answers any request with a pickled dict in its framing."""
+    """A stand-in for upstream's daemon: answers any request with a pickled dict in its framing. It reads the
+    request first, as a daemon does: one that closed before the request arrived would make the engine's send fail
+    (EPIPE) before it could read the answer, a race and not what this test is about."""
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     s.bind(str(path))
     s.listen(4)
@@ -28,6 +30,10 @@ def upstream_daemon(path):
                 c, _ = s.accept()
             except OSError:
                 return
+            try:
+                c.recv(65536)
+            except OSError:
+                pass
             payload = pickle.dumps({"status": "ok", "handles": []})
             c.sendall(struct.pack("!Q", len(payload)) + payload)
             c.close()
@@ -64,7 +70,7 @@ def test_only_an_upstream_socket_beside_ours_is_named_with_the_command(short_tmp
     finally:
         up.close()
     msg = str(e.value)
-    assert f"found 1 socket(s) of vLLM's own weight-cache daemon (`vllm preload`" in msg
+    assert "found 1 socket(s) of vLLM's own weight-cache daemon (`vllm preload`" in msg
     assert str(theirs / "vllm_weight_cache_0123abcd.sock") in msg
     assert "run `vllm-fastload preload <same engine args>` instead of `vllm preload`" in msg and "VLLM_PLUGINS" in msg
 

@@ -10,7 +10,8 @@ from vllm_fastload.errors import CheckpointError
 
 
 def test_header_facts_match_file(tmp_path):
-    p = write_safetensors(tmp_path / "a.safetensors", {"w": torch.ones(3, 4), "b": torch.zeros(5, dtype=torch.bfloat16)})
+    p = write_safetensors(tmp_path / "a.safetensors",
+                          {"w": torch.ones(3, 4), "b": torch.zeros(5, dtype=torch.bfloat16)})
     h = read_header(str(p))
     assert h.declared_size == p.stat().st_size
     assert set(h.tensors) == {"w", "b"}
@@ -24,7 +25,8 @@ def test_index_selects_named_shards_only(tmp_path):
     (tmp_path / SAFE_INDEX).write_text(json.dumps({"weight_map": {
         "a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}))
     plan = select_shards(str(tmp_path))
-    assert [p.rsplit("/", 1)[1] for p in plan.files] == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    assert [p.rsplit("/", 1)[1] for p in plan.files] == ["model-00001-of-00002.safetensors",
+                                                         "model-00002-of-00002.safetensors"]
     assert [p.rsplit("/", 1)[1] for p in plan.ignored] == ["extra.safetensors"]
     assert list(plan.files) == vllm_default_choice(tmp_path)
 
@@ -309,8 +311,8 @@ def test_every_unopenable_shard_or_index_fails_at_selection(tmp_path):
     (d / "model.safetensors").rmdir()
     write_safetensors(d / "model.safetensors", {"w": torch.ones(1)})
     (d / SAFE_INDEX).symlink_to("../../blobs/0ff1ce")
-    with pytest.raises(CheckpointError, match=rf"^{d}/{SAFE_INDEX} is a symbolic link to \.\./\.\./blobs/0ff1ce .*which "
-                                              r"does not exist"):
+    with pytest.raises(CheckpointError,
+                       match=rf"^{d}/{SAFE_INDEX} is a symbolic link to \.\./\.\./blobs/0ff1ce .*which does not exist"):
         select_shards(str(d))
 
 

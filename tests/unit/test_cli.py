@@ -16,7 +16,7 @@ def test_bare_command_lists_every_subcommand(capsys):
 
 def test_preload_takes_the_model_positionally(monkeypatch, tmp_path):
     seen = []
-    import vllm_fastload.ipc.daemon as daemon
+    import vllm_fastload.ipc.daemon.main as daemon
 
     m = str(tmp_path)
     monkeypatch.setattr(daemon, "main", lambda argv: seen.append(argv) or 0)
@@ -42,7 +42,7 @@ def test_status_exit_codes_are_the_same_with_json(tmp_path, capsys):
 
 def test_preload_without_a_model_refuses_in_one_line(capsys, monkeypatch):
     """Without a model vLLM would take its default one and try the hub five times: refuse before that."""
-    import vllm_fastload.ipc.daemon as daemon
+    import vllm_fastload.ipc.daemon.main as daemon
 
     monkeypatch.setattr(daemon, "main", lambda argv: pytest.fail("the daemon must not start"))
     assert cli.main(["preload", "--tensor-parallel-size", "2"]) == 2
@@ -77,7 +77,7 @@ def test_preload_unknown_flag_is_a_short_error(capsys, tmp_path):
     (["preload", "/no/such/model", "--dtype", "float32"], "model directory /no/such/model does not exist"),
 ])
 def test_preload_refuses_an_empty_or_missing_model_in_one_line(argv, says, capsys, monkeypatch):
-    import vllm_fastload.ipc.daemon as daemon
+    import vllm_fastload.ipc.daemon.main as daemon
 
     monkeypatch.setattr(daemon, "main", lambda argv: pytest.fail("the daemon must not start"))
     assert cli.main(argv) == 2

@@ -70,7 +70,8 @@ def test_index_assigned_duplicates_are_left_out_as_the_loaders_leave_them_out(tm
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps(
         {"weight_map": {"norm": "b.safetensors", "x": "a.safetensors"}}))
     kept = {"norm": torch.full((4,), 3.0), "x": torch.zeros(2)}
-    expected = combine({k: record("F32", v.shape, blake3.blake3(v.numpy().tobytes()).digest()) for k, v in kept.items()})
+    expected = combine({k: record("F32", v.shape, blake3.blake3(v.numpy().tobytes()).digest())
+                        for k, v in kept.items()})
     assert _digest(tmp_path) == expected
     # vLLM's default loader yields both copies of "norm" (the index's last): the model keeps the last one given
     h = Hashing()
@@ -239,7 +240,7 @@ def test_content_hash_survives_a_fallback_and_a_pinned_reload_leaves_the_model_u
     from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
     from tests.conftest import fake_model_config as model_config
-    from tests.unit.test_loader_inprocess import Sink, run, tensors
+    from tests.unit.test_loader_inprocess import run, tensors
     from vllm_fastload.streaming.loader import RunaiStreamerLoader
 
     ts = tensors()

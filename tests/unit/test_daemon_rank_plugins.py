@@ -13,7 +13,7 @@ def _child(q):
     from vllm.config import LoadConfig
     from vllm.model_executor import model_loader as ml
 
-    from vllm_fastload.ipc.export import rank_loader
+    from vllm_fastload.ipc.daemon.export import rank_loader
 
     before = ml.get_model_loader(LoadConfig(load_format="runai_streamer"))
     after = rank_loader(LoadConfig(load_format="runai_streamer"))

@@ -96,7 +96,8 @@ def _stream(path, piece, depth, arena=True):
     headers = [read_header(str(path))]
     times, stats = StageTimes(), {}
     a = torch.empty(direct.arena_bytes(piece, depth), dtype=torch.uint8) if arena else None
-    got = {n: t.clone() for n, t in direct.stream_to_device(headers, torch.device("cpu"), piece, depth, times, a, stats)}
+    stream = direct.stream_to_device(headers, torch.device("cpu"), piece, depth, times, a, stats)
+    got = {n: t.clone() for n, t in stream}
     return got, times, stats
 
 
@@ -197,7 +198,8 @@ def test_page_locked_falls_back_to_pytorch_when_registration_is_refused(monkeypa
     got = []
     monkeypatch.setattr(torch.cuda, "cudart", lambda: Refusing())
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
-    monkeypatch.setattr(hostmem.torch, "empty", lambda n, **kw: got.append((n, kw)) or torch.zeros(n, dtype=torch.uint8))
+    monkeypatch.setattr(hostmem.torch, "empty",
+                        lambda n, **kw: got.append((n, kw)) or torch.zeros(n, dtype=torch.uint8))
     with caplog.at_level(logging.INFO, logger="vllm.fastload"):
         t = hostmem.page_locked(2**20, device=0)
     assert got == [(2**20, {"dtype": torch.uint8, "pin_memory": True})] and t.numel() == 2**20

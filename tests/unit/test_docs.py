@@ -7,7 +7,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_configuration_reference_is_in_sync():
     committed = (ROOT / "docs" / "configuration.md").read_text()
-    assert committed == render(), "docs/configuration.md drifted: run `python -m vllm_fastload.docgen > docs/configuration.md`"
+    assert committed == render(), \
+        "docs/configuration.md drifted: run `python -m vllm_fastload.docgen > docs/configuration.md`"
 
 
 def test_readme_links_the_docs():

@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 import yaml
 
-
 EX = Path(__file__).resolve().parents[2] / "examples"
 
 
@@ -24,7 +23,7 @@ def _k8s():
 
 def test_kubernetes_manifests_pass_the_kubernetes_schema():
     kv = pytest.importorskip("kubernetes_validate")
-    for kind, doc in _k8s().items():
+    for doc in _k8s().values():
         kv.validate(doc, kv.latest_version(), strict=True)  # raises on any field the API does not have
 
 
@@ -73,7 +72,8 @@ def _supervisor(tmp_path, daemon_dies_after=None, engine_ignores_term=False):
         port = s.getsockname()[1]
     bin_dir, log = tmp_path / "bin", tmp_path / "calls.log"
     bin_dir.mkdir()
-    life = f"sleep {daemon_dies_after}; kill $PY; echo daemon-died >> {log}; exit 9" if daemon_dies_after else "wait $PY"
+    life = (f"sleep {daemon_dies_after}; kill $PY; echo daemon-died >> {log}; exit 9" if daemon_dies_after
+            else "wait $PY")
     _stub(bin_dir, "vllm-fastload", f"""echo "daemon $*" >> {log}
 python3 -c "
 import http.server
@@ -86,7 +86,8 @@ PY=$!
 trap 'kill $PY; echo daemon-stopped >> {log}; exit 0' TERM
 {life}
 """)
-    on_term = "echo engine-ignores-term >> " + str(log) if engine_ignores_term else f"echo engine-stopped >> {log}; exit 0"
+    on_term = (f"echo engine-ignores-term >> {log}" if engine_ignores_term
+               else f"echo engine-stopped >> {log}; exit 0")
     _stub(bin_dir, "vllm", f"""n=$(grep -c '^engine' {log})
 echo "engine $*" >> {log}
 [ "$n" -eq 0 ] && exit 3

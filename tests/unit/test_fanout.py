@@ -11,6 +11,7 @@ from tests.conftest import write_zoo, zoo_digests
 from tests.unit.fanout_worker import run_ranks
 from vllm_fastload.streaming.fanout import assign_owners, fanout_groups
 
+
 # -- pure logic ---------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 8])
 def test_owners_balanced_by_bytes_and_deterministic(n):

@@ -53,7 +53,8 @@ def test_values_written_over_the_files_change_the_fingerprint(tmp_path):
     base = _fingerprint(tmp_path)
     st = p.stat()
     facts = base.shards[0]
-    assert (facts.size, facts.mtime_ns, facts.st_dev, facts.st_ino) == (st.st_size, st.st_mtime_ns, st.st_dev, st.st_ino)
+    assert ((facts.size, facts.mtime_ns, facts.st_dev, facts.st_ino)
+            == (st.st_size, st.st_mtime_ns, st.st_dev, st.st_ino))
     header_len = int.from_bytes(p.read_bytes()[:8], "little")
     with open(p, "r+b") as f:  # zero the norm weight in place: same inode, same header, new mtime
         data_start = 8 + header_len

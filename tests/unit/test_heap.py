@@ -18,7 +18,7 @@ from vllm.model_executor.model_loader.base_loader import BaseModelLoader  # noqa
 
 from tests.unit.test_ipc_tp_mismatch import ipc_loader, parallel, setup  # noqa: E402,F401
 from vllm_fastload import heap  # noqa: E402
-from vllm_fastload.ipc.state import InstallError  # noqa: E402
+from vllm_fastload.ipc.memory.state import InstallError  # noqa: E402
 from vllm_fastload.streaming.loader import RunaiStreamerLoader  # noqa: E402
 
 
@@ -81,7 +81,8 @@ def test_ipc_cache_load_freezes_the_heap_unless_told_not_to(thawed, setup, monke
     stub = types.SimpleNamespace(load_config=types.SimpleNamespace(load_format="auto"),
                                  load_model=lambda **kw: "disk")
     # the fallback's disk load (our runai_streamer) stands in
-    monkeypatch.setattr("vllm_fastload.streaming.loader.RunaiStreamerLoader.load_model", lambda self, **kw: stub.load_model(**kw))
+    monkeypatch.setattr("vllm_fastload.streaming.loader.RunaiStreamerLoader.load_model",
+                        lambda self, **kw: stub.load_model(**kw))
     parallel(monkeypatch, 2, 1)  # a fingerprint mismatch: the load falls back, the heap was frozen at its start
     assert ipc_loader(srv.path, freeze_gc=freeze).load_model(vllm_config, model_config) == "disk"
     assert (gc.get_freeze_count() > 0) is freeze
@@ -111,11 +112,12 @@ def test_a_failed_mapping_frees_its_skeleton_and_clones_before_the_fallback_load
         seen["alive during the disk load"] = [k for k, r in refs.items() if r() is not None]
         return "disk"
 
-    monkeypatch.setattr("vllm_fastload.ipc.mapping._build_model", build)
-    monkeypatch.setattr("vllm_fastload.ipc.mapping._apply_entries", apply)
+    monkeypatch.setattr("vllm_fastload.ipc.engine.mapping._build_model", build)
+    monkeypatch.setattr("vllm_fastload.ipc.engine.mapping._apply_entries", apply)
     stub = types.SimpleNamespace(load_config=types.SimpleNamespace(load_format="auto"), load_model=disk)
     # the fallback's disk load (our runai_streamer) stands in
-    monkeypatch.setattr("vllm_fastload.streaming.loader.RunaiStreamerLoader.load_model", lambda self, **kw: stub.load_model(**kw))
+    monkeypatch.setattr("vllm_fastload.streaming.loader.RunaiStreamerLoader.load_model",
+                        lambda self, **kw: stub.load_model(**kw))
     parallel(monkeypatch, 1, 0)
     gc.disable()  # only reference counting frees anything now
     try:

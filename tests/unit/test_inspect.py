@@ -43,7 +43,8 @@ def test_inspect_says_why_there_is_nothing_to_stream(tmp_path, capsys):
     (bins / "config.json").write_text("{}")
     cases = {str(tmp_path / "nope"): "does not exist: pass the model directory",
              str(empty): "is empty: no weights to load",
-             str(bins): "found pytorch_model.bin): runai_streamer falls back to vLLM's default loader; convert to safetensors"}
+             str(bins): "found pytorch_model.bin): runai_streamer falls back to vLLM's default loader; convert to "
+                        "safetensors"}
     for src, expect in cases.items():
         assert main(["inspect", src, "--no-fingerprint"]) == 1
         out = capsys.readouterr().out
@@ -119,8 +120,8 @@ def test_bad_engine_args_fail_the_fingerprint_alone_in_one_line(demo_model, caps
     assert main(["inspect", str(demo_model), "--tensor-parallel-size", "2"]) == 1
     out = capsys.readouterr().out
     assert "model.safetensors: 272 tensors" in out
-    assert ("PROBLEM (engine args): fingerprint not computed: ValidationError: Total number of attention heads (9) must be "
-            "divisible by tensor parallel size (2).") in out
+    assert ("PROBLEM (engine args): fingerprint not computed: ValidationError: Total number of attention heads (9) "
+            "must be divisible by tensor parallel size (2).") in out
     assert len(out.splitlines()) == 4  # source, shard, problem, suggestion: no vLLM log lines in the report
 
 

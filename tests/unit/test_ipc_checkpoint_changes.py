@@ -101,7 +101,7 @@ def test_a_pinned_engine_maps_only_a_daemon_that_hashed_the_pinned_bytes(setup, 
         def passed(*a, **k):
             raise Passed
 
-        monkeypatch.setattr("vllm_fastload.ipc.layout.sample_checksums", passed)
+        monkeypatch.setattr("vllm_fastload.ipc.memory.layout.sample_checksums", passed)
         with pytest.raises(Passed):
             ipc_loader(srv.path, expected_content_digest=pinned).load_model(vllm_config, model_config)
         assert [w for w in warnings_logged if "content" in w] == []

@@ -21,11 +21,12 @@ import torch
 from tests.conftest import unix_listener
 from tests.unit.ipc_fake_daemon import fingerprint, make_state, weights
 from vllm_fastload.errors import FastloadError
-from vllm_fastload.ipc import protocol
-from vllm_fastload.ipc.client import CacheUnavailable, fetch, status_of
-from vllm_fastload.ipc.server import RankServer, acquire
-from vllm_fastload.ipc.layout import view_at
-from vllm_fastload.ipc.messages import to_frame
+from vllm_fastload.ipc.daemon.server import RankServer, acquire
+from vllm_fastload.ipc.engine.mapping import fetch
+from vllm_fastload.ipc.memory.layout import view_at
+from vllm_fastload.ipc.wire import protocol
+from vllm_fastload.ipc.wire.client import CacheUnavailable, status_of
+from vllm_fastload.ipc.wire.messages import to_frame
 from vllm_fastload.servers import ManagedProcess
 
 REPO = Path(__file__).resolve().parents[2]
@@ -176,7 +177,7 @@ def test_client_gone_mid_manifest_leaves_the_daemon_serving_others(big_server, r
 
 def test_attached_client_killed_is_no_longer_counted(big_server, tmp_path, thread_errors):
     srv = big_server
-    code = ("import json, sys, time; from vllm_fastload.ipc.client import fetch; "
+    code = ("import json, sys, time; from vllm_fastload.ipc.engine.mapping import fetch; "
             "l = fetch(sys.argv[1], json.loads(sys.argv[2]), 5, 30); l.attach('zero_copy'); "
             "print('attached', flush=True); time.sleep(600)")
     with child(["-c", code, str(srv.path), json.dumps(FP)], tmp_path / "client.log", ready="attached") as p:

@@ -16,10 +16,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.unit.ipc_fake_daemon import fingerprint, make_state, weights
-from vllm_fastload.ipc import protocol
-from vllm_fastload.ipc.client import status_of
-from vllm_fastload.ipc.server import RankServer, acquire
-from vllm_fastload.ipc.messages import REPLIES, REQUESTS, MessageError, parse_reply, parse_request, to_frame
+from vllm_fastload.ipc.daemon.server import Limits, RankServer, acquire
+from vllm_fastload.ipc.wire import protocol
+from vllm_fastload.ipc.wire.client import status_of
+from vllm_fastload.ipc.wire.messages import REPLIES, REQUESTS, MessageError, parse_reply, parse_request, to_frame
 
 FP = json.loads(json.dumps(fingerprint().to_dict()))
 VALID = {
@@ -120,7 +120,7 @@ def test_every_message_type_is_a_valid_model_or_a_message_error_naming_it(parse,
 def daemon(tmp_path_factory):
     path = tmp_path_factory.mktemp("fuzz") / "d.sock"
     lock = acquire(path)
-    srv = RankServer(make_state(path, fingerprint(), weights()), path, idle_timeout_s=5.0)
+    srv = RankServer(make_state(path, fingerprint(), weights()), path, limits=Limits(idle_timeout_s=5.0))
     srv.bind()
     errors: list[BaseException] = []
     old_hook = threading.excepthook

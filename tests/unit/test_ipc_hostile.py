@@ -28,13 +28,14 @@ from tests.unit.ipc_fake_daemon import fingerprint, make_state, weights
 from tests.unit.test_ipc_faults import fake_daemon, thread_errors, wait_for  # noqa: F401 (fixtures)
 from vllm_fastload import cli  # noqa: F401 (imported before a child drops to a uid that cannot read the stdlib)
 from vllm_fastload.errors import SocketDirError, UntrustedPeer
-from vllm_fastload.ipc import protocol
-from vllm_fastload.ipc.client import CacheUnavailable, connect, fetch, status_of
-from vllm_fastload.ipc.health import metrics_text
-from vllm_fastload.ipc.server import RankServer, acquire
-from vllm_fastload.ipc.layout import view_at
-from vllm_fastload.ipc.messages import StatusReply, to_frame
-from vllm_fastload.ipc.paths import ENGINE_KEY, SocketDir, ensure_socket_dir, socket_dir_spec
+from vllm_fastload.ipc.daemon.health import metrics_text
+from vllm_fastload.ipc.daemon.server import Limits, RankServer, acquire
+from vllm_fastload.ipc.engine.mapping import fetch
+from vllm_fastload.ipc.memory.layout import view_at
+from vllm_fastload.ipc.wire import protocol
+from vllm_fastload.ipc.wire.client import CacheUnavailable, connect, status_of
+from vllm_fastload.ipc.wire.messages import StatusReply, to_frame
+from vllm_fastload.ipc.wire.paths import ENGINE_KEY, ensure_socket_dir, socket_dir_spec
 from vllm_fastload.servers import free_port
 
 FP = fingerprint().to_dict()
@@ -57,9 +58,9 @@ def shared_tmp():
 
 @contextlib.contextmanager
 def server(path: Path, **limits):
-    """The real RankServer of fake weights on ``path`` in this process, with ``limits`` (RankServer's keywords)."""
+    """The real RankServer of fake weights on ``path`` in this process, with ``limits`` (:class:`Limits` fields)."""
     lock = acquire(path)
-    srv = RankServer(make_state(path, fingerprint(), weights()), path, **limits)
+    srv = RankServer(make_state(path, fingerprint(), weights()), path, limits=Limits(**limits))
     srv.bind()
     t = threading.Thread(target=srv.serve_forever, daemon=True)
     t.start()
@@ -207,7 +208,7 @@ def test_a_flipping_symlinked_socket_dir_never_hands_the_engine_forged_weights(s
             # guard 1: the socket dir is never followed through a link, on either side
             for _ in range(30):
                 with pytest.raises(SocketDirError) as e:
-                    fetch(str(link / name), FP, 2, 5, origin=socket_dir_spec(str(link), ENGINE_KEY).origin)
+                    fetch(str(link / name), FP, 2, 5, spec=socket_dir_spec(str(link), ENGINE_KEY))
                 assert f"socket dir {link} (from {ENGINE_KEY}) is a symbolic link (to " in str(e.value)
                 assert "link owned by uid 65534" in str(e.value) and "forged weights" in str(e.value)
             with pytest.raises(SocketDirError, match=f"socket dir {link} \\(from --weight-cache-socket-dir\\) is a "
@@ -312,7 +313,7 @@ def test_a_runtime_dir_of_another_user_is_one_clear_error_with_distinct_status_c
         import sys
 
         from vllm_fastload.cli import main as cli_main
-        from vllm_fastload.ipc.paths import ensure_socket_dir as ensure
+        from vllm_fastload.ipc.wire.paths import ensure_socket_dir as ensure
 
         out: dict = {}
         sys.stderr = io.StringIO()
@@ -335,10 +336,12 @@ def test_a_runtime_dir_of_another_user_is_one_clear_error_with_distinct_status_c
     where = f"socket dir {d} (from $XDG_RUNTIME_DIR={runtime}) cannot be used by uid 65534: permission denied by " \
             f"{runtime} (owner uid 0, mode 700); set XDG_RUNTIME_DIR to this user's own runtime directory"
     assert out["status_rc"] == 2
-    assert out["status_err"].startswith(f"vllm-fastload status: error: {where}") and "Traceback" not in out["status_err"]
+    assert out["status_err"].startswith(f"vllm-fastload status: error: {where}")
+    assert "Traceback" not in out["status_err"]
     assert out["daemon"].startswith(where) and "(--weight-cache-socket-dir DIR)" in out["daemon"]
     assert out["engine"].startswith(where) and f"({ENGINE_KEY} DIR)" in out["engine"]
-    assert f"socket dir {d} (the directory of socket {d / 'x-target.sock'}) cannot be used by uid 65534" in out["connect"]
+    sock = d / "x-target.sock"
+    assert f"socket dir {d} (the directory of socket {sock}) cannot be used by uid 65534" in out["connect"]
     assert out["connect_s"] < 1
 
 
@@ -363,7 +366,7 @@ def test_status_exit_codes_tell_no_daemon_from_cannot_look(tmp_path, capsys):
 def test_the_engine_fallback_reason_names_the_socket_dir_and_its_setting(tmp_path, monkeypatch):
     from vllm.config.load import LoadConfig
 
-    from vllm_fastload.ipc import loader as ipc_loader
+    from vllm_fastload.ipc.engine import loader as ipc_loader
 
     d = tmp_path / "socks"
     d.write_text("")
@@ -377,7 +380,8 @@ def test_the_engine_fallback_reason_names_the_socket_dir_and_its_setting(tmp_pat
         raise Stop
 
     monkeypatch.setattr("vllm_fastload.fallback.fall_back", fake_fall_back)
-    ld = ipc_loader.IpcCacheLoader(LoadConfig(load_format="ipc_cache", model_loader_extra_config={"socket_dir": str(d)}))
+    extra = {"socket_dir": str(d)}
+    ld = ipc_loader.IpcCacheLoader(LoadConfig(load_format="ipc_cache", model_loader_extra_config=extra))
     t = time.monotonic()
     with pytest.raises(Stop):
         ld.load_model(vllm_config=None, model_config=None)
@@ -608,7 +612,7 @@ def preload_without_vllm(monkeypatch, model_dir) -> None:
     at ``model_dir``, and no fd limit raised."""
     from vllm.engine.arg_utils import EngineArgs
 
-    from vllm_fastload.ipc import daemon
+    from vllm_fastload.ipc.daemon import main as daemon
 
     cfg = types.SimpleNamespace(parallel_config=types.SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1),
                                 model_config=types.SimpleNamespace(model=str(model_dir)))
@@ -619,7 +623,7 @@ def preload_without_vllm(monkeypatch, model_dir) -> None:
 @pytest.mark.parametrize("outcome", ["returns", "raises"])
 def test_preload_removes_its_dist_init_dir_on_every_exit(tmp_path, monkeypatch, outcome):
     from vllm_fastload.cli import main as cli_main
-    from vllm_fastload.ipc import daemon
+    from vllm_fastload.ipc.daemon import main as daemon
 
     preload_without_vllm(monkeypatch, tmp_path)
     seen = {}
@@ -650,7 +654,7 @@ def test_a_second_daemon_gets_the_lock_message_before_the_health_port_error(tmp_
     from vllm.platforms import current_platform
 
     from vllm_fastload.cli import main as cli_main
-    from vllm_fastload.ipc.paths import device_identity, socket_path
+    from vllm_fastload.ipc.wire.paths import device_identity, socket_path
 
     preload_without_vllm(monkeypatch, tmp_path)
     sock_dir = tmp_path / "sock"
@@ -682,7 +686,8 @@ def test_metrics_types_counters_and_gauges():
                      load_seconds=1.5, fingerprint_short="ab", model="/m", device="d", socket="s", fingerprint={},
                      client_modes=["zero_copy"], uptime_s=1.0, pid=1)
     text = metrics_text([st, None]).decode()
-    assert "# TYPE vllm_fastload_attaches_total counter" in text and 'vllm_fastload_attaches_total{rank="0"} 2.0' in text
+    assert "# TYPE vllm_fastload_attaches_total counter" in text
+    assert 'vllm_fastload_attaches_total{rank="0"} 2.0' in text
     assert "# TYPE vllm_fastload_fallbacks_seen_total counter" in text
     for gauge in ("tensors", "bytes", "attached_clients", "load_seconds", "ready"):
         assert f"# TYPE vllm_fastload_{gauge} gauge" in text

@@ -9,13 +9,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import make_fingerprint as fingerprint, unix_listener
+from tests.conftest import make_fingerprint as fingerprint
+from tests.conftest import unix_listener
 from tests.unit.ipc_fake_daemon import make_state
-from vllm_fastload.ipc import protocol
-from vllm_fastload.ipc.client import CacheUnavailable, FingerprintMismatch, fetch, status_of
-from vllm_fastload.ipc.server import RankServer, acquire
-from vllm_fastload.ipc.layout import view_at
 from vllm_fastload.errors import FastloadError
+from vllm_fastload.ipc.daemon.server import RankServer, acquire
+from vllm_fastload.ipc.engine.mapping import fetch
+from vllm_fastload.ipc.memory.layout import view_at
+from vllm_fastload.ipc.wire import protocol
+from vllm_fastload.ipc.wire.client import CacheUnavailable, FingerprintMismatch, status_of
 
 
 @pytest.fixture
@@ -194,7 +196,7 @@ def test_eight_clients_attach_at_once_all_correct_and_counted(server):
 
 @pytest.mark.parametrize("problem", ["group-writable", "world-writable", "other-owner"])
 def test_socket_dir_must_be_private(tmp_path, problem):
-    from vllm_fastload.ipc.paths import ensure_socket_dir
+    from vllm_fastload.ipc.wire.paths import ensure_socket_dir
 
     d = tmp_path / "socks"
     d.mkdir(mode=0o700)
@@ -214,18 +216,20 @@ def test_socket_dir_must_be_private(tmp_path, problem):
 
 
 def test_a_socket_path_longer_than_unix_allows_is_named_with_the_fix(tmp_path):
-    """GPU sockets are named by UUID (~40 chars): a long socket dir must fail clearly, not with 'AF_UNIX path too long'."""
-    from vllm_fastload.errors import FastloadError
-    from vllm_fastload.ipc.paths import MAX_SOCKET_PATH, socket_path
-
+    """GPU sockets are named by UUID (~40 chars): a long socket dir must fail clearly, not with 'AF_UNIX path too
+    long'."""
     import tempfile
+
+    from vllm_fastload.errors import FastloadError
+    from vllm_fastload.ipc.wire.paths import MAX_SOCKET_PATH, socket_path
 
     ident = "gpu-GPU-b92c24e2-f10f-0ceb-9335-6cf88fa62a98"
     short = Path(tempfile.mkdtemp(prefix="fl", dir="/tmp"))
     ok = socket_path(short, ident)
     assert len(str(ok)) <= MAX_SOCKET_PATH
     deep = tmp_path / ("d" * (MAX_SOCKET_PATH - len(str(tmp_path))))
-    with pytest.raises(FastloadError, match=r"socket path .* is \d+ bytes; Unix sockets allow 107.*socket dir of at most \d+ bytes"):
+    with pytest.raises(FastloadError,
+                       match=r"socket path .* is \d+ bytes; Unix sockets allow 107.*socket dir of at most \d+ bytes"):
         socket_path(deep, ident)
     s = socket.socket(socket.AF_UNIX)  # and the limit is the kernel's: the longest accepted path binds
     edge = short / ("e" * (MAX_SOCKET_PATH - len(str(short)) - 1))

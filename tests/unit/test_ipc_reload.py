@@ -1,8 +1,8 @@
 """vLLM's in-place ``reload_weights`` on an ipc_cache model (issue 16), in one process, without a server.
 
-A skeleton built like :func:`vllm_fastload.ipc.mapping._build_model` builds it (under ``torch.device("meta")``,
+A skeleton built like :func:`vllm_fastload.ipc.engine.mapping._build_model` builds it (under ``torch.device("meta")``,
 vLLM's ``record_metadata_for_reloading`` called inside, as ``initialize_model`` does), tensors installed by the real
-:func:`vllm_fastload.ipc.state.install` as views into a real memfd segment (the daemon's side packed by the real
+:func:`vllm_fastload.ipc.memory.state.install` as views into a real memfd segment (the daemon's side packed by the real
 ``pack``, the engine's side mapped by the real ``MemfdTransport.open``), and vLLM 0.32's real ``reload_weights``
 with layerwise reload. The end-to-end version with servers: tests/e2e_cpu/test_ipc_reload_e2e.py.
 """
@@ -22,15 +22,20 @@ from vllm.config.load import LoadConfig  # noqa: E402
 from vllm.model_executor.model_loader.reload import inplace, layerwise  # noqa: E402
 from vllm.model_executor.model_loader.weight_utils import default_weight_loader  # noqa: E402
 
-from vllm_fastload.ipc import mapping  # noqa: E402
-from vllm_fastload.ipc.export import pack  # noqa: E402
-from vllm_fastload.ipc.layout import views  # noqa: E402
-from vllm_fastload.ipc.loader import IpcCacheLoader  # noqa: E402
-from vllm_fastload.ipc.reload import (  # noqa: E402
-    ReloadRefused, checkpoint_loader, record_restore_device, refuse_shared_writes, shared_write_segments)
-from vllm_fastload.ipc.shm import MemfdTransport  # noqa: E402
-from vllm_fastload.ipc.state import install  # noqa: E402
-from vllm_fastload.ipc.transport import Transport  # noqa: E402
+from vllm_fastload.ipc.daemon.export import pack  # noqa: E402
+from vllm_fastload.ipc.engine import mapping  # noqa: E402
+from vllm_fastload.ipc.engine.loader import IpcCacheLoader  # noqa: E402
+from vllm_fastload.ipc.engine.reload import (  # noqa: E402
+    ReloadRefused,
+    checkpoint_loader,
+    record_restore_device,
+    refuse_shared_writes,
+    shared_write_segments,
+)
+from vllm_fastload.ipc.memory.layout import views  # noqa: E402
+from vllm_fastload.ipc.memory.memfd import MemfdTransport  # noqa: E402
+from vllm_fastload.ipc.memory.state import install  # noqa: E402
+from vllm_fastload.ipc.memory.transport import Transport  # noqa: E402
 
 CPU = torch.device("cpu")
 
@@ -107,9 +112,11 @@ def test_with_the_real_device_recorded_a_zero_copy_cpu_reload_is_private_to_the_
     assert {layerwise.get_layerwise_info(m).restore_device for m in model.modules()} == {CPU}
     # memfd is mapped copy-on-write: a reload may write, the writes stay in this process
     assert not MemfdTransport.shares_writes
-    assert shared_write_segments(model, [(types.SimpleNamespace(segment=engine_seg, path="s"), MemfdTransport())]) == []
+    private = leased(types.SimpleNamespace(segment=engine_seg, path="s"), MemfdTransport())
+    assert shared_write_segments(model, [private]) == []
     inplace.reload_weights(vllm_config(), model, iter(new_weights()), None, True)
-    assert torch.equal(model.proj.weight, torch.full((3, 4), 7.0)) and torch.equal(model.norm.weight, torch.full((3,), 2.0))
+    assert torch.equal(model.proj.weight, torch.full((3, 4), 7.0))
+    assert torch.equal(model.norm.weight, torch.full((3,), 2.0))
     assert model.proj.weight.data_ptr() == mapped_ptr  # written in place (CUDA graphs keep their addresses)
     assert daemon_bytes(daemon_seg) == before  # the daemon's pages are untouched
     fresh = views(MemfdTransport().open(os.dup(daemon_seg.fd), MemfdTransport().describe(daemon_seg, CPU), CPU).buf,
@@ -138,6 +145,11 @@ class SharedWrites(Transport):
     shares_writes = True
 
 
+def leased(lease, transport):
+    """A zero_copy lease as :func:`.mapping.zero_copy_leases` lists it: its segment, socket path and transport."""
+    return types.SimpleNamespace(segment=lease.segment, path=lease.path, transport=transport)
+
+
 def shared_model():
     """A model whose parameters view the daemon's own MAP_SHARED segment, as a CUDA zero_copy engine's do."""
     daemon_seg, entries = pack(originals())
@@ -148,7 +160,7 @@ def shared_model():
 
 
 def test_transports_declare_whether_writes_reach_the_daemon():
-    from vllm_fastload.ipc.cuda_vmm import CudaVmmTransport
+    from vllm_fastload.ipc.memory.cuda_vmm import CudaVmmTransport
 
     assert CudaVmmTransport.shares_writes and not MemfdTransport.shares_writes
     assert Transport.shares_writes  # a new backend is taken as shared until it says otherwise
@@ -158,7 +170,7 @@ def test_a_zero_copy_reload_on_a_shares_writes_transport_is_refused_before_the_m
     model, daemon_seg, lease = shared_model()
     before = daemon_bytes(daemon_seg)
     params = {k: v for k, v in model.named_parameters()}
-    monkeypatch.setattr(mapping, "_LEASES", [(lease, SharedWrites())])
+    monkeypatch.setattr(mapping, "_LEASES", [leased(lease, SharedWrites())])
     loader = IpcCacheLoader(LoadConfig(load_format="ipc_cache", model_loader_extra_config={}))
     monkeypatch.setattr(inplace, "get_model_loader", lambda load_config: loader)
     with pytest.raises(ReloadRefused, match=r"would write into the preload daemon's memory at "
@@ -174,14 +186,14 @@ def test_a_zero_copy_reload_on_a_shares_writes_transport_is_refused_before_the_m
 
 def test_the_decision_looks_at_the_models_own_tensors():
     model, daemon_seg, lease = shared_model()
-    assert shared_write_segments(model, [(lease, SharedWrites())]) == [lease.path]
-    assert shared_write_segments(model, [(lease, MemfdTransport())]) == []  # a private mapping
+    assert shared_write_segments(model, [leased(lease, SharedWrites())]) == [lease.path]
+    assert shared_write_segments(model, [leased(lease, MemfdTransport())]) == []  # a private mapping
     copy = skeleton()  # copy mode and fallback loads: the engine's own memory
     install(copy, {k: ("param", v.clone()) for k, v in views(daemon_seg.buf, pack(originals())[1]).items()}, {}, [])
-    assert shared_write_segments(copy, [(lease, SharedWrites())]) == []
-    refuse_shared_writes(copy, [(lease, SharedWrites())])  # raises nothing
+    assert shared_write_segments(copy, [leased(lease, SharedWrites())]) == []
+    refuse_shared_writes(copy, [leased(lease, SharedWrites())])  # raises nothing
     gone = types.SimpleNamespace(segment=types.SimpleNamespace(buf=None, size=0), path="p")
-    assert shared_write_segments(model, [(gone, SharedWrites())]) == []
+    assert shared_write_segments(model, [leased(gone, SharedWrites())]) == []
     daemon_seg.close()
 
 

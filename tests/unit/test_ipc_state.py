@@ -10,12 +10,10 @@ pytest.importorskip("vllm")
 
 from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase  # noqa: E402
 
-from vllm_fastload.ipc.layout import sample_checksums, view_at, views  # noqa: E402
-from vllm_fastload.ipc.backends import open_segment  # noqa: E402
-from vllm_fastload.ipc.export import pack  # noqa: E402
-from vllm_fastload.ipc.shm import MemfdTransport  # noqa: E402
-from vllm_fastload.ipc.state import (  # noqa: E402
-    InstallError, collect, install, object_states, reprocess_modules, snapshot)
+from vllm_fastload.ipc.daemon.export import pack  # noqa: E402
+from vllm_fastload.ipc.memory.layout import sample_checksums, view_at, views  # noqa: E402
+from vllm_fastload.ipc.memory.memfd import MemfdTransport  # noqa: E402
+from vllm_fastload.ipc.memory.state import InstallError, collect, install, object_states, reprocess_modules, snapshot  # noqa: E402
 
 
 class Packing(QuantizeMethodBase):
@@ -77,7 +75,8 @@ def transported(exp):
     seg, entries = pack({k: t for k, (_, t) in exp.tensors.items()})
     import os
 
-    mapped = open_segment(os.dup(seg.fd), MemfdTransport().describe(seg, torch.device("cpu")), torch.device("cpu"))
+    cpu = torch.device("cpu")
+    mapped = MemfdTransport().open(os.dup(seg.fd), MemfdTransport().describe(seg, cpu), cpu)
     crcs = sample_checksums(mapped.buf, entries)
     out = {}
     for k, e in entries.items():
@@ -168,7 +167,7 @@ def test_bad_manifest_entries_are_named():
 
 
 def test_mapping_pauses_the_garbage_collector_and_restores_it():
-    from vllm_fastload.ipc.mapping import _gc_paused
+    from vllm_fastload.ipc.engine.mapping import _gc_paused
 
     assert gc.isenabled()
     with pytest.raises(RuntimeError):
@@ -306,7 +305,7 @@ def test_a_replaced_vllm_object_makes_the_module_reprocessed():
 
 
 def test_install_never_replaces_code_or_unknown_dtypes_inside_objects():
-    from vllm_fastload.ipc.state import decode_plain
+    from vllm_fastload.ipc.memory.state import decode_plain
 
     m = _with_kernel(Toy())
     exp = collect(m, snapshot(m), object_states(m))
@@ -327,7 +326,7 @@ def test_daemon_finishes_online_quantization_like_vllms_loader(monkeypatch):
     the meta device)."""
     from vllm.model_executor.model_loader import reload
 
-    from vllm_fastload.ipc.export import finish_online_quantization
+    from vllm_fastload.ipc.daemon.export import finish_online_quantization
 
     calls = []
     monkeypatch.setattr(reload, "finalize_layerwise_processing", lambda m, c: calls.append((m, c)))
@@ -340,7 +339,7 @@ def test_daemon_finishes_online_quantization_like_vllms_loader(monkeypatch):
 def test_checksum_windows_match_an_independent_computation():
     """The windows (start, middle, end; short spans padded with their last byte) summed as weighted little-endian
     words, recomputed here in plain Python from the bytes. The GPU test compares a CUDA buffer with this path."""
-    from vllm_fastload.ipc import layout
+    from vllm_fastload.ipc.memory import layout
 
     g = torch.Generator().manual_seed(3)
     buf = torch.randint(0, 256, (3 * layout.SAMPLE + 777,), dtype=torch.uint8, generator=g)

@@ -24,9 +24,9 @@ from tests.conftest import fake_model_config, write_safetensors  # noqa: E402
 from tests.unit.ipc_fake_daemon import make_state  # noqa: E402
 from vllm_fastload.errors import FallbackRefused  # noqa: E402
 from vllm_fastload.fingerprint import of_model  # noqa: E402
-from vllm_fastload.ipc.client import status_of  # noqa: E402
-from vllm_fastload.ipc.server import RankServer, acquire  # noqa: E402
-from vllm_fastload.ipc.loader import IpcCacheLoader  # noqa: E402
+from vllm_fastload.ipc.daemon.server import RankServer, acquire  # noqa: E402
+from vllm_fastload.ipc.engine.loader import IpcCacheLoader  # noqa: E402
+from vllm_fastload.ipc.wire.client import status_of  # noqa: E402
 
 
 def parallel(monkeypatch, tp_size: int, tp_rank: int) -> None:
@@ -75,7 +75,8 @@ def test_engine_of_another_tp_rank_falls_back_naming_tp_size_and_tp_rank(setup, 
     stub = types.SimpleNamespace(load_config=types.SimpleNamespace(load_format="auto"),
                                  load_model=lambda **kw: sentinel)
     # the fallback's disk load (our runai_streamer) stands in
-    monkeypatch.setattr("vllm_fastload.streaming.loader.RunaiStreamerLoader.load_model", lambda self, **kw: stub.load_model(**kw))
+    monkeypatch.setattr("vllm_fastload.streaming.loader.RunaiStreamerLoader.load_model",
+                        lambda self, **kw: stub.load_model(**kw))
     parallel(monkeypatch, 2, 1)  # this engine is rank 1 of TP=2
     assert ipc_loader(srv.path).load_model(vllm_config, model_config) is sentinel  # the disk load ran instead
     [msg] = [w for w in warnings_logged if "ipc_cache cannot serve this load" in w]

@@ -19,9 +19,17 @@ pytest.importorskip("vllm")
 
 from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase  # noqa: E402
 
-from vllm_fastload.ipc.state import (  # noqa: E402
-    InstallError, NotExportable, audit, collect, install, object_states, processing_units, reprocess_modules,
-    snapshot)
+from vllm_fastload.ipc.memory.state import (  # noqa: E402
+    InstallError,
+    NotExportable,
+    audit,
+    collect,
+    install,
+    object_states,
+    processing_units,
+    reprocess_modules,
+    snapshot,
+)
 
 
 class Kernel:
@@ -92,7 +100,7 @@ def daemon(cls=Moe):
     for p in m.parameters():
         p.data.normal_()
     snap = snapshot(m)
-    for name, mod in m.named_modules():
+    for mod in m.modules():
         qm = getattr(mod, "quant_method", None)
         if isinstance(qm, QuantizeMethodBase) and not isinstance(mod, QuantizeMethodBase):
             qm.process_weights_after_loading(mod)

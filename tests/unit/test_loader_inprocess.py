@@ -21,7 +21,8 @@ class Sink(torch.nn.Module):
     def __init__(self, shapes: dict):
         super().__init__()
         self.params = torch.nn.ParameterDict(
-            {k.replace(".", "_"): torch.nn.Parameter(torch.empty(s, dtype=d), requires_grad=False) for k, (s, d) in shapes.items()})
+            {k.replace(".", "_"): torch.nn.Parameter(torch.empty(s, dtype=d), requires_grad=False)
+             for k, (s, d) in shapes.items()})
         self.seen = {}
 
     def load_weights(self, weights):
@@ -96,7 +97,8 @@ def test_memory_limit_below_largest_tensor_names_it(tmp_path):
 def test_malformed_shard_fails_before_loading_anything(tmp_path):
     ts = tensors()
     write_safetensors(tmp_path / "model-00001-of-00002.safetensors", {k: ts[k] for k in ("a.weight", "a.bias")})
-    bad = write_safetensors(tmp_path / "model-00002-of-00002.safetensors", {k: ts[k] for k in ("mask", "ids", "b.weight")})
+    bad = write_safetensors(tmp_path / "model-00002-of-00002.safetensors",
+                            {k: ts[k] for k in ("mask", "ids", "b.weight")})
     with open(bad, "ab") as f:
         f.write(b"junk")
     loader = RunaiStreamerLoader(LoadConfig(load_format="runai_streamer"))
@@ -146,7 +148,8 @@ def _shared_norm(tmp_path, assigned):
     ts = tensors()
     ts["norm"] = torch.ones(300, dtype=torch.bfloat16)
     s1 = write_safetensors(tmp_path / "model-00001-of-00002.safetensors",
-                           {"a.weight": ts["a.weight"], "a.bias": ts["a.bias"], "norm": torch.zeros(300, dtype=torch.bfloat16)})
+                           {"a.weight": ts["a.weight"], "a.bias": ts["a.bias"],
+                            "norm": torch.zeros(300, dtype=torch.bfloat16)})
     s2 = write_safetensors(tmp_path / "model-00002-of-00002.safetensors",
                            {k: ts[k] for k in ("mask", "ids", "b.weight", "norm")})
     wm = {k: s1.name for k in ("a.weight", "a.bias")} | {k: s2.name for k in ("mask", "ids", "b.weight")}
@@ -159,8 +162,8 @@ def _shared_norm(tmp_path, assigned):
 @pytest.mark.parametrize("extra", [{}, {"concurrency": 1}, {"concurrency": 8, "fs_strategy": "sync_buffered"}])
 def test_with_an_index_each_name_loads_once_from_its_shard_whatever_the_read_order(tmp_path, caplog, assigned, extra):
     ts, s1, s2 = _shared_norm(tmp_path, assigned)
-    loader = RunaiStreamerLoader(LoadConfig(load_format="runai_streamer",
-                                            model_loader_extra_config={**extra, "report_path": str(tmp_path / "r.json")}))
+    extra = {**extra, "report_path": str(tmp_path / "r.json")}
+    loader = RunaiStreamerLoader(LoadConfig(load_format="runai_streamer", model_loader_extra_config=extra))
     names = []
     sink = Sink({k: (v.shape, v.dtype) for k, v in ts.items()})
     real = sink.load_weights
@@ -173,7 +176,8 @@ def test_with_an_index_each_name_loads_once_from_its_shard_whatever_the_read_ord
     r = json.loads((tmp_path / "r.json").read_text())
     assert r["tensors"] == 6 and r["bytes"] == sum(v.numel() * v.element_size() for v in ts.values())
     kept, ignored = (s1, s2) if assigned == 1 else (s2, s1)
-    [w] = [rec.getMessage() for rec in caplog.records if rec.levelname == "WARNING" and "also holds" in rec.getMessage()]
+    [w] = [rec.getMessage() for rec in caplog.records
+           if rec.levelname == "WARNING" and "also holds" in rec.getMessage()]
     assert w == (f"fastload: {ignored} also holds 1 tensor(s) that {tmp_path}/model.safetensors.index.json assigns to "
                  f"another shard; those copies are not loaded: 'norm' (loaded from {kept.name})")
 
@@ -223,7 +227,6 @@ def test_missing_local_weights_path_is_an_error_not_a_hub_download():
     from types import SimpleNamespace
 
     import pytest
-
     from vllm.config import LoadConfig
 
     from vllm_fastload.errors import CheckpointError

@@ -4,8 +4,9 @@ and of the extras `make venv` installs, to a version their ranges admit; CI fail
 import importlib.util
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
+
+import tomllib
 
 ROOT = Path(__file__).resolve().parents[2]
 spec = importlib.util.spec_from_file_location("fastload_lock", ROOT / "requirements" / "lock.py")

@@ -22,7 +22,8 @@ def test_entry_point_declared():
 
 
 def test_register_is_idempotent_and_replaces_builtin(caplog):
-    from vllm.model_executor.model_loader import _LOAD_FORMAT_TO_MODEL_LOADER as reg, get_model_loader
+    from vllm.model_executor.model_loader import _LOAD_FORMAT_TO_MODEL_LOADER as reg
+    from vllm.model_executor.model_loader import get_model_loader
 
     plugin.register()
     plugin.register()
@@ -102,7 +103,7 @@ def test_an_ipc_cache_fallback_reads_the_disk_with_our_shard_rules(tmp_path, cap
 
     from tests.conftest import fake_model_config, write_safetensors
     from vllm_fastload.errors import CacheUnavailable
-    from vllm_fastload.ipc import loader as ipc_loader
+    from vllm_fastload.ipc.engine import loader as ipc_loader
 
     a = write_safetensors(tmp_path / "model-00001-of-00002.safetensors", {"norm": torch.ones(4), "x": torch.zeros(2)})
     b = write_safetensors(tmp_path / "model-00002-of-00002.safetensors", {"norm": torch.zeros(4), "y": torch.ones(2)})

@@ -9,7 +9,8 @@ def test_line_and_json(tmp_path, caplog):
     path = tmp_path / "sub" / "report.json"
     with caplog.at_level("INFO", logger="vllm.fastload"):
         r.emit(str(path))
-    line = "fastload: runai_streamer loaded 272 tensors (2.00 GiB) from /m in 2.00 s (1.07 GB/s), fingerprint 0123456789ab"
+    line = ("fastload: runai_streamer loaded 272 tensors (2.00 GiB) from /m in 2.00 s (1.07 GB/s), "
+            "fingerprint 0123456789ab")
     assert caplog.records[-1].message == line
     d = json.loads(path.read_text())
     assert d["line"] == line and d["fallback_reason"] is None and d["format_used"] == "runai_streamer"

@@ -37,7 +37,8 @@ def test_what_a_rename_would_replace_is_refused_naming_the_path(tmp_path, make, 
 
 
 def test_a_device_file_is_refused():
-    with pytest.raises(ConfigError, match=r"report_path '/dev/full' is a device file; the report is written by renaming"):
+    with pytest.raises(ConfigError,
+                       match=r"report_path '/dev/full' is a device file; the report is written by renaming"):
         cfg("/dev/full")
     assert os.path.exists("/dev/full") and not os.path.isfile("/dev/full")
 

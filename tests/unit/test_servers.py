@@ -119,7 +119,7 @@ def test_stop_removes_the_cpu_communicator_segments_its_group_mapped(tmp_path):
 
 def test_each_process_gets_a_temp_dir_that_stop_removes(tmp_path):
     """vLLM leaves its ZMQ IPC sockets and rendezvous file in the temp dir when stopped, a SIGKILLed preload daemon
-    its fastload-dist-<pid>-* directory (ipc/daemon.py): every process runs with a TMPDIR of its own, removed by
+    its fastload-dist-<pid>-* directory (ipc/daemon/main.py): every process runs with a TMPDIR of its own, removed by
     stop() with whatever is in it; the caller's temp dir keeps only what was there."""
     before = {f for f in Path(tempfile.gettempdir()).iterdir() if f.name.startswith("fastload-")}
     script = ("import os, socket, tempfile; d = tempfile.mkdtemp(prefix=f'fastload-dist-{os.getpid()}-'); "

@@ -4,7 +4,7 @@ path came from XDG_RUNTIME_DIR, says to fix XDG_RUNTIME_DIR (the socket dir itse
 import pytest
 
 from vllm_fastload.errors import SocketDirError
-from vllm_fastload.ipc.paths import SocketDir, socket_dir_spec
+from vllm_fastload.ipc.wire.paths import SocketDir, socket_dir_spec
 
 
 @pytest.mark.parametrize("create", [True, False])  # the daemon creates it, the engine only opens it

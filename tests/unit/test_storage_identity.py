@@ -27,7 +27,9 @@ def test_gcs_identity_is_size_etag_and_generation(monkeypatch):
 
         def get_blob(self, key):
             asked.append((self.name, key))
-            return types.SimpleNamespace(size=1234, etag="CJ+2", generation=1700000000123456) if key == "m/a.safetensors" else None
+            if key != "m/a.safetensors":
+                return None
+            return types.SimpleNamespace(size=1234, etag="CJ+2", generation=1700000000123456)
 
     _backend(monkeypatch, "runai_model_streamer_gcs", types.SimpleNamespace(bucket=Bucket))
     assert file_identity("gs://bk/m/a.safetensors") == FileIdentity(1234, etag="CJ+2", version_id="1700000000123456")

@@ -81,8 +81,8 @@ def test_unreachable_endpoint_fails_with_the_cause(s3env, monkeypatch):
 #: credential variables a test clears so only what it sets is in effect
 CRED_VARS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE", "AWS_DEFAULT_PROFILE",
              "AWS_EC2_METADATA_DISABLED", "AWS_METADATA_SERVICE_TIMEOUT", "AWS_METADATA_SERVICE_NUM_ATTEMPTS",
-             "RUNAI_STREAMER_S3_UNSIGNED", "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI", "AWS_CONTAINER_CREDENTIALS_FULL_URI",
-             "AWS_WEB_IDENTITY_TOKEN_FILE", "AWS_ROLE_ARN")
+             "RUNAI_STREAMER_S3_UNSIGNED", "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI",
+             "AWS_CONTAINER_CREDENTIALS_FULL_URI", "AWS_WEB_IDENTITY_TOKEN_FILE", "AWS_ROLE_ARN")
 
 
 @pytest.fixture(scope="module")
@@ -231,9 +231,11 @@ def test_valid_keys_read_when_moto_enforces_auth(buckets, auth_on):
 def test_wrong_keys_name_the_status_and_the_variable(buckets, auth_on, case):
     key_id, secret = buckets["keys"]["reader"]
     if case == "unknown-key-id":
-        key_id, want = "AKIAUNKNOWNUNKNOWN00", "HTTP 403 InvalidAccessKeyId (unknown access key: check AWS_ACCESS_KEY_ID)"
+        key_id = "AKIAUNKNOWNUNKNOWN00"
+        want = "HTTP 403 InvalidAccessKeyId (unknown access key: check AWS_ACCESS_KEY_ID)"
     elif case == "wrong-secret":
-        secret, want = "not-the-secret", "HTTP 403 SignatureDoesNotMatch (wrong secret key: check AWS_SECRET_ACCESS_KEY)"
+        secret = "not-the-secret"
+        want = "HTTP 403 SignatureDoesNotMatch (wrong secret key: check AWS_SECRET_ACCESS_KEY)"
     else:
         key_id, secret = buckets["keys"]["pub-only"]
         want = "HTTP 403 AccessDenied (access denied: check credentials and bucket policy)"
@@ -298,7 +300,7 @@ def test_endpoint_only_in_aws_endpoint_url_loads_the_same_bytes(s3env, monkeypat
 
         class Collect(torch.nn.Module):
             def load_weights(self, weights):
-                got.update({k: t.clone() for k, t in weights})
+                got.update({k: t.clone() for k, t in weights})  # noqa: B023 - used within this iteration
 
         cfg = fake_model_config(d)
         cfg.model_weights = src

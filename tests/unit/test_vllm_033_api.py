@@ -8,7 +8,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from vllm_fastload.ipc.loader import IpcCacheLoader  # noqa: E402
+from vllm_fastload.ipc.engine.loader import IpcCacheLoader  # noqa: E402
 from vllm_fastload.streaming.loader import RunaiStreamerLoader  # noqa: E402
 
 SRC = Path(__file__).resolve().parents[1] / "data" / "vllm_0_33"
@@ -28,7 +28,8 @@ def test_register_model_loader_takes_a_load_format_name():
 def test_our_loaders_implement_the_033_base_class(cls):
     base = _class(ast.parse((SRC / "base_loader.py").read_text()), "BaseModelLoader")
     methods = {f.name: f for f in base.body if isinstance(f, ast.FunctionDef)}
-    abstract = [n for n, f in methods.items() if any(getattr(d, "id", None) == "abstractmethod" for d in f.decorator_list)]
+    abstract = [n for n, f in methods.items()
+                if any(getattr(d, "id", None) == "abstractmethod" for d in f.decorator_list)]
     assert sorted(abstract) == ["download_model", "load_weights"]
     for name in abstract:
         assert name in vars(cls), f"{cls.__name__} does not implement {name}"
@@ -44,4 +45,5 @@ def test_our_loaders_implement_the_033_base_class(cls):
 def test_ipc_cache_accepts_the_is_draft_key_033_passes():
     from vllm.config.load import LoadConfig
 
-    assert IpcCacheLoader(LoadConfig(load_format="ipc_cache", model_loader_extra_config={"is_draft": True})).config.is_draft
+    draft = LoadConfig(load_format="ipc_cache", model_loader_extra_config={"is_draft": True})
+    assert IpcCacheLoader(draft).config.is_draft

@@ -5,8 +5,9 @@ import torch
 
 pytest.importorskip("vllm")
 
-from tests.conftest import assert_zoo_bit_exact, fake_model_config, write_zoo  # noqa: E402
 from vllm.config.load import LoadConfig  # noqa: E402
+
+from tests.conftest import assert_zoo_bit_exact, fake_model_config, write_zoo  # noqa: E402
 from vllm_fastload.streaming.loader import RunaiStreamerLoader  # noqa: E402
 
 

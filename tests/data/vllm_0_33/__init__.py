@@ -4,7 +4,6 @@
 from typing import Literal
 
 from torch import nn
-
 from vllm.config import ModelConfig, VllmConfig
 from vllm.config.load import LoadConfig
 from vllm.logger import init_logger

@@ -6,7 +6,6 @@ from abc import ABC, abstractmethod
 
 import torch
 import torch.nn as nn
-
 import vllm.envs as envs
 from vllm.config import ModelConfig, VllmConfig
 from vllm.config.load import LoadConfig

@@ -15,10 +15,9 @@ from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
-from ..fingerprint import Fingerprint
+from ...config import Mode
+from ...fingerprint import Fingerprint
 from .protocol import PROTOCOL_VERSION, ProtocolError
-
-Mode = Literal["zero_copy", "copy"]
 
 
 class MessageError(ProtocolError):
@@ -42,7 +41,9 @@ def _wire_type(tp: Any) -> Any:
     if origin is None or not args:
         return tp
     if origin is tuple:
-        return list[_wire_type(args[0])] if len(args) == 2 and args[1] is Ellipsis else tuple[tuple(map(_wire_type, args))]
+        if len(args) == 2 and args[1] is Ellipsis:
+            return list[_wire_type(args[0])]
+        return tuple[tuple(map(_wire_type, args))]
     if origin is Union:
         return Union[tuple(_wire_type(a) for a in args)]
     if origin is list:

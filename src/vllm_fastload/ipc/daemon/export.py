@@ -1,6 +1,6 @@
 """Build and export one rank's model: load it exactly as the engine will, post-process, pack.
 
-The daemon's rank process (:mod:`.daemon`) calls :func:`build_and_export` once; the result (a segment and its
+The daemon's rank process (:mod:`.main`) calls :func:`build_and_export` once; the result (a segment and its
 manifest) is what :mod:`.server` serves. What a model holds and how it is split into exported tensors and
 re-processed modules: :mod:`.state`; where each tensor sits in the segment: :mod:`.layout`.
 """
@@ -10,13 +10,13 @@ from __future__ import annotations
 import time
 from typing import Any, Optional
 
-from ..errors import FastloadError
-from ..log import logger
-from . import protocol
-from .backends import get_transport
-from .layout import fill, plan, sample_checksums
-from .messages import Manifest, TensorEntry
-from .transport import Segment
+from ...errors import FastloadError
+from ...log import logger
+from ..memory.backends import get_transport
+from ..memory.layout import fill, plan, sample_checksums
+from ..memory.transport import Segment, Transport
+from ..wire import protocol
+from ..wire.messages import Manifest, TensorEntry
 
 
 def finish_online_quantization(model: Any, model_config: Any) -> bool:
@@ -46,9 +46,10 @@ def rank_loader(load_config: Any) -> Any:
     return get_model_loader(load_config)
 
 
-def pack(tensors: dict[str, Any], device: Any = None, kinds: Optional[dict[str, str]] = None
-         ) -> tuple[Segment, dict[str, TensorEntry]]:
-    """Copy ``tensors`` (name -> ``torch.Tensor``) into one new segment of ``device``'s transport (default CPU).
+def pack(tensors: dict[str, Any], device: Any = None, kinds: Optional[dict[str, str]] = None,
+         transport: Optional[Transport] = None) -> tuple[Segment, dict[str, TensorEntry]]:
+    """Copy ``tensors`` (name -> ``torch.Tensor``) into one new segment on ``device`` (default CPU) made by
+    ``transport`` (default: the device's).
 
     Returns the segment and, per name, its manifest entry: the :func:`.layout.plan` placement, the checksum
     sample of the copied bytes and its ``kind`` from ``kinds`` (default ``"param"``). Raises
@@ -58,11 +59,12 @@ def pack(tensors: dict[str, Any], device: Any = None, kinds: Optional[dict[str, 
 
     device = torch.device("cpu") if device is None else device
     placements, size = plan(tensors)
-    segment = get_transport(device).allocate(size, device)
+    transport = transport or get_transport(device)
+    segment = transport.allocate(size, device)
     fill(segment.buf, tensors, placements)
-    crcs = sample_checksums(segment.buf, placements)
+    crcs = sample_checksums(segment.buf, placements, transport)
     kinds = kinds or {}
-    # fields copied by hand: dataclasses.asdict deep-copies every list, a cost per tensor that showed at 20k tensors
+    # fields copied by hand: dataclasses.asdict would deep-copy every list, once per tensor
     return segment, {k: TensorEntry(dtype=p.dtype, shape=p.shape, stride=p.stride, offset=p.offset, nbytes=p.nbytes,
                                     checksum=crcs[k], kind=kinds.get(k, "param")) for k, p in placements.items()}
 
@@ -79,12 +81,9 @@ def build_and_export(vllm_config: Any, local_rank: int, rank: int, world_size: i
     import torch
     from vllm.config import set_current_vllm_config
     from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
-    from vllm.model_executor.model_loader.utils import initialize_model, process_weights_after_loading
     from vllm.platforms import current_platform
-    from vllm.utils.torch_utils import set_default_torch_dtype
 
-    from ..fingerprint import of_model
-    from .state import collect, object_states, snapshot
+    from ...fingerprint import of_model
 
     t0 = time.perf_counter()
     pc = vllm_config.parallel_config
@@ -97,38 +96,58 @@ def build_and_export(vllm_config: Any, local_rank: int, rank: int, world_size: i
     with set_current_vllm_config(vllm_config):
         ensure_model_parallel_initialized(pc.tensor_parallel_size, pc.pipeline_parallel_size)
         _, fp = of_model(mc, vllm_config)
-        loader = rank_loader(lc)
-        with set_default_torch_dtype(mc.dtype):
-            with device:
-                model = initialize_model(vllm_config=vllm_config, model_config=mc)
-            constructed = object_states(model)  # what the engine's skeleton will start from
-            loader.load_weights(model, mc)
-            content_digest = getattr(loader, "content_digest", None)  # our runai_streamer with content_hash
-            finish_online_quantization(model, mc)
-            snap = snapshot(model)
-            process_weights_after_loading(model, mc, device)
-        exp = collect(model, snap, constructed)
-        tensors = {k: t for k, (_, t) in exp.tensors.items()}
-        unloaded = [k for k, t in tensors.items() if t.device.type == "meta"]
-        if unloaded:
-            raise FastloadError(f"{len(unloaded)} tensor(s) were never loaded in the daemon (still on the meta device), "
-                                f"e.g. {unloaded[0]!r}; this checkpoint/quantization is not supported by the preload "
-                                f"daemon yet — serve it with --load-format runai_streamer")
+        exp, content_digest = _processed_export(vllm_config, device)
         device = transport.resolve(device)
         # One export buffer per rank (one fd, one device allocation): engines open one handle and build every
         # tensor by offset. Peak memory during the copy is twice the weights; the model is freed right after.
-        segment, entries = pack(tensors, device, {k: kind for k, (kind, _) in exp.tensors.items()})
-        del model, snap, tensors
+        tensors = {k: t for k, (_, t) in exp.tensors.items()}
+        segment, entries = pack(tensors, device, {k: kind for k, (kind, _) in exp.tensors.items()}, transport)
+        del tensors
         exp.tensors.clear()
         transport.free_cached(device)
     manifest = Manifest(type="manifest", version=protocol.PROTOCOL_VERSION, fingerprint=fp.to_dict(),
                         fingerprint_short=fp.short(), segments=[transport.describe(segment, device)], tensors=entries,
                         aliases=exp.aliases, reprocess=exp.reprocess, attrs=exp.attrs, object_attrs=exp.object_attrs,
                         objects=exp.objects, content_digest=content_digest)
+    _log_export(rank, entries, exp.reprocess)
+    return segment, manifest, time.perf_counter() - t0
+
+
+def _processed_export(vllm_config: Any, device: Any) -> tuple[Any, Optional[str]]:
+    """Build this rank's model on ``device``, load its weights with the rank's loader (:func:`rank_loader`),
+    post-process it and collect what an engine needs (:func:`.state.collect`). Returns ``(export, content digest
+    or None)``; the model itself is dropped on return (the export holds its tensors). Raises
+    :class:`~vllm_fastload.errors.FastloadError` naming a tensor that was never loaded (still on meta)."""
+    from vllm.model_executor.model_loader.utils import initialize_model, process_weights_after_loading
+    from vllm.utils.torch_utils import set_default_torch_dtype
+
+    from ..memory.state import collect, object_states, snapshot
+
+    mc = vllm_config.model_config
+    loader = rank_loader(vllm_config.load_config)
+    with set_default_torch_dtype(mc.dtype):
+        with device:
+            model = initialize_model(vllm_config=vllm_config, model_config=mc)
+        constructed = object_states(model)  # what the engine's skeleton will start from
+        loader.load_weights(model, mc)
+        content_digest = getattr(loader, "content_digest", None)  # our runai_streamer with content_hash
+        finish_online_quantization(model, mc)
+        snap = snapshot(model)
+        process_weights_after_loading(model, mc, device)
+    exp = collect(model, snap, constructed)
+    unloaded = [k for k, (_, t) in exp.tensors.items() if t.device.type == "meta"]
+    if unloaded:
+        raise FastloadError(f"{len(unloaded)} tensor(s) were never loaded in the daemon (still on the meta "
+                            f"device), e.g. {unloaded[0]!r}; this checkpoint/quantization is not supported by the "
+                            f"preload daemon yet — serve it with --load-format runai_streamer")
+    return exp, content_digest
+
+
+def _log_export(rank: int, entries: dict[str, TensorEntry], reprocess: list[str]) -> None:
+    """One INFO line: how many tensors rank ``rank`` exported, their bytes by dtype, the layers engines re-process."""
     by_dtype: dict[str, int] = {}
     for e in entries.values():
         by_dtype[e.dtype] = by_dtype.get(e.dtype, 0) + e.nbytes
     logger.info("fastload: rank %d: %d tensors exported as is (bytes by dtype: %s), %d layer(s) re-processed by the "
                 "engine: %s", rank, len(entries), ", ".join(f"{d}={n}" for d, n in sorted(by_dtype.items())),
-                len(exp.reprocess), ", ".join(exp.reprocess[:6]) + (" ..." if len(exp.reprocess) > 6 else ""))
-    return segment, manifest, time.perf_counter() - t0
+                len(reprocess), ", ".join(reprocess[:6]) + (" ..." if len(reprocess) > 6 else ""))

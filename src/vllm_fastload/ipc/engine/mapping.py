@@ -1,13 +1,13 @@
 """The engine side of an ``ipc_cache`` load, as a row of named steps (:func:`map_model`).
 
-:func:`engine_device` (which device and transport) -> :func:`_fingerprint` (what this engine would load) ->
-:func:`_fetch_entries` (connect, hello, the validated manifest, the mapped segment) -> :func:`_verify` (each
-tensor's checksum sample, before anything is built) -> :func:`_build_model` (the skeleton on the meta device) ->
-:func:`_view_tensors` (views into the segment, or clones in ``copy`` mode) -> :func:`_apply_entries` (install
-tensors, aliases and attributes) -> :func:`_record_restore_device` (the real device for vLLM's ``reload_weights``)
--> :func:`_reprocess` (post-processing of the modules the daemon marked) -> attach -> :func:`_send_release`
-(``copy``: the daemon may free its memory) or :func:`_keep_lease` (``zero_copy``: the connection lives as long as
-the process) -> :func:`_report`.
+:func:`engine_device` (which device and transport, resolved once for the load) -> :func:`_fingerprint` (what this engine
+would load) -> :func:`fetch` (connect, hello, the validated manifest; the segment mapped by that transport) ->
+:func:`_verify` (each tensor's checksum sample, before anything is built) -> :func:`_build_model` (the skeleton on the
+meta device) -> :func:`_view_tensors` (views into the segment, or clones in ``copy`` mode) -> :func:`_apply_entries`
+(install tensors, aliases and attributes) -> :func:`_record_restore_device` (the real device for vLLM's
+``reload_weights``) -> :func:`_reprocess` (post-processing of the modules the daemon marked) -> attach ->
+:func:`_send_release` (``copy``: the daemon may free its memory) or :func:`_keep_lease` (``zero_copy``: the connection
+lives as long as the process) -> :func:`_report`.
 
 Every step raises a :class:`~vllm_fastload.errors.CacheUnavailable` (or another
 :class:`~vllm_fastload.errors.FastloadError`) when the cache cannot serve the load; the loader turns that into
@@ -20,26 +20,63 @@ from __future__ import annotations
 import contextlib
 import gc
 import time
-from typing import Any, Iterator, Optional
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, Optional
 
-from ..config import IpcCacheConfig
-from ..errors import CacheUnavailable
-from ..log import logger
-from ..report import LoadReport
-from .backends import get_transport
-from .client import Lease, fetch
-from .messages import Manifest
-from .transport import Transport
+from ...config import IpcCacheConfig
+from ...errors import CacheUnavailable
+from ...log import logger
+from ...report import LoadReport
+from ..memory.backends import get_transport
+from ..memory.transport import Segment, Transport
+from ..wire.client import Lease, open_lease
+from ..wire.messages import Manifest, Mode
+from ..wire.paths import SocketDirSpec
 
 LOAD_FORMAT = "ipc_cache"
-#: Leases (connection + mapping) of zero_copy loads and their transports: they must live as long as the process
-#: serves (and tell a reload whether the served memory is the daemon's, :mod:`.reload`).
-_LEASES: list[tuple[Lease, Transport]] = []
 
 
-def zero_copy_leases() -> list[tuple[Lease, Transport]]:
-    """``(lease, transport)`` of every zero_copy load of this process (a copy of the list)."""
+@dataclass
+class MappedLease(Lease):
+    """A :class:`~vllm_fastload.ipc.wire.client.Lease` whose segment this engine mapped: ``segment`` (its flat
+    ``torch.uint8`` view is ``segment.buf``) made by ``transport``. Closing the lease leaves the mapping;
+    ``segment.close()`` drops it."""
+
+    segment: Optional[Segment] = None
+    transport: Optional[Transport] = None
+
+
+#: Leases (connection + mapping) of zero_copy loads: they must live as long as the process serves (and tell a
+#: reload whether the served memory is the daemon's, :mod:`.reload`).
+_LEASES: list[MappedLease] = []
+
+
+def zero_copy_leases() -> list[MappedLease]:
+    """Every zero_copy lease of this process (a copy of the list)."""
     return list(_LEASES)
+
+
+def fetch(path: str, fingerprint: dict, connect_timeout_s: float, state_timeout_s: float, device: Any = None,
+          spec: Optional[SocketDirSpec] = None, transport: Optional[Transport] = None) -> MappedLease:
+    """The daemon's lease at ``path`` (:func:`~vllm_fastload.ipc.wire.client.open_lease`: connect, hello with
+    ``fingerprint``, the validated manifest; ``spec``: the socket's directory and where it came from) with its
+    segment mapped on ``device`` (a ``torch.device``; default CPU) by ``transport`` (default: the device's,
+    :func:`~vllm_fastload.ipc.memory.backends.get_transport`).
+
+    Raises what ``open_lease`` raises, :class:`~vllm_fastload.errors.ManifestError` when the segment does not fit
+    the device, and :class:`.transport.NoTransport` for a device without a transport (before connecting)."""
+    import torch
+
+    device = torch.device(device or "cpu")
+    transport = transport or get_transport(device)
+    lease = open_lease(path, fingerprint, connect_timeout_s, state_timeout_s, spec)
+    try:
+        segment = transport.open(lease.take_fd(), lease.manifest.segments[0], device)
+    except BaseException:
+        lease.close()
+        raise
+    return MappedLease(lease.conn, lease.manifest, lease.path, segment=segment, transport=transport)
 
 
 class ChecksumMismatch(CacheUnavailable):
@@ -104,8 +141,8 @@ def engine_device(vllm_config: Any, load_config: Any) -> tuple[Any, Transport]:
 
 
 def map_model(vllm_config: Any, model_config: Any, prefix: str, path: str, config: IpcCacheConfig,
-              load_config: Any, origin: Any, t0: float) -> tuple[Any, LoadReport]:
-    """Map the model from the daemon at socket ``path`` (``origin``: where the path came from, for messages).
+              load_config: Any, spec: SocketDirSpec, t0: float) -> tuple[Any, LoadReport]:
+    """Map the model from the daemon at socket ``path`` (``spec``: its directory and where that came from).
 
     Returns the model (in eval mode) and its load report (``wall_s`` counted from ``t0``, a ``perf_counter``).
     Raises :class:`~vllm_fastload.errors.CacheUnavailable` and its subclasses (:class:`ChecksumMismatch`,
@@ -117,7 +154,7 @@ def map_model(vllm_config: Any, model_config: Any, prefix: str, path: str, confi
         phases = _Phases()
         plan, fp = _fingerprint(vllm_config, model_config)
         phases.lap("fingerprint_s")
-        lease = _fetch_entries(path, fp, config, device, origin)
+        lease = fetch(path, fp.to_dict(), config.connect_timeout_s, config.state_timeout_s, device, spec, transport)
         phases.lap("connect_manifest_s")
         registered: list = []
         try:
@@ -142,9 +179,9 @@ def map_model(vllm_config: Any, model_config: Any, prefix: str, path: str, confi
             lease.close()
             raise
         if config.mode == "copy":
-            _send_release(lease, transport, device)
+            _send_release(lease, device)
         else:
-            _keep_lease(lease, transport, device)
+            _keep_lease(lease, device)
         logger.info("Mapped %d tensors from the weight cache daemon (%s mode)", len(lease.manifest.tensors),
                     config.mode)
         phases.lap("release_s")
@@ -153,17 +190,12 @@ def map_model(vllm_config: Any, model_config: Any, prefix: str, path: str, confi
 
 def _fingerprint(vllm_config: Any, model_config: Any) -> tuple[Any, Any]:
     """``(shard plan, fingerprint)`` of what this engine would load (the same as ``runai_streamer`` reads)."""
-    from ..fingerprint import of_model
+    from ...fingerprint import of_model
 
     return of_model(model_config, vllm_config)
 
 
-def _fetch_entries(path: str, fp: Any, config: IpcCacheConfig, device: Any, origin: Any) -> Lease:
-    """Connect, say hello with ``fp``, and receive the validated manifest and its segment mapped on ``device``."""
-    return fetch(path, fp.to_dict(), config.connect_timeout_s, config.state_timeout_s, device, origin)
-
-
-def _check_content(lease: Lease, path: str, expected: Optional[str]) -> None:
+def _check_content(lease: MappedLease, path: str, expected: Optional[str]) -> None:
     """With ``expected_content_digest`` (``expected``): the daemon must have hashed its load to that digest.
     Raises :class:`~vllm_fastload.errors.CacheUnavailable` with the reason (the fallback policy logs it)."""
     if expected is None:
@@ -180,14 +212,14 @@ def _check_content(lease: Lease, path: str, expected: Optional[str]) -> None:
                                f"you mean to serve)")
 
 
-def _verify(lease: Lease, path: str) -> None:
+def _verify(lease: MappedLease, path: str) -> None:
     """Check every tensor's checksum sample in the mapped segment against the manifest, before anything is built
     (a corrupt daemon must not leave a half-built model behind). Raises :class:`ChecksumMismatch` naming the
     first tensor that differs, :class:`~vllm_fastload.errors.ManifestError` for an entry outside the segment."""
-    from .layout import sample_checksums
+    from ..memory.layout import sample_checksums
 
     entries = lease.manifest.tensors
-    crcs = sample_checksums(lease.segment.buf, entries)
+    crcs = sample_checksums(lease.segment.buf, entries, lease.transport)
     bad = [name for name, e in entries.items() if crcs[name] != e.checksum]
     if bad:
         raise ChecksumMismatch(f"tensor {bad[0]!r} in the daemon's memory does not match its checksum sample "
@@ -205,10 +237,10 @@ def _build_model(vllm_config: Any, model_config: Any, prefix: str) -> Any:
             return initialize_model(vllm_config=vllm_config, model_config=model_config, prefix=prefix)
 
 
-def _view_tensors(lease: Lease, mode: str) -> dict[str, tuple[str, Any]]:
+def _view_tensors(lease: MappedLease, mode: Mode) -> dict[str, tuple[str, Any]]:
     """name -> ``(kind, tensor)``: views into the segment (``zero_copy``) or clones of them (``copy``). Raises
     :class:`~vllm_fastload.errors.ManifestError` naming an entry that does not fit the segment."""
-    from .layout import views
+    from ..memory.layout import views
 
     entries = lease.manifest.tensors
     mapped = views(lease.segment.buf, entries)
@@ -220,7 +252,7 @@ def _view_tensors(lease: Lease, mode: str) -> dict[str, tuple[str, Any]]:
 def _apply_entries(model: Any, tensors: dict[str, tuple[str, Any]], manifest: Manifest) -> None:
     """Install ``tensors``, the aliases and the attributes of ``manifest`` into the skeleton ``model``
     (:func:`.state.install`, whose :class:`.state.InstallError` it raises)."""
-    from .state import install
+    from ..memory.state import install
 
     install(model, tensors, manifest.aliases, manifest.reprocess, manifest.attrs, manifest.object_attrs)
 
@@ -238,21 +270,21 @@ def _reprocess(model: Any, manifest: Manifest, model_config: Any, transport: Tra
     device is done (copies in ``copy`` mode included), then audit the model (:func:`.state.audit`: no meta tensor
     left, every object the daemon's post-processing bound bound again), whose :class:`.state.InstallError` it
     raises: the fallback policy's case, not an engine that dies at its first forward."""
-    from .state import audit, reprocess_modules
+    from ..memory.state import audit, reprocess_modules
 
     reprocess_modules(model, manifest.reprocess, model_config)
     transport.synchronize(device)
     audit(model, manifest.objects)
 
 
-def _send_release(lease: Lease, transport: Transport, device: Any) -> None:
+def _send_release(lease: MappedLease, device: Any) -> None:
     """``copy`` mode, the clones complete: tell the daemon it may free its memory, close the connection and this
     process's mapping (no tensor views it any more)."""
     freed = lease.release()
     lease.close()
     lease.segment.close()
     logger.info("fastload: copy mode: daemon %s its memory", "freed" if freed else "kept (zero_copy clients)")
-    if freed and transport.device_memory:
+    if freed and lease.transport.device_memory:
         # vLLM's profiler took its free-memory baseline while the daemon held these bytes; freeing them during
         # the load would read as negative non-torch memory and grow the KV cache beyond gpu_memory_utilization.
         # Counting them once more as weights cancels that; vLLM with the external-memory hook needs no help.
@@ -262,17 +294,17 @@ def _send_release(lease: Lease, transport: Transport, device: Any) -> None:
             count_as_weights(device.index, lease.segment.size)
 
 
-def _keep_lease(lease: Lease, transport: Transport, device: Any) -> None:
+def _keep_lease(lease: MappedLease, device: Any) -> None:
     """``zero_copy`` mode: keep the lease for the process's life and count device memory it maps as this
     engine's weights (:mod:`.accounting`)."""
-    _LEASES.append((lease, transport))
-    if transport.device_memory:
+    _LEASES.append(lease)
+    if lease.transport.device_memory:
         from .accounting import count_as_weights
 
         count_as_weights(device.index, lease.segment.size)
 
 
-def _report(manifest: Manifest, path: str, fp: Any, plan: Any, mode: str, phases: _Phases, t0: float) -> LoadReport:
+def _report(manifest: Manifest, path: str, fp: Any, plan: Any, mode: Mode, phases: _Phases, t0: float) -> LoadReport:
     """The load report of a mapped load; ``weights_phase_s`` is the span comparable to a disk loader's weight
     loading (fetch + map + verify + install, + the copy and release), ``thread_cpu_s`` far below the wall time
     means the load waited (device copies, the daemon, other threads holding the GIL). ``content_digest``: the

@@ -27,8 +27,8 @@ import ctypes
 import os
 from typing import Any, Optional
 
-from ..errors import FastloadError, ManifestError
-from .messages import SegmentMeta
+from ...errors import FastloadError, ManifestError
+from ..wire.messages import SegmentMeta
 from .transport import Segment, Transport
 
 CU_MEM_ALLOCATION_TYPE_PINNED = 1
@@ -159,7 +159,7 @@ class VmmBuffer:
         self._view = None
 
     @classmethod
-    def allocate(cls, device: int, nbytes: int) -> "VmmBuffer":
+    def allocate(cls, device: int, nbytes: int) -> VmmBuffer:
         """Allocate at least ``nbytes`` (rounded up to :func:`granularity`) of device memory, exportable as an fd."""
         _make_current(device)
         lib = _lib()
@@ -176,7 +176,7 @@ class VmmBuffer:
         return cls(device, size, handle.value, ptr)
 
     @classmethod
-    def import_fd(cls, device: int, fd: int, size: int) -> "VmmBuffer":
+    def import_fd(cls, device: int, fd: int, size: int) -> VmmBuffer:
         """Import an allocation exported by :meth:`export_fd` (received over SCM_RIGHTS) and map it; closes
         ``fd`` (the imported handle keeps the memory alive)."""
         try:
@@ -282,7 +282,7 @@ class CudaVmmTransport(Transport):
 
     def describe(self, segment: Segment, device: Any) -> SegmentMeta:
         """The segment's size and transport, and the GPU it lives on (so an engine of another GPU refuses it)."""
-        from .paths import device_identity
+        from ..wire.paths import device_identity
 
         return SegmentMeta(size=segment.size, transport=self.name,
                            device=device_identity("cuda", self.resolve(device).index))
@@ -291,7 +291,7 @@ class CudaVmmTransport(Transport):
         """Import and map the allocation (closes ``fd``). Raises :class:`~vllm_fastload.errors.ManifestError` when
         it is not a VMM segment or lives on another GPU than ``device``; :class:`CudaVmmError` when a driver call
         fails."""
-        from .paths import device_identity
+        from ..wire.paths import device_identity
 
         self.check(fd, meta, device)
         index = self.resolve(device).index
@@ -328,8 +328,8 @@ class CudaVmmTransport(Transport):
         stream = torch.cuda.current_stream(buf.device)
         h, d = host.data_ptr(), buf.data_ptr()
         try:
-            copy_to_host_async(buf.device.index, [(h + i * width, d + s, m) for i, (s, m) in enumerate(zip(starts, lens))],
-                               stream.cuda_stream)
+            spans = [(h + i * width, d + s, m) for i, (s, m) in enumerate(zip(starts, lens))]
+            copy_to_host_async(buf.device.index, spans, stream.cuda_stream)
         finally:  # also when a copy failed: the ones queued before must land before `host` is reused
             stream.synchronize()
         return host.numpy().reshape(len(starts), width)

@@ -5,7 +5,7 @@ the manifest, reads sample windows of it to the host, and says whether its memor
 engine's own. :func:`.backends.get_transport` picks the backend for a ``torch.device``; callers ask the
 transport instead of checking device types, so a ROCm or XPU transport is one more backend there.
 
-Backends: ``memfd`` (CPU shared memory, :mod:`.shm`) and ``cuda_vmm`` (one CUDA VMM allocation, :mod:`.cuda_vmm`).
+Backends: ``memfd`` (CPU shared memory, :mod:`.memfd`) and ``cuda_vmm`` (one CUDA VMM allocation, :mod:`.cuda_vmm`).
 Where each tensor sits inside a segment and how it is checked: :mod:`.layout`.
 """
 
@@ -17,8 +17,8 @@ from typing import Any, ClassVar
 
 import torch
 
-from ..errors import CacheUnavailable, ManifestError
-from .messages import SegmentMeta
+from ...errors import CacheUnavailable, ManifestError
+from ..wire.messages import SegmentMeta
 
 
 class NoTransport(CacheUnavailable):

@@ -39,7 +39,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..errors import CacheUnavailable, FastloadError, ManifestError
+from ...errors import CacheUnavailable, FastloadError, ManifestError
 
 _PLAIN = (int, float, str, bool, type(None), torch.dtype, torch.device)
 
@@ -374,76 +374,118 @@ def install(model: nn.Module, tensors: dict[str, tuple[str, torch.Tensor]], alia
     :func:`collect`) are set on the skeleton's vLLM objects along the same path, with the same limits.
     Raises :class:`InstallError`.
     """
-    modules = dict(model.named_modules(remove_duplicate=False))
     units = processing_units(model)
+    placer = _Placer(model, units, _checked_reprocess(reprocess, units))
+    placer.put_tensors(tensors)
+    placer.put_aliases(aliases)
+    _drop_meta(model, placer.owned)
+    _set_attrs(placer.modules, attrs or {})
+    _set_object_attrs(placer.modules, object_attrs or {})
+    repoint_stale(model, placer.replaced)
+
+
+def _checked_reprocess(reprocess: list[str], units: set[str]) -> set[str]:
+    """The processing units the daemon marked for re-processing, each one of this model's ``units``. Raises
+    :class:`InstallError` naming one that is not (re-processing would run nothing there: the module would keep
+    pre-processing state)."""
     again = set(reprocess)
     unknown = sorted(again - units)
-    if unknown:  # re-processing would run nothing there: the module would keep pre-processing state
+    if unknown:
         raise InstallError(f"the daemon marks {unknown[0]!r} for re-processing, but post-processing runs nothing for "
                            f"it in this model (no quant method, attention layer or model hook); the daemon's manifest "
                            f"is not from this model or this vLLM")
-    owned = {name for name in modules if owner_unit(name, units) in again}
-    installed: dict[str, torch.Tensor] = {}
-    by_module: dict[str, set[str]] = {}
-    replaced: dict[int, torch.Tensor] = {}  # id of a skeleton tensor -> what took its place
+    return again
 
-    def put(full: str, kind: str, t: torch.Tensor) -> None:
+
+class _Placer:
+    """Puts cached tensors into the skeleton ``model``: ``modules`` by name, ``owned`` the modules of re-processed
+    units (their tensors must match the skeleton's), ``installed`` name -> what was put, ``replaced`` id of a
+    skeleton tensor -> what took its place."""
+
+    def __init__(self, model: nn.Module, units: set[str], again: set[str]):
+        self.modules = dict(model.named_modules(remove_duplicate=False))
+        self.owned = {name for name in self.modules if owner_unit(name, units) in again}
+        self.installed: dict[str, torch.Tensor] = {}
+        self.replaced: dict[int, torch.Tensor] = {}
+
+    def put_tensors(self, tensors: dict[str, tuple[str, torch.Tensor]]) -> None:
+        """Install every ``name -> (kind, tensor)``. Raises :class:`InstallError` naming the first that cannot be."""
+        for full, (kind, t) in tensors.items():
+            try:
+                self.put(full, kind, t)
+            except (KeyError, TypeError) as e:  # torch refuses the name (a plain attribute of that name exists)
+                raise InstallError(f"cached tensor {full!r} cannot be installed in this model ({e})") from None
+
+    def put_aliases(self, aliases: dict[str, str]) -> None:
+        """Install each ``alias -> canonical name`` as the installed canonical tensor. Raises :class:`InstallError`
+        for an alias of a tensor that is not in the cache."""
+        for alias, canonical in aliases.items():
+            if canonical not in self.installed:
+                raise InstallError(f"cached alias {alias!r} points at {canonical!r}, which is not in the cache")
+            mod_name, _, leaf = alias.rpartition(".")
+            m = self.modules.get(mod_name)
+            # the alias takes the kind the skeleton gave that name (a tied parameter, or a module's plain reference
+            # to another module's tensor); a name the skeleton lacks takes the canonical tensor's kind
+            if m is not None and leaf in m._buffers:
+                kind = "buffer"
+            elif m is not None and leaf not in m._parameters and isinstance(vars(m).get(leaf), torch.Tensor):
+                kind = "attr"
+            else:
+                kind = "param" if isinstance(self.installed[canonical], nn.Parameter) else "buffer"
+            self.put(alias, kind, self.installed[canonical])
+
+    def put(self, full: str, kind: str, t: torch.Tensor) -> None:
+        """Install ``t`` as ``full`` (a dotted name) of ``kind`` ``param``, ``buffer`` or ``attr``, in place of the
+        skeleton's tensor of that name. Raises :class:`InstallError` (no such module; for an owned module, another
+        shape or dtype than the skeleton's)."""
         mod_name, _, leaf = full.rpartition(".")
-        m = modules.get(mod_name)
+        m = self.modules.get(mod_name)
         if m is None:
             raise InstallError(f"cached tensor {full!r} has no module {mod_name!r} in this model")
         old = m._parameters.get(leaf) if kind == "param" else m._buffers.get(leaf)
         if old is None and kind == "attr" and isinstance(vars(m).get(leaf), torch.Tensor):
             old = vars(m)[leaf]
-        if mod_name in owned and old is not None and (old.shape != t.shape or old.dtype != t.dtype):
+        owned = mod_name in self.owned
+        if owned and old is not None and (old.shape != t.shape or old.dtype != t.dtype):
             raise InstallError(f"cached tensor {full!r} is {t.dtype} {tuple(t.shape)}, the model expects "
                                f"{old.dtype} {tuple(old.shape)}")
         m._parameters.pop(leaf, None)
         m._buffers.pop(leaf, None)
         if kind == "param":
-            if isinstance(t, nn.Parameter):
-                p = t
-            elif mod_name in owned and isinstance(old, nn.Parameter) and type(old) is not nn.Parameter:
-                # pre-processing state: the parameter class the model built (vLLM's BasevLLMParameter subclasses
-                # carry the loader's and kernels' metadata; re-processing asserts on them)
-                p = torch.Tensor._make_subclass(type(old), t, False)
-            else:
-                p = nn.Parameter(t, requires_grad=False)
-            if old is not None and hasattr(old, "__dict__"):
-                for k, v in vars(old).items():
-                    if k not in vars(p) and not hasattr(p, k):
-                        setattr(p, k, v)
+            p = _as_parameter(t, old, owned)
             m.register_parameter(leaf, p)
-            installed[full] = p
+            self.installed[full] = p
         elif kind == "buffer":
             m.register_buffer(leaf, t)
-            installed[full] = t
+            self.installed[full] = t
         else:
             setattr(m, leaf, t)
-            installed[full] = t
+            self.installed[full] = t
         if old is not None:
-            replaced[id(old)] = installed[full]
-        by_module.setdefault(mod_name, set()).add(leaf)
+            self.replaced[id(old)] = self.installed[full]
 
-    for full, (kind, t) in tensors.items():
-        try:
-            put(full, kind, t)
-        except (KeyError, TypeError) as e:  # torch refuses the name (a plain attribute of that name exists)
-            raise InstallError(f"cached tensor {full!r} cannot be installed in this model ({e})") from None
-    for alias, canonical in aliases.items():
-        if canonical not in installed:
-            raise InstallError(f"cached alias {alias!r} points at {canonical!r}, which is not in the cache")
-        mod_name, _, leaf = alias.rpartition(".")
-        m = modules.get(mod_name)
-        # the alias takes the kind the skeleton gave that name (a tied parameter, or a module's plain reference to
-        # another module's tensor); a name the skeleton lacks takes the canonical tensor's kind
-        if m is not None and leaf in m._buffers:
-            kind = "buffer"
-        elif m is not None and leaf not in m._parameters and isinstance(vars(m).get(leaf), torch.Tensor):
-            kind = "attr"
-        else:
-            kind = "param" if isinstance(installed[canonical], nn.Parameter) else "buffer"
-        put(alias, kind, installed[canonical])
+
+def _as_parameter(t: torch.Tensor, old: torch.Tensor | None, owned: bool) -> nn.Parameter:
+    """``t`` as the parameter that replaces the skeleton's ``old``, with ``old``'s Python attributes
+    (``weight_loader``, ``output_dim``...). ``owned`` (a re-processed module): of ``old``'s parameter class."""
+    if isinstance(t, nn.Parameter):
+        p = t
+    elif owned and isinstance(old, nn.Parameter) and type(old) is not nn.Parameter:
+        # pre-processing state: the parameter class the model built (vLLM's BasevLLMParameter subclasses carry the
+        # loader's and kernels' metadata; re-processing asserts on them)
+        p = torch.Tensor._make_subclass(type(old), t, False)
+    else:
+        p = nn.Parameter(t, requires_grad=False)
+    if old is not None and hasattr(old, "__dict__"):
+        for k, v in vars(old).items():
+            if k not in vars(p) and not hasattr(p, k):
+                setattr(p, k, v)
+    return p
+
+
+def _drop_meta(model: nn.Module, owned: set[str]) -> None:
+    """Remove the skeleton tensors still on the meta device: post-processing removed them in the daemon. Raises
+    :class:`InstallError` for one of an ``owned`` (re-processed) module, which must have come from the cache."""
     for name, m in model.named_modules():
         for store in (m._parameters, m._buffers):
             for leaf, t in list(store.items()):
@@ -451,7 +493,12 @@ def install(model: nn.Module, tensors: dict[str, tuple[str, torch.Tensor]], alia
                     if name in owned:
                         raise InstallError(f"{name}.{leaf} was not in the cache (its module is re-processed here)")
                     del store[leaf]
-    for mod_name, values in (attrs or {}).items():
+
+
+def _set_attrs(modules: dict[str, nn.Module], attrs: dict[str, dict[str, Any]]) -> None:
+    """Set the plain attributes (``module -> leaf -> JSON``) on the skeleton's modules; never over a method,
+    property or submodule, nor over a tensor unless the value is ``None``. Raises :class:`InstallError`."""
+    for mod_name, values in attrs.items():
         m = modules.get(mod_name)
         if m is None:
             raise InstallError(f"cached attributes of module {mod_name!r}, which this model does not have")
@@ -470,7 +517,12 @@ def install(model: nn.Module, tensors: dict[str, tuple[str, torch.Tensor]], alia
                 else:
                     continue
             object.__setattr__(m, leaf, decode_plain(enc))
-    for mod_name, values in (object_attrs or {}).items():
+
+
+def _set_object_attrs(modules: dict[str, nn.Module], object_attrs: dict[str, dict[str, Any]]) -> None:
+    """Set the plain attributes of vLLM objects (``module -> dotted path -> JSON``) along the same path in the
+    skeleton; only plain values are replaced. Raises :class:`InstallError`."""
+    for mod_name, values in object_attrs.items():
         m = modules.get(mod_name)
         if m is None:
             raise InstallError(f"cached object attributes of module {mod_name!r}, which this model does not have")
@@ -487,7 +539,6 @@ def install(model: nn.Module, tensors: dict[str, tuple[str, torch.Tensor]], alia
                 raise InstallError(f"cached attribute {mod_name}.{path} would replace a method, property, tensor or "
                                    f"object of {type(obj).__name__}; the daemon's manifest is not from this model")
             object.__setattr__(obj, leaf, decode_plain(enc))
-    repoint_stale(model, replaced)
 
 
 def _tensor_refs(m: nn.Module) -> Iterator[tuple[str, Any, str, torch.Tensor]]:
@@ -530,7 +581,7 @@ def repoint_stale(model: nn.Module, replaced: dict[int, torch.Tensor]) -> None:
     keep the meta-device original. A reference held in a tuple is rebuilt as a tuple. References :func:`audit`
     cannot resolve stay for it to report."""
     for _, m in model.named_modules():
-        for path, holder, key, t in list(_tensor_refs(m)):
+        for _path, holder, key, t in list(_tensor_refs(m)):
             new = replaced.get(id(t))
             if new is None or t.device.type != "meta":
                 continue

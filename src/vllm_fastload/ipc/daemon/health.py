@@ -12,10 +12,10 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Optional
 
-from ..errors import FastloadError
-from ..log import logger
-from .client import status_of
-from .messages import StatusReply
+from ...errors import FastloadError
+from ...log import logger
+from ..wire.client import status_of
+from ..wire.messages import StatusReply
 from .server import Limits, Throttle, accept_backoff
 
 #: Prometheus metrics of the health port: (name, type, help, status key). Counters only ever grow while the daemon

@@ -3,7 +3,7 @@
 Each rank builds the model exactly as the engine will (vLLM's engine-argument parser, its ``VllmConfig``, its
 parallel state), loads it (through our ``runai_streamer`` unless ``--load-format`` says otherwise), runs
 post-processing, collects what the model holds (:mod:`.state`), packs it into one shared-memory segment
-(:mod:`.shm`), drops the model and serves the segment over a 0600 Unix socket until SIGTERM/SIGINT.
+(:mod:`.memfd`), drops the model and serves the segment over a 0600 Unix socket until SIGTERM/SIGINT.
 Flag names follow upstream ``vllm preload`` (``--weight-cache-socket-dir``, ``--weight-cache-health-port``,
 ``--weight-cache-health-host``).
 """
@@ -17,14 +17,24 @@ import signal
 import sys
 import tempfile
 import threading
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
-from ..log import logger
+from ...log import logger
+from ..wire.paths import SocketDir, SocketDirSpec, device_identity, socket_dir_spec, socket_path
 from .export import build_and_export
 from .health import start_health_server
-from .paths import SocketDir, SocketDirSpec, device_identity, socket_dir_spec, socket_path
-from .server import (ATTACH_TIMEOUT_S, IDLE_TIMEOUT_S, MAX_CONNECTIONS, Limits, RankServer, RankState, acquire,
-                     check_lock_free, lock_name)
+from .server import (
+    ATTACH_TIMEOUT_S,
+    IDLE_TIMEOUT_S,
+    MAX_CONNECTIONS,
+    Limits,
+    RankServer,
+    RankState,
+    acquire,
+    check_lock_free,
+    lock_name,
+)
 
 DEFAULT_LOAD_FORMAT = "runai_streamer"
 
@@ -47,7 +57,7 @@ def serve_rank(vllm_config: Any, local_rank: int, rank: int, world_size: int, in
         raise
     state = RankState(fingerprint={}, segment=None, manifest=None, model=vllm_config.model_config.model,
                       device=identity, socket=str(path), load_s=0.0, nbytes=0, loading=True)
-    server = RankServer(state, path, sdir, limits.max_connections, limits.idle_timeout_s, limits.attach_timeout_s)
+    server = RankServer(state, path, sdir, limits)
     stopping = threading.Event()
 
     def on_signal(signum: int, _frame: Any) -> None:

@@ -14,14 +14,16 @@ that cannot stream the checkpoint), or an error with ``"fallback": false``.
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import Any
 
-from ..config import IpcCacheConfig
-from ..errors import CheckpointError, FastloadError
-from ..fallback import default_loader, fall_back_on
-from ..heap import freeze_for_load
-from ..log import logger
-from ..report import LoadReport
+from ...config import IpcCacheConfig
+from ...errors import CheckpointError, FastloadError
+from ...fallback import default_loader, fall_back_on
+from ...heap import freeze_for_load
+from ...log import logger
+from ...report import LoadReport
+from ..wire.paths import SocketDirSpec
 from .mapping import LOAD_FORMAT, ChecksumMismatch, engine_device, map_model
 from .reload import checkpoint_loader
 
@@ -51,7 +53,6 @@ class IpcCacheLoader(BaseModelLoader):
 
     def __init__(self, load_config: Any):
         self.config = IpcCacheConfig.from_extra(load_config.model_loader_extra_config)
-        self.socket_origin: Any = None
         super().__init__(load_config)
 
     def download_model(self, model_config: Any) -> None:
@@ -95,17 +96,18 @@ class IpcCacheLoader(BaseModelLoader):
             return 0
         return mapped_bytes(device.index) if transport.device_memory else 0
 
-    def socket_for_this_rank(self) -> str:
-        """The daemon socket of the device this worker uses (``socket_path`` wins over ``socket_dir``). Sets
-        :attr:`socket_origin` (where the directory came from, for messages). Raises
-        :class:`~vllm_fastload.errors.SocketDirError` when the socket directory cannot be used."""
+    def socket_for_this_rank(self) -> tuple[str, SocketDirSpec]:
+        """The daemon socket of the device this worker uses (``socket_path`` wins over ``socket_dir``) and its
+        directory with where that came from (for messages). Raises :class:`~vllm_fastload.errors.SocketDirError`
+        when the socket directory cannot be used."""
         from vllm.platforms import current_platform
 
-        from .paths import ENGINE_KEY, device_identity, ensure_socket_dir, socket_dir_spec, socket_path
+        from ..wire.paths import ENGINE_KEY, check_socket_dir, device_identity, socket_dir_spec, socket_path
 
         if self.config.socket_path:
-            self.socket_origin = 'from "socket_path" in --model-loader-extra-config'
-            return self.config.socket_path
+            path = self.config.socket_path
+            return path, SocketDirSpec(Path(path).parent, 'from "socket_path" in --model-loader-extra-config',
+                                       ENGINE_KEY)
         local_rank = 0
         try:
             from vllm.distributed.parallel_state import get_world_group
@@ -113,12 +115,12 @@ class IpcCacheLoader(BaseModelLoader):
             local_rank = get_world_group().local_rank
         except (ImportError, AssertionError, AttributeError):
             pass
-        d = ensure_socket_dir(self.config.socket_dir, create=False, override=ENGINE_KEY)
-        self.socket_origin = socket_dir_spec(self.config.socket_dir, ENGINE_KEY).origin
+        spec = socket_dir_spec(self.config.socket_dir, ENGINE_KEY)
+        check_socket_dir(spec, create=False)
         # Drafts of speculative decoding have no daemon of their own yet: their socket never exists, so they fall
         # back to disk with a warning.
         role = "draft" if self.config.is_draft else "target"
-        return str(socket_path(d, device_identity(current_platform.device_type, local_rank), role))
+        return str(socket_path(spec.path, device_identity(current_platform.device_type, local_rank), role)), spec
 
     def load_model(self, vllm_config: Any, model_config: Any, prefix: str = "") -> Any:
         """Map the model from the daemon, or fall back (see module docstring); with ``freeze_gc`` the garbage
@@ -128,10 +130,9 @@ class IpcCacheLoader(BaseModelLoader):
         t0 = time.perf_counter()
         freeze_for_load(self.config.freeze_gc)
         try:
-            path = self.socket_for_this_rank()
+            path, spec = self.socket_for_this_rank()
             logger.info("Loading weights via ipc_cache (mode=%s) from %s", self.config.mode, path)
-            model, report = map_model(vllm_config, model_config, prefix, path, self.config, self.load_config,
-                                      self.socket_origin, t0)
+            model, report = map_model(vllm_config, model_config, prefix, path, self.config, self.load_config, spec, t0)
         except FastloadError as e:
             failure = e
             if not isinstance(failure, CheckpointError):  # that one is raised again, with its traceback

@@ -1,4 +1,6 @@
-"""Client side of the protocol: connect (bounded wait), hello with our fingerprint, receive and map the segment."""
+"""Client side of the protocol: connect (bounded wait), hello with our fingerprint, receive the manifest and the
+segment's fd. It maps nothing: the engine maps the fd with the transport it resolved
+(:func:`vllm_fastload.ipc.engine.mapping.fetch`)."""
 
 from __future__ import annotations
 
@@ -11,15 +13,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from ..errors import CacheUnavailable, FastloadError, SocketDirError, UntrustedPeer
-from ..log import logger
+from ...errors import CacheUnavailable, FastloadError, SocketDirError, UntrustedPeer
+from ...log import logger
 from . import messages, protocol
-from .backends import open_segment
 from .messages import MessageError, parse_reply, to_frame
 from .paths import ENGINE_KEY, SocketDir, SocketDirSpec, upstream_sockets
-from .transport import Segment
 
-__all__ = ["CacheUnavailable", "FingerprintMismatch", "Lease", "connect", "fetch", "status_of"]
+__all__ = ["CacheUnavailable", "FingerprintMismatch", "Lease", "connect", "open_lease", "status_of"]
 
 
 class FingerprintMismatch(CacheUnavailable):
@@ -48,20 +48,27 @@ def _exchange(conn: socket.socket, request: Any, expect: type) -> Any:
 
 @dataclass
 class Lease:
-    """An open connection and the mapped segment; keep it alive as long as mapped tensors are used.
+    """An open connection to the daemon at ``path``, its validated manifest and, until :meth:`take_fd`, the fd of the
+    manifest's segment (owned by the lease: :meth:`close` closes it). Keep the lease alive as long as tensors mapped
+    from that fd are used.
 
     A ``zero_copy`` lease watches its connection after :meth:`attach` (:meth:`watch`): when the daemon goes away
-    it logs a WARNING; the mapping stays valid (the kernel keeps the memory).
+    it logs a WARNING; a mapping stays valid (the kernel keeps the memory).
     """
 
     conn: socket.socket
     manifest: messages.Manifest
-    segment: Segment
     path: str = "?"
+    fd: int = -1
     _closing: threading.Event = field(default_factory=threading.Event, repr=False)
     _watcher: Optional[threading.Thread] = field(default=None, repr=False)
 
-    def attach(self, mode: str) -> int:
+    def take_fd(self) -> int:
+        """The segment's fd, handed to the caller (who must close it; a transport's ``open`` does)."""
+        fd, self.fd = self.fd, -1
+        return fd
+
+    def attach(self, mode: messages.Mode) -> int:
         """Tell the daemon we use the cache in ``mode``; returns its client count. For ``zero_copy`` this starts
         :meth:`watch`, so no further request may be made on this lease (only :meth:`close`)."""
         try:
@@ -108,8 +115,10 @@ class Lease:
             "this device until this engine restarts and maps the new daemon's copy.", path, cause)
 
     def close(self) -> None:
-        """Say bye and close the connection (the mapping stays until :attr:`segment` is closed)."""
+        """Say bye and close the connection and an fd not taken (a mapping made from the fd stays)."""
         self._closing.set()
+        if self.fd >= 0:
+            os.close(self.take_fd())
         try:
             protocol.send(self.conn, to_frame(messages.Bye()))
         except OSError:
@@ -139,17 +148,20 @@ def check_peer(conn: socket.socket, path: str) -> None:
                             f"`vllm-fastload preload` runs as this user")
 
 
-def connect(path: str, timeout_s: float, origin: Optional[str] = None) -> socket.socket:
+def connect(path: str, timeout_s: float, spec: Optional[SocketDirSpec] = None) -> socket.socket:
     """Connect to the daemon socket ``path``, retrying until ``timeout_s`` while the daemon may be starting (no
     socket yet, nobody listening). The socket's directory is opened without following a symbolic link and checked
     (:class:`.paths.SocketDir`), the socket itself must not be a link, and the peer must run as this user or root
-    (:func:`check_peer`). ``origin`` says where the path came from (for messages).
+    (:func:`check_peer`). ``spec``: the socket's directory (``path``'s parent) and where it came from, for
+    messages (default: "the directory of socket ``path``").
 
     Raises :class:`CacheUnavailable` naming the path and the last error at the timeout, at once for errors a retry
     cannot cure; :class:`~vllm_fastload.errors.SocketDirError` and :class:`~vllm_fastload.errors.UntrustedPeer` at
     once."""
     sock_path = Path(path)
-    spec = SocketDirSpec(sock_path.parent, origin or f"the directory of socket {path}", ENGINE_KEY)
+    spec = spec or SocketDirSpec(sock_path.parent, f"the directory of socket {path}", ENGINE_KEY)
+    if spec.path != sock_path.parent:
+        raise ValueError(f"socket {path} is not in the socket dir {spec.path}")
     deadline = time.monotonic() + timeout_s
     last: Optional[BaseException] = None
     while True:
@@ -179,7 +191,8 @@ def connect(path: str, timeout_s: float, origin: Optional[str] = None) -> socket
             raise
         except OSError as e:
             s.close()
-            raise CacheUnavailable(f"cannot connect to the preload daemon at {path} ({type(e).__name__}: {e})") from None
+            raise CacheUnavailable(
+                f"cannot connect to the preload daemon at {path} ({type(e).__name__}: {e})") from None
         if time.monotonic() >= deadline:
             what = "no socket" if isinstance(last, FileNotFoundError) else f"{type(last).__name__}: {last}"
             theirs = upstream_sockets(sock_path.parent)
@@ -193,21 +206,38 @@ def connect(path: str, timeout_s: float, origin: Optional[str] = None) -> socket
         time.sleep(0.1)
 
 
-def fetch(path: str, fingerprint: dict, connect_timeout_s: float, state_timeout_s: float, device: Any = None,
-          origin: Optional[str] = None) -> Lease:
-    """Connect (:func:`connect`; ``origin`` says where ``path`` came from), send hello with ``fingerprint`` (a
-    :meth:`~vllm_fastload.fingerprint.Fingerprint.to_dict`), receive and validate the manifest and map its segment
-    on ``device`` (a ``torch.device``; default CPU) through the device's transport
-    (:func:`.backends.open_segment`).
+def open_lease(path: str, fingerprint: dict, connect_timeout_s: float, state_timeout_s: float,
+               spec: Optional[SocketDirSpec] = None) -> Lease:
+    """Connect (:func:`connect`; ``spec``: the socket's directory and where it came from), send hello with
+    ``fingerprint`` (a :meth:`~vllm_fastload.fingerprint.Fingerprint.to_dict`), receive and validate the manifest
+    and the fd of its segment. Returns the :class:`Lease` holding both; nothing is mapped.
 
     Raises :class:`FingerprintMismatch` (the daemon holds other weights), :class:`CacheUnavailable` (with the
-    reason: a timeout, a refusal, another protocol or protocol version, a manifest that does not fit the fds or
-    the device) and what :func:`connect` raises.
+    reason: a timeout, a refusal, another protocol or protocol version, a manifest that does not fit the fds)
+    and what :func:`connect` raises.
     """
-    import torch
+    conn = connect(path, connect_timeout_s, spec)
+    try:
+        raw, fds = _hello(conn, path, fingerprint, connect_timeout_s, state_timeout_s)
+    except BaseException:
+        conn.close()
+        raise
+    try:
+        manifest = _manifest_of(raw, fds, path)
+    except BaseException:
+        protocol.close_fds(fds)
+        conn.close()
+        raise
+    conn.settimeout(None)
+    protocol.close_fds(fds[1:])  # the manifest's first segment is the rank's one; more are not used
+    return Lease(conn, manifest, path, fds[0])
 
-    device = torch.device(device or "cpu")
-    conn = connect(path, connect_timeout_s, origin)
+
+def _hello(conn: socket.socket, path: str, fingerprint: dict, connect_timeout_s: float,
+           state_timeout_s: float) -> tuple[dict[str, Any], list[int]]:
+    """Send hello with ``fingerprint`` on ``conn`` and return the daemon's answer, ``(message, fds)`` as received
+    (waiting up to ``state_timeout_s`` more while the daemon says it is loading). Raises
+    :class:`CacheUnavailable` saying what happened (no answer, still loading, closed, another protocol)."""
     # The first answer to hello comes at once: the manifest (or a refusal) from a ready daemon, a "loading" status
     # from one still loading (then the manifest within state_timeout_s). Nothing within connect_timeout_s: the
     # process holding the socket accepted the connection but does not answer (stopped, hung).
@@ -224,8 +254,8 @@ def fetch(path: str, fingerprint: dict, connect_timeout_s: float, state_timeout_
             conn.settimeout(state_timeout_s)
             waited = "state_timeout_s"
             raw, fds = protocol.recv(conn)
-    except socket.timeout:
-        conn.close()
+        return raw, fds
+    except TimeoutError:
         if waited == "connect_timeout_s":
             raise CacheUnavailable(
                 f"daemon at {path} is not answering: it accepted the connection but sent no complete reply to "
@@ -234,23 +264,21 @@ def fetch(path: str, fingerprint: dict, connect_timeout_s: float, state_timeout_
         raise CacheUnavailable(f"daemon at {path} was still loading after {state_timeout_s:g} s (state_timeout_s): "
                                f"raise state_timeout_s, or start the engine once the daemon logged \"fastload: "
                                f"ready\"") from None
+    except protocol.PeerClosed as e:
+        raise CacheUnavailable(f"daemon at {path} closed the connection before sending the manifest ({e}; it may "
+                               f"have died while loading or been killed during the hand-over; see its log)") from None
     except protocol.ProtocolError as e:
-        conn.close()
-        if "connection closed" in str(e):
-            raise CacheUnavailable(f"daemon at {path} closed the connection before sending the manifest ({e}; it may "
-                                   f"have died while loading or been killed during the hand-over; see its log)") from None
         raise CacheUnavailable(f"the process on {path} does not speak vllm-fastload's protocol ({e}). vLLM's own "
                                f"`vllm preload` daemon uses pickle frames, which this loader never reads; start "
                                f"`vllm-fastload preload` instead") from None
     except OSError as e:
-        conn.close()
         raise CacheUnavailable(f"daemon at {path} closed the connection during the hand-over ({e})") from None
 
-    def refuse(error: CacheUnavailable) -> CacheUnavailable:
-        protocol.close_fds(fds)
-        conn.close()
-        return error
 
+def _manifest_of(raw: dict[str, Any], fds: list[int], path: str) -> messages.Manifest:
+    """The validated manifest of the daemon's answer to hello (``raw`` with ``fds``, one per segment). Raises
+    :class:`FingerprintMismatch` for the daemon's refusal of our fingerprint, :class:`CacheUnavailable` for another
+    refusal, another protocol version, an invalid reply, or fds that do not match the segments."""
     try:
         if raw.get("type") == "manifest" and type(raw.get("version")) is int:
             messages.check_version(raw["version"], "daemon", "engine")  # before fields that may differ by version
@@ -258,26 +286,18 @@ def fetch(path: str, fingerprint: dict, connect_timeout_s: float, state_timeout_
         if not isinstance(reply, (messages.Manifest, messages.Error)):
             raise MessageError(f"expected a manifest, got {reply.type!r}")
     except MessageError as e:
-        raise refuse(CacheUnavailable(f"daemon at {path} sent an unusable reply to hello ({e})")) from None
+        raise CacheUnavailable(f"daemon at {path} sent an unusable reply to hello ({e})") from None
     if isinstance(reply, messages.Error):
         if reply.mismatched:
             fields = ", ".join(f"{n} (daemon {a!r}, engine {b!r})" for n, a, b in reply.mismatched)
-            raise refuse(FingerprintMismatch(
+            raise FingerprintMismatch(
                 f"fingerprint mismatch with the daemon at {path}: {fields}; restart `vllm-fastload preload` with this "
-                f"engine's args, or start the engine with the daemon's", reply.mismatched))
-        raise refuse(CacheUnavailable(f"daemon at {path}: {reply.reason}"))
+                f"engine's args, or start the engine with the daemon's", reply.mismatched)
+        raise CacheUnavailable(f"daemon at {path}: {reply.reason}")
     if len(fds) != len(reply.segments):
-        raise refuse(CacheUnavailable(f"daemon at {path} sent a manifest of {len(reply.segments)} segment(s) with "
-                                      f"{len(fds)} file descriptor(s)"))
-    conn.settimeout(None)
-    try:
-        seg = open_segment(fds[0], reply.segments[0], device)
-    except BaseException:
-        protocol.close_fds(fds[1:])
-        conn.close()
-        raise
-    protocol.close_fds(fds[1:])
-    return Lease(conn, reply, seg, path)
+        raise CacheUnavailable(f"daemon at {path} sent a manifest of {len(reply.segments)} segment(s) with "
+                               f"{len(fds)} file descriptor(s)")
+    return reply
 
 
 def status_of(path: str, timeout_s: float = 2.0) -> Optional[messages.StatusReply]:

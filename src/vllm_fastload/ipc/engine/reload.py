@@ -1,4 +1,4 @@
-"""vLLM's in-place ``reload_weights`` on an engine that loaded with ``ipc_cache`` (issue 16).
+"""vLLM's in-place ``reload_weights`` on an engine that loaded with ``ipc_cache``.
 
 vLLM 0.32 (``vllm.model_executor.model_loader.reload.inplace.reload_weights``) asks the engine's loader for
 ``get_all_weights(model_config, model)``, puts every layer back on the meta device, and per layer materializes it
@@ -8,7 +8,7 @@ addresses). Two things differ for a mapped model:
 
 * the skeleton was built under ``torch.device("meta")`` (:func:`.mapping._build_model`), so
   ``initialize_model``'s ``record_metadata_for_reloading`` recorded ``restore_device = meta`` for every module and
-  the reload failed with "Cannot copy out of meta tensor": :func:`record_restore_device` records the engine's
+  the reload would fail with "Cannot copy out of meta tensor": :func:`record_restore_device` records the engine's
   device once the mapped tensors are installed;
 * in ``zero_copy`` mode the served tensors ARE the daemon's memory. The CPU transport maps it copy-on-write
   (``MAP_PRIVATE``: the written pages become this engine's own), the CUDA transport read-write and shared
@@ -22,10 +22,11 @@ from disk with this plugin's ``runai_streamer`` loader.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Iterable, Optional
+from collections.abc import Iterable
+from typing import Any, Optional
 
-from ..errors import FastloadError
-from ..log import logger
+from ...errors import FastloadError
+from ...log import logger
 
 
 class ReloadRefused(FastloadError):
@@ -69,15 +70,15 @@ def _model_tensors(model: Any) -> Iterable[Any]:
     yield from model.buffers()
 
 
-def shared_write_segments(model: Any, leases: Iterable[tuple[Any, Any]]) -> list[str]:
-    """The daemon sockets of ``leases`` (``(Lease, Transport)`` of zero_copy loads) whose transport shares writes
+def shared_write_segments(model: Any, leases: Iterable[Any]) -> list[str]:
+    """The daemon sockets of ``leases`` (:class:`.mapping.MappedLease` of zero_copy loads) whose transport shares writes
     (:attr:`.transport.Transport.shares_writes`) and whose segment holds a tensor of ``model``: a write into one of
     ``model``'s tensors could reach that daemon. Empty when the model serves from its own memory (copy mode, a
     fallback load, a private mapping)."""
     hits = []
     ranges = [r for r in map(_storage_range, _model_tensors(model)) if r is not None]
-    for lease, transport in leases:
-        if not transport.shares_writes or lease.segment.buf is None:
+    for lease in leases:
+        if not lease.transport.shares_writes or lease.segment.buf is None:
             continue
         seg = lease.segment.buf
         kind, lo, hi = seg.device.type, seg.data_ptr(), seg.data_ptr() + lease.segment.size
@@ -86,7 +87,7 @@ def shared_write_segments(model: Any, leases: Iterable[tuple[Any, Any]]) -> list
     return hits
 
 
-def refuse_shared_writes(model: Any, leases: Iterable[tuple[Any, Any]]) -> None:
+def refuse_shared_writes(model: Any, leases: Iterable[Any]) -> None:
     """Raise :class:`ReloadRefused` when reloading ``model`` in place would write into a daemon's memory
     (:func:`shared_write_segments` of ``leases``). Called before vLLM touches the model."""
     paths = shared_write_segments(model, leases)
@@ -107,8 +108,8 @@ def checkpoint_loader(load_config: Any, config: Any, *, for_reload: bool = True)
     share (``fallback``, ``report_path``, ``expected_content_digest``; ``report_path`` not for a fallback: the
     ipc_cache loader writes that report). Raises :class:`~vllm_fastload.errors.ConfigError` only if the shared
     keys were invalid."""
-    from ..config import StreamerConfig
-    from ..streaming.loader import RunaiStreamerLoader
+    from ...config import StreamerConfig
+    from ...streaming.loader import RunaiStreamerLoader
 
     shared = {k: getattr(config, k) for k in StreamerConfig.model_fields.keys() & type(config).model_fields.keys()}
     if for_reload:

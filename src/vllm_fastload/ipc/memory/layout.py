@@ -1,6 +1,6 @@
 """Where each exported tensor lives inside a rank's one export buffer, and the checksum samples that prove it.
 
-Transport-neutral: the buffer is a flat ``torch.uint8`` tensor, in host shared memory (memfd, :mod:`.shm`) or in
+Transport-neutral: the buffer is a flat ``torch.uint8`` tensor, in host shared memory (memfd, :mod:`.memfd`) or in
 device memory (CUDA VMM, :mod:`.cuda_vmm`); the one device-specific step, reading sample windows to the host, is
 the transport's (:meth:`.transport.Transport.read_windows`). Both daemon and engine use these functions, so the
 layout and the checksum are computed by one piece of code.
@@ -19,7 +19,7 @@ from typing import Any, Optional
 
 import torch
 
-from ..errors import ManifestError
+from ...errors import ManifestError
 
 #: Byte alignment of every tensor in the buffer (cudaMalloc's guarantee is 256 bytes).
 ALIGN = 256
@@ -150,21 +150,19 @@ def _word_weights() -> list[int]:
     return [((2 * j + 1) * _MIX) % 2**64 for j in range(SAMPLE // 8)]
 
 
-def _window_rows(buf: torch.Tensor, starts: list[int], ends: list[int]):
-    """The windows as a ``(len(starts), SAMPLE)`` uint8 numpy array, read by the buffer's transport
+def _window_rows(buf: torch.Tensor, starts: list[int], ends: list[int], transport: Any):
+    """The windows as a ``(len(starts), SAMPLE)`` uint8 numpy array, read by ``transport``
     (:meth:`.transport.Transport.read_windows`); a window cut short by its span's end repeats the span's last
     byte."""
-    from .backends import get_transport
-
     lens = [min(SAMPLE, e - s) for s, e in zip(starts, ends)]
-    rows = get_transport(buf.device).read_windows(buf, starts, lens, SAMPLE)
+    rows = transport.read_windows(buf, starts, lens, SAMPLE)
     for i, m in enumerate(lens):
         if m < SAMPLE:
             rows[i, m:] = rows[i, m - 1]
     return rows
 
 
-def sample_checksums(buf: torch.Tensor, entries: dict[str, Any]) -> dict[str, str]:
+def sample_checksums(buf: torch.Tensor, entries: dict[str, Any], transport: Any = None) -> dict[str, str]:
     """A 64-bit checksum (hex) of each entry's three :data:`SAMPLE`-byte windows (start, middle, end of its span).
 
     Each window is read as little-endian 8-byte words and summed with position-dependent odd weights, modulo
@@ -172,8 +170,9 @@ def sample_checksums(buf: torch.Tensor, entries: dict[str, Any]) -> dict[str, st
     combined on the host. The windows of a GPU buffer are copied to the host first (3 x SAMPLE bytes per tensor),
     so one numpy computation serves both. Windows of a span shorter than
     :data:`SAMPLE` repeat its last byte. This detects changed or moved bytes in the sampled windows; it is not a
-    cryptographic hash. Raises :class:`~vllm_fastload.errors.ManifestError` naming the first entry whose span
-    lies outside ``buf``.
+    cryptographic hash. ``transport``: the :class:`.transport.Transport` that made ``buf`` (the daemon's and the
+    engine's pass the one they resolved; default: the one of ``buf``'s device). Raises
+    :class:`~vllm_fastload.errors.ManifestError` naming the first entry whose span lies outside ``buf``.
     """
     names = [k for k, e in entries.items() if int(e.nbytes)]
     out = {k: f"{0:016x}" for k in entries}
@@ -195,7 +194,11 @@ def sample_checksums(buf: torch.Tensor, entries: dict[str, Any]) -> dict[str, st
             ends.append(o + n)
     import numpy as np
 
-    rows = _window_rows(buf, starts, ends)
+    if transport is None:
+        from .backends import get_transport
+
+        transport = get_transport(buf.device)
+    rows = _window_rows(buf, starts, ends, transport)
     w = np.array(_word_weights(), dtype=np.uint64)
     i0 = np.asarray(first, dtype=np.int64)
     with np.errstate(over="ignore"):

@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
-from ..errors import ManifestError
-from .messages import SegmentMeta
+from ...errors import ManifestError
+from ..wire.messages import SegmentMeta
 from .transport import Segment, Transport
 
 

@@ -30,7 +30,7 @@ import threading
 import time
 from typing import Any, Optional
 
-from ..errors import FastloadError
+from ...errors import FastloadError
 
 #: The version both sides must speak (:func:`.messages.check_version`); raised whenever a message changes in a way
 #: the other side would refuse or misread (3: the manifest's ``reprocess`` names processing units and ``objects``
@@ -51,11 +51,12 @@ _CRED = struct.Struct("3i")
 
 
 class ProtocolError(FastloadError):
-    """The peer sent something that is not a valid frame of this protocol (or closed mid-frame)."""
+    """The peer sent something that is not a valid frame of this protocol (:class:`PeerClosed`: it closed)."""
 
 
 class PeerClosed(ProtocolError):
-    """The peer closed the connection (between frames when no byte of the frame had arrived)."""
+    """The peer closed the connection: between frames, or in the middle of one (the message says after how many of
+    the frame's bytes)."""
 
 
 class ByteBudget:
@@ -86,13 +87,14 @@ def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
     return _CRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size))
 
 
-def _recv_exact(sock: socket.socket, n: int, fds: list[int], deadline: list[float], frame_timeout_s: Optional[float]) -> bytes:
+def _recv_exact(sock: socket.socket, n: int, fds: list[int], deadline: list[float],
+                frame_timeout_s: Optional[float]) -> bytes:
     buf = bytearray()
     while len(buf) < n:
         if deadline:
             left = deadline[0] - time.monotonic()
             if left <= 0:
-                raise socket.timeout(f"frame incomplete after {frame_timeout_s:g} s")
+                raise TimeoutError(f"frame incomplete after {frame_timeout_s:g} s")
             sock.settimeout(left)
         if not fds and len(buf) == 0:
             data, got_fds, _flags, _addr = socket.recv_fds(sock, n - len(buf), MAX_FDS)
@@ -100,8 +102,7 @@ def _recv_exact(sock: socket.socket, n: int, fds: list[int], deadline: list[floa
         else:
             data = sock.recv(n - len(buf))
         if not data:
-            cls = PeerClosed if n == _LEN.size and not buf else ProtocolError
-            raise cls(f"connection closed after {len(buf)} of {n} bytes")
+            raise PeerClosed(f"connection closed after {len(buf)} of {n} bytes")
         buf += data
         if frame_timeout_s is not None and not deadline:
             # the frame's first bytes are here: the rest must follow within frame_timeout_s (a peer that sends
@@ -140,7 +141,7 @@ def recv(sock: socket.socket, frame_timeout_s: Optional[float] = None, limit: in
     byte (the socket's timeout is restored afterwards). ``limit``: the largest frame accepted (bytes); ``budget``:
     the bytes shared with other connections that the frame's body must fit in while it is received. Raises
     :class:`ProtocolError` on bad input, a frame over ``limit`` or one the budget has no room for
-    (:class:`PeerClosed` when the peer closed between frames) and ``socket.timeout`` when a wait expires."""
+    (:class:`PeerClosed` when the peer closed the connection) and ``socket.timeout`` when a wait expires."""
     fds: list[int] = []
     deadline: list[float] = []
     old_timeout = sock.gettimeout()

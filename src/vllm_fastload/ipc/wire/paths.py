@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from ..errors import FastloadError, SocketDirError
+from ...errors import FastloadError, SocketDirError
 
 
 def default_socket_dir() -> Path:
@@ -143,7 +143,7 @@ class SocketDir:
         self._prefix = via if os.path.isdir(via) else str(spec.path)
 
     @classmethod
-    def open(cls, spec: SocketDirSpec, create: bool = False) -> "SocketDir":
+    def open(cls, spec: SocketDirSpec, create: bool = False) -> SocketDir:
         """Open (``create``: first make it, 0700, and its parents) and verify ``spec.path``.
 
         Raises ``FileNotFoundError`` when it does not exist (and ``create`` is false): no daemon has made it yet.
@@ -208,7 +208,7 @@ class SocketDir:
             os.close(self.fd)
             self.fd = -1
 
-    def __enter__(self) -> "SocketDir":
+    def __enter__(self) -> SocketDir:
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -220,11 +220,18 @@ def ensure_socket_dir(path: Optional[str], create: bool = True, override: str = 
     ``create``. Raises :class:`~vllm_fastload.errors.SocketDirError` (see :meth:`SocketDir.open`) when it cannot be
     used; a directory that does not exist is returned as is when not ``create`` (no daemon made it yet)."""
     spec = socket_dir_spec(path, override)
+    check_socket_dir(spec, create)
+    return spec.path
+
+
+def check_socket_dir(spec: SocketDirSpec, create: bool = True) -> None:
+    """Check (and with ``create``, make 0700) the socket directory ``spec`` names. Raises
+    :class:`~vllm_fastload.errors.SocketDirError` (see :meth:`SocketDir.open`) when it cannot be used; a directory
+    that does not exist passes when not ``create`` (no daemon made it yet)."""
     try:
         SocketDir.open(spec, create).close()
     except FileNotFoundError:
         pass
-    return spec.path
 
 
 def device_identity(device_type: str, local_rank: int) -> str:

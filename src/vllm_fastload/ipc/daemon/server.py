@@ -15,11 +15,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from ..errors import FastloadError
-from ..log import logger
-from . import messages, protocol
-from .paths import SocketDir, SocketDirSpec, file_kind
-from .transport import Segment
+from ...errors import FastloadError
+from ...log import logger
+from ..memory.transport import Segment
+from ..wire import messages, protocol
+from ..wire.paths import DAEMON_FLAG, SocketDir, SocketDirSpec, file_kind
 
 
 @dataclass
@@ -63,6 +63,16 @@ class RankState:
 MAX_CONNECTIONS = 256
 IDLE_TIMEOUT_S = 30.0
 ATTACH_TIMEOUT_S = 600.0
+@dataclass(frozen=True)
+class Limits:
+    """The daemon's connection limits (flags ``--weight-cache-max-connections``, ``--weight-cache-idle-timeout-s``,
+    ``--weight-cache-attach-timeout-s``): per server (each rank's socket, the health port), seconds."""
+
+    max_connections: int = MAX_CONNECTIONS
+    idle_timeout_s: float = IDLE_TIMEOUT_S
+    attach_timeout_s: float = ATTACH_TIMEOUT_S
+
+
 #: Longest pause of an accept loop after an accept error (EMFILE: the fd limit is reached).
 MAX_ACCEPT_BACKOFF_S = 1.0
 
@@ -100,14 +110,15 @@ def accept_backoff(previous: float) -> float:
 
 @dataclass
 class _Client:
-    """One connection's place in the conversation: who it is (``SO_PEERCRED``), whether it got the manifest and in
-    which mode it attached."""
+    """One connection's place in the conversation: who it is (``SO_PEERCRED``), whether it got the manifest, in
+    which mode it attached and whether it released the cache (copy mode, at most once)."""
 
     cid: int
     pid: int
     uid: int
     got_manifest: bool = False
-    mode: Optional[str] = None
+    mode: Optional[messages.Mode] = None
+    released: bool = False
 
 
 class RankServer:
@@ -118,16 +129,14 @@ class RankServer:
     whole within ``idle_timeout_s`` of its first byte. Every request is validated (:mod:`.messages`) and must fit
     the conversation (attach after the manifest; release after a copy-mode attach); anything else is answered
     with an error frame. The accept loop survives every accept error (logged, with a pause).
-    ``sdir``: the opened socket directory (default: ``path``'s directory, opened and checked here)."""
+    ``sdir``: the opened socket directory (default: ``path``'s directory, opened and checked here); ``limits``:
+    the connection limits."""
 
-    def __init__(self, state: RankState, path: Path, sdir: Optional[SocketDir] = None,
-                 max_connections: int = MAX_CONNECTIONS, idle_timeout_s: float = IDLE_TIMEOUT_S,
-                 attach_timeout_s: float = ATTACH_TIMEOUT_S):
+    def __init__(self, state: RankState, path: Path, sdir: Optional[SocketDir] = None, limits: Limits = Limits()):
         self.state, self.path = state, Path(path)
         self._own_dir = sdir is None
-        self.sdir = sdir or SocketDir.open(SocketDirSpec(self.path.parent, "the directory of the socket",
-                                                         "--weight-cache-socket-dir"))
-        self.max_connections, self.idle_timeout_s, self.attach_timeout_s = max_connections, idle_timeout_s, attach_timeout_s
+        self.sdir = sdir or SocketDir.open(SocketDirSpec(self.path.parent, "the directory of the socket", DAEMON_FLAG))
+        self.limits = limits
         self.sock: Optional[socket.socket] = None
         self.stop = threading.Event()
         # one budget for the request bytes all connections buffer at once (each frame at most MAX_REQUEST_BYTES)
@@ -160,7 +169,7 @@ class RankServer:
         while not self.stop.is_set():
             try:
                 conn, _ = self.sock.accept()
-            except socket.timeout:
+            except TimeoutError:
                 continue
             except OSError as e:
                 if self.stop.is_set():
@@ -173,7 +182,7 @@ class RankServer:
                 continue
             pause = 0.0
             with self.state.lock:
-                full = self._active >= self.max_connections
+                full = self._active >= self.limits.max_connections
                 if not full:
                     self._active += 1
             if full:
@@ -190,7 +199,8 @@ class RankServer:
 
     def _refuse_full(self, conn: socket.socket) -> None:
         """Tell a connection beyond ``max_connections`` why it is closed (without blocking the accept loop)."""
-        reason = (f"the daemon already serves {self.max_connections} connections (--weight-cache-max-connections); "
+        most = self.limits.max_connections
+        reason = (f"the daemon already serves {most} connections (--weight-cache-max-connections); "
                   f"this one is refused: retry later, or raise the limit")
         try:
             conn.settimeout(0.2)
@@ -199,15 +209,15 @@ class RankServer:
             pass
         conn.close()
         self._log("full", logging.WARNING, "fastload: refused a connection on %s: %d connections open "
-                  "(--weight-cache-max-connections %d)", self.path, self.max_connections, self.max_connections)
+                  "(--weight-cache-max-connections %d)", self.path, most, most)
 
     def _timeout_for(self, c: _Client) -> Optional[float]:
         """How long the daemon waits for this connection's next frame."""
         if c.mode == "zero_copy":
             return None  # the connection is the lease: open as long as the engine maps the memory
         if c.got_manifest and c.mode is None:
-            return self.attach_timeout_s
-        return self.idle_timeout_s
+            return self.limits.attach_timeout_s
+        return self.limits.idle_timeout_s
 
     def _handle(self, conn: socket.socket) -> None:
         st = self.state
@@ -248,30 +258,9 @@ class RankServer:
 
     def _serve_one(self, conn: socket.socket, c: _Client) -> bool:
         """Receive and answer one frame of client ``c``. Returns False when the connection is done."""
-        st = self.state
-        timeout = self._timeout_for(c)
-        conn.settimeout(timeout)
-        try:
-            raw, fds = protocol.recv(conn, frame_timeout_s=self.idle_timeout_s, limit=protocol.MAX_REQUEST_BYTES,
-                                     budget=self.recv_budget)
-        except socket.timeout:
-            what = "between the manifest and the attach (--weight-cache-attach-timeout-s)" if timeout == \
-                self.attach_timeout_s and c.got_manifest else "(--weight-cache-idle-timeout-s)"
-            self._log("idle", logging.INFO, "fastload: closed client %d (pid %d): no complete frame within %g s %s",
-                      c.cid, c.pid, timeout or self.idle_timeout_s, what)
-            conn.settimeout(1.0)
-            _reply(conn, messages.Error(reason=f"no complete frame within {timeout or self.idle_timeout_s:g}"
-                                 f" s {what}; closing the connection"))
+        raw = self._receive(conn, c)
+        if raw is None:
             return False
-        except protocol.PeerClosed:
-            return False
-        except protocol.ProtocolError as e:
-            if "connection closed" not in str(e):
-                self._log("frame", logging.WARNING, "fastload: closed client %d (pid %d): %s", c.cid, c.pid, e)
-                conn.settimeout(1.0)
-                _reply(conn, messages.Error(reason=f"bad frame: {e}; closing the connection"))
-            return False
-        protocol.close_fds(fds)
         try:
             msg = messages.parse_request(raw)
         except messages.MessageError as e:
@@ -280,41 +269,77 @@ class RankServer:
             _reply(conn, messages.Error(reason=str(e)))
             return True
         if isinstance(msg, messages.Status):
-            _reply(conn, st.status())
+            _reply(conn, self.state.status())
         elif isinstance(msg, messages.Hello):
             if self._hello(conn, msg):
                 c.got_manifest = True
         elif isinstance(msg, messages.Attach):
-            if not c.got_manifest or c.mode is not None:
-                why = "attach before this connection received the manifest (send hello first)" if not c.got_manifest \
-                    else f"this connection is already attached ({c.mode})"
-                _reply(conn, messages.Error(reason=f"attach refused: {why}"))
-                return True
-            c.mode = msg.mode
-            with st.lock:
-                st.clients[c.cid] = msg.mode
-                st.attaches += 1
-                n = len(st.clients)
-            logger.info("fastload: client %d (pid %d, uid %d) attached in %s mode; %d engine(s) attached", c.cid, c.pid,
-                        c.uid, msg.mode, n)
-            _reply(conn, messages.Attached(clients=n))
+            self._attach(conn, c, msg)
         elif isinstance(msg, messages.Release):
-            if c.mode != "copy":
-                self._log("release", logging.WARNING, "fastload: refused a release from client %d (pid %d, uid %d): "
-                          "only a connection that received the manifest and attached in copy mode may release",
-                          c.cid, c.pid, c.uid)
-                _reply(conn, messages.Error(reason="release refused: only a connection that received "
-                                     "the manifest and attached in copy mode may release the daemon's memory"))
-                return True
-            _reply(conn, messages.Released(freed=self._release(c)))
-            c.mode = "released"
+            self._answer_release(conn, c)
         else:  # bye
             return False
         return True
 
-    def _hello(self, conn: socket.socket, msg: "messages.Hello") -> bool:
+    def _receive(self, conn: socket.socket, c: _Client) -> Optional[dict[str, Any]]:
+        """The next frame of client ``c`` (fds it carried closed), or None when the connection is done: the client
+        closed it, or sent no complete frame in time or a bad one (answered with an error frame, logged)."""
+        timeout = self._timeout_for(c)
+        conn.settimeout(timeout)
+        try:
+            raw, fds = protocol.recv(conn, frame_timeout_s=self.limits.idle_timeout_s,
+                                     limit=protocol.MAX_REQUEST_BYTES, budget=self.recv_budget)
+        except TimeoutError:
+            what = "between the manifest and the attach (--weight-cache-attach-timeout-s)" if timeout == \
+                self.limits.attach_timeout_s and c.got_manifest else "(--weight-cache-idle-timeout-s)"
+            self._log("idle", logging.INFO, "fastload: closed client %d (pid %d): no complete frame within %g s %s",
+                      c.cid, c.pid, timeout or self.limits.idle_timeout_s, what)
+            conn.settimeout(1.0)
+            _reply(conn, messages.Error(reason=f"no complete frame within {timeout or self.limits.idle_timeout_s:g}"
+                                 f" s {what}; closing the connection"))
+            return None
+        except protocol.PeerClosed:
+            return None
+        except protocol.ProtocolError as e:
+            self._log("frame", logging.WARNING, "fastload: closed client %d (pid %d): %s", c.cid, c.pid, e)
+            conn.settimeout(1.0)
+            _reply(conn, messages.Error(reason=f"bad frame: {e}; closing the connection"))
+            return None
+        protocol.close_fds(fds)
+        return raw
+
+    def _attach(self, conn: socket.socket, c: _Client, msg: messages.Attach) -> None:
+        """Answer client ``c``'s attach: counted in ``msg.mode`` after the manifest, at most once; else refused."""
+        if not c.got_manifest or c.mode is not None:
+            why = "attach before this connection received the manifest (send hello first)" if not c.got_manifest \
+                else f"this connection is already attached ({'released' if c.released else c.mode})"
+            _reply(conn, messages.Error(reason=f"attach refused: {why}"))
+            return
+        st = self.state
+        c.mode = msg.mode
+        with st.lock:
+            st.clients[c.cid] = msg.mode
+            st.attaches += 1
+            n = len(st.clients)
+        logger.info("fastload: client %d (pid %d, uid %d) attached in %s mode; %d engine(s) attached", c.cid, c.pid,
+                    c.uid, msg.mode, n)
+        _reply(conn, messages.Attached(clients=n))
+
+    def _answer_release(self, conn: socket.socket, c: _Client) -> None:
+        """Answer client ``c``'s release: only once, after a copy-mode attach (:meth:`_release`); else refused."""
+        if c.mode != "copy" or c.released:
+            self._log("release", logging.WARNING, "fastload: refused a release from client %d (pid %d, uid %d): "
+                      "only a connection that received the manifest and attached in copy mode may release",
+                      c.cid, c.pid, c.uid)
+            _reply(conn, messages.Error(reason="release refused: only a connection that received "
+                                 "the manifest and attached in copy mode may release the daemon's memory"))
+            return
+        _reply(conn, messages.Released(freed=self._release(c)))
+        c.released = True
+
+    def _hello(self, conn: socket.socket, msg: messages.Hello) -> bool:
         """Answer a valid hello with the manifest (True) or an error (False)."""
-        from ..fingerprint import Fingerprint
+        from ...fingerprint import Fingerprint
 
         st = self.state
         if not st.ready.is_set():
@@ -349,11 +374,11 @@ class RankServer:
             os.close(fd)
         return True
 
-    def warm(self, manifest: "messages.Manifest") -> None:
+    def warm(self, manifest: messages.Manifest) -> None:
         """Encode ``manifest``'s frame now (the daemon calls it when its load is done, before it is ready)."""
         self._manifest_body(manifest)
 
-    def _manifest_body(self, manifest: "messages.Manifest") -> bytes:
+    def _manifest_body(self, manifest: messages.Manifest) -> bytes:
         """The encoded frame of ``manifest``, made once per manifest object: encoding a 100k-tensor manifest takes
         about a second, which every engine's hello would otherwise wait for."""
         with self._body_lock:
@@ -439,7 +464,7 @@ def acquire(path: Path, sdir: Optional[SocketDir] = None) -> int:
     """
     path = Path(path)
     own = sdir is None
-    sdir = sdir or SocketDir.open(SocketDirSpec(path.parent, "the directory of the socket", "--weight-cache-socket-dir"))
+    sdir = sdir or SocketDir.open(SocketDirSpec(path.parent, "the directory of the socket", DAEMON_FLAG))
     try:
         fd = sdir.open_file(lock_name(path), os.O_RDWR | os.O_CREAT, 0o600)
         try:
@@ -470,12 +495,3 @@ def acquire(path: Path, sdir: Optional[SocketDir] = None) -> int:
         if own:
             sdir.close()
 
-
-@dataclass(frozen=True)
-class Limits:
-    """The daemon's connection limits (flags ``--weight-cache-max-connections``, ``--weight-cache-idle-timeout-s``,
-    ``--weight-cache-attach-timeout-s``): per server (each rank's socket, the health port), seconds."""
-
-    max_connections: int = MAX_CONNECTIONS
-    idle_timeout_s: float = IDLE_TIMEOUT_S
-    attach_timeout_s: float = ATTACH_TIMEOUT_S

@@ -1,0 +1,1 @@
+"""The ``ipc_cache`` protocol: wire messages, framing and fd passing, socket paths, the client. Maps nothing."""

@@ -94,3 +94,31 @@ def test_no_socket_at_all_says_nothing_about_upstream(tmp_path):
     with pytest.raises(CacheUnavailable) as e:
         fetch(str(d / "gpu-x-r0-target.sock"), make_fingerprint().to_dict(), 0.2, 5)
     assert "no preload daemon at" in str(e.value) and "vllm preload" not in str(e.value)
+
+
+def test_a_daemon_that_closed_before_reading_hello_is_still_named_by_what_it_sent():
+    """An upstream daemon that answers and closes before the engine's hello arrives: the engine's send fails
+    (EPIPE), and what the daemon sent before closing still says who it is (pickle frames, never unpickled)."""
+    from vllm_fastload.ipc.wire.client import _hello
+
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    payload = pickle.dumps({"status": "ok", "handles": []})
+    theirs.sendall(struct.pack("!Q", len(payload)) + payload)
+    theirs.close()
+    try:
+        with pytest.raises(CacheUnavailable, match=r"does not speak vllm-fastload's protocol .* uses pickle frames"):
+            _hello(ours, "/x/gpu-x-r0-target.sock", make_fingerprint().to_dict(), 1, 5)
+    finally:
+        ours.close()
+
+
+def test_a_daemon_that_closed_without_a_word_is_said_to_have_closed():
+    from vllm_fastload.ipc.wire.client import _hello
+
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    theirs.close()
+    try:
+        with pytest.raises(CacheUnavailable, match="closed the connection before sending the manifest"):
+            _hello(ours, "/x/gpu-x-r0-target.sock", make_fingerprint().to_dict(), 1, 5)
+    finally:
+        ours.close()

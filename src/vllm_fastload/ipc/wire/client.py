@@ -246,7 +246,10 @@ def _hello(conn: socket.socket, path: str, fingerprint: dict, connect_timeout_s:
     try:
         hello = messages.Hello.model_validate({"version": protocol.PROTOCOL_VERSION, "fingerprint": fingerprint,
                                                "pid": os.getpid()}, strict=False)
-        protocol.send(conn, to_frame(hello))
+        try:
+            protocol.send(conn, to_frame(hello))
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # the peer closed without reading hello: what it sent before closing (if anything) says who it is
         raw, fds = protocol.recv(conn)
         if raw.get("type") == "status" and raw.get("state") == "loading" and not fds:
             logger.info("fastload: the preload daemon at %s is still loading; waiting up to %g s for its weights "

@@ -375,9 +375,21 @@ def stream_tensors(headers: list[SafetensorsHeader], device: torch.device, pinne
         source = _pread_pieces(chunks, arena if use_pinned else None, pinned_slot_bytes, pinned_slots, threads,
                                copy_stream, times, stats)
     arena = None  # the reader holds it until it is closed
+    yield from _assemble(source, where, info, device, consumer, copy_stream, times)
+    times.settle_h2d()
+
+
+def _assemble(source: Iterator[tuple], where: list, info: dict, device: torch.device, consumer: Any,
+              copy_stream: Any, times: StageTimes) -> Iterator[tuple[tuple[int, str], torch.Tensor]]:
+    """Copy each piece of ``source`` (``(file id, range index, host bytes, give back or None)``) into its tensor's
+    device buffer (``where[file id][range index]`` = ``(key, offset)``, ``info[key]`` the tensor's header entry)
+    and yield ``(key, tensor)`` once its last piece was issued. ``copy_stream`` None: plain copies in this
+    thread; else asynchronous copies on it, the consumer's stream waiting for each tensor's last one."""
+    dtypes = torch_dtypes()
     left = Counter(key for places in where for key, _ in places)  # pieces still to come, per tensor
     building: dict[tuple[int, str], torch.Tensor] = {}  # tensors whose pieces are still being copied
     issued = 0
+    use_pinned = copy_stream is not None
     # The copy stream is the current stream while copies are issued, the consumer's whenever a tensor is handed
     # out: one stream switch per tensor instead of a stream context per piece (thousands of 8 MiB pieces).
     set_stream = torch.cuda.set_stream if use_pinned else (lambda s: None)
@@ -419,7 +431,6 @@ def stream_tensors(headers: list[SafetensorsHeader], device: torch.device, pinne
     finally:
         set_stream(consumer)
         building.clear()
-    times.settle_h2d()
 
 
 def _runai_pieces(requests: list, arena: Optional[torch.Tensor], pinned_slot_bytes: int, pinned_slots: int,

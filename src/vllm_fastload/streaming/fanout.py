@@ -337,14 +337,12 @@ def plan(distributed: Any, device: Any, distributed_timeout_s: float, reader_off
             return None, None
     if tp.world_size <= 1:
         return None, None
-    if reader_off is not None:
-        return None, f"the fan-out reads through the pinned direct path, which this load does not use ({reader_off})"
-    if distributed == "auto" and device.type != "cuda":
-        return None, ("a CPU load: the ranks of a CPU host share its page cache and memory bandwidth "
-                      "(\"distributed\": true fans out anyway)")
-    import torch
+    why = _not_here(distributed, device, reader_off)
+    if why:
+        return None, why
     import torch.distributed as dist
 
+    # from here on every rank makes the same collective calls in the same order
     me = (host_identity(), device.index if device.type == "cuda" else -1, checkpoint_digest(headers))
     everyone: list = [None] * tp.world_size
     dist.all_gather_object(everyone, me, group=tp.cpu_group)
@@ -352,35 +350,61 @@ def plan(distributed: Any, device: Any, distributed_timeout_s: float, reader_off
     rank = tp.ranks[tp.rank_in_group]
     mine = next(g for g in groups if rank in g)
     if len(mine) == 1:
-        why = f"no other rank of the TP group {list(tp.ranks)} on this host"
         # the other hosts' groups still fan out; this rank reads alone
-        return None, why
+        return None, f"no other rank of the TP group {list(tp.ranks)} on this host"
     at = {r: everyone[list(tp.ranks).index(r)] for r in mine}
     if len({at[r][2] for r in mine}) > 1:
         # e.g. one model copy per container on a shared hostname, a symlink flipped during start-up: the bytes
         # one rank reads are not the ones another rank would load, so each rank reads its own files
         return None, (f"the ranks {list(mine)} of this host see different checkpoint files (paths, header hashes "
                       f"or file identities differ)")
-    members = [at[r][1] for r in mine]
     if device.type == "cuda":
-        def sees(d: int) -> bool:
-            return 0 <= d < torch.cuda.device_count() and torch.cuda.can_device_access_peer(device.index, d)
-
-        blind = [d for d in members if d != device.index and not sees(d)]
-        verdicts: list = [None] * tp.world_size
-        dist.all_gather_object(verdicts, blind, group=tp.cpu_group)
-        no_p2p = sorted({(members[mine.index(r)], d) for r in mine
-                         for d in verdicts[list(tp.ranks).index(r)]})
+        no_p2p = _pairs_without_p2p(tp, mine, [at[r][1] for r in mine], device)
         if no_p2p and distributed == "auto":
             pairs = ", ".join(f"cuda:{a}->cuda:{b}" for a, b in no_p2p)
             return None, f"no peer access (P2P) between the GPUs of this host's ranks ({pairs})"
-    timeout = timedelta(seconds=distributed_timeout_s)
-    own = []
-    sync = dist.new_group(list(mine), backend="gloo", timeout=timeout, use_local_synchronization=True)
-    own.append(sync)
+    sync, data, own = _host_groups(tp, mine, distributed_timeout_s)
+    return Fanout(mine, mine.index(rank), sync, data, own, distributed_timeout_s=distributed_timeout_s), None
+
+
+def _not_here(distributed: Any, device: Any, reader_off: Optional[str]) -> Optional[str]:
+    """Why this load does not fan out, decided from what every rank of the group has alike (the config, the
+    device type, the read path), before any collective call; None: ask the others."""
+    if reader_off is not None:
+        return f"the fan-out reads through the pinned direct path, which this load does not use ({reader_off})"
+    if distributed == "auto" and device.type != "cuda":
+        return ("a CPU load: the ranks of a CPU host share its page cache and memory bandwidth "
+                "(\"distributed\": true fans out anyway)")
+    return None
+
+
+def _pairs_without_p2p(tp: Any, mine: Sequence[int], members: Sequence[int], device: Any) -> list[tuple[int, int]]:
+    """``(from GPU, to GPU)`` pairs among this host's ranks ``mine`` (their GPUs ``members``) without peer access,
+    as every rank of the TP group sees it (one all-gather over its CPU group, which every rank must join)."""
+    import torch
+    import torch.distributed as dist
+
+    def sees(d: int) -> bool:
+        return 0 <= d < torch.cuda.device_count() and torch.cuda.can_device_access_peer(device.index, d)
+
+    blind = [d for d in members if d != device.index and not sees(d)]
+    verdicts: list = [None] * tp.world_size
+    dist.all_gather_object(verdicts, blind, group=tp.cpu_group)
+    return sorted({(members[mine.index(r)], d) for r in mine for d in verdicts[list(tp.ranks).index(r)]})
+
+
+def _host_groups(tp: Any, mine: Sequence[int], timeout_s: float) -> tuple[Any, Any, list]:
+    """``(sync, data, own)``: a gloo group of this host's ranks (waits up to ``timeout_s``), the group that carries
+    tensors (the TP group's device group when the host holds the whole TP group, else a new one of the same
+    backend) and the groups made here, which the fan-out destroys when it closes."""
+    import torch.distributed as dist
+
+    sync = dist.new_group(list(mine), backend="gloo", timeout=timedelta(seconds=timeout_s),
+                          use_local_synchronization=True)
+    own = [sync]
     if tuple(mine) == tuple(tp.ranks):
         data = tp.device_group
     else:
         data = dist.new_group(list(mine), backend=dist.get_backend(tp.device_group), use_local_synchronization=True)
         own.append(data)
-    return Fanout(mine, mine.index(rank), sync, data, own, distributed_timeout_s=distributed_timeout_s), None
+    return sync, data, own

@@ -152,9 +152,6 @@ class Fanout:
         in any order. Raises what ``own_stream`` raised (this rank) or :class:`FanoutError` (another rank failed),
         ``RuntimeError`` from torch.distributed when a rank stops answering within the sync group's timeout."""
         import torch
-        import torch.distributed as dist
-
-        from .devmem import transient_empty
 
         device = torch.device(device)
         index = {e.key: i for i, e in enumerate(entries)}
@@ -185,24 +182,7 @@ class Fanout:
                     self._raise_failed(codes, error)
                 if all(c == DONE for c in codes):
                     break
-                self.stats.rounds += 1
-                out, round_bytes = [], 0
-                for src, c in enumerate(codes):
-                    if c < 0:
-                        continue
-                    e = entries[c]
-                    if src == self.me:
-                        t = tensor
-                        self.stats.read_bytes += e.nbytes
-                        self.stats.tensors_read += 1
-                    else:
-                        t = transient_empty(e.shape, e.dtype, device)  # given back: outside vLLM's sleep pool (devmem)
-                        self.stats.received_bytes += e.nbytes
-                        self.stats.tensors_received += 1
-                    dist.broadcast(t.reshape(-1).view(torch.uint8), src=self.ranks[src], group=self.data_group)
-                    out.append((e.key[1], t))
-                    round_bytes += e.nbytes
-                self.stats.peak_round_bytes = max(self.stats.peak_round_bytes, round_bytes)
+                out = self._broadcast_round(codes, entries, tensor, device)
                 del tensor
                 while out:
                     yield out.pop(0)
@@ -218,6 +198,36 @@ class Fanout:
             close = getattr(own_iter, "close", None)
             if close is not None:
                 close()
+
+    def _broadcast_round(self, codes: Sequence[int], entries: Sequence[Entry], tensor: Any,
+                         device: Any) -> list[tuple[str, Any]]:
+        """One round: every rank's tensor of this round (``codes[r]``: its entry index, < 0 = none) broadcast from
+        its reader to the others of the host, in rank order; ``tensor`` is this rank's. Returns ``(name, tensor)``
+        of each, counted in :attr:`stats`."""
+        import torch
+        import torch.distributed as dist
+
+        from .devmem import transient_empty
+
+        self.stats.rounds += 1
+        out, round_bytes = [], 0
+        for src, c in enumerate(codes):
+            if c < 0:
+                continue
+            e = entries[c]
+            if src == self.me:
+                t = tensor
+                self.stats.read_bytes += e.nbytes
+                self.stats.tensors_read += 1
+            else:
+                t = transient_empty(e.shape, e.dtype, device)  # given back: outside vLLM's sleep pool (devmem)
+                self.stats.received_bytes += e.nbytes
+                self.stats.tensors_received += 1
+            dist.broadcast(t.reshape(-1).view(torch.uint8), src=self.ranks[src], group=self.data_group)
+            out.append((e.key[1], t))
+            round_bytes += e.nbytes
+        self.stats.peak_round_bytes = max(self.stats.peak_round_bytes, round_bytes)
+        return out
 
     def _same_plan(self, entries: Sequence[Entry], owner: Sequence[int]) -> None:
         """Every rank must plan the same tensors (names, dtypes, shapes, readers): a broadcast of a size the

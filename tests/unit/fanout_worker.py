@@ -1,7 +1,7 @@
 """One rank of a simulated fan-out group (run as ``python -m tests.unit.fanout_worker ARGS_JSON``).
 
 Starts torch.distributed (gloo, file:// rendezvous), stands in for vLLM's TP group, calls the real
-``fanout.plan`` and ``Fanout.run`` over the real runai reader on CPU, and writes what this rank received
+``fanout.negotiate`` and ``Fanout.run`` over the real runai reader on CPU, and writes what this rank received
 (name -> dtype, shape, sha256 of the bytes) and its statistics to ``out``. ``mode`` injects a fault:
 ``fail`` (this rank's reader raises after 2 tensors), ``die`` (the process exits after 2 tensors),
 ``stop`` (the consumer stops iterating after 2 tensors). ``device``: ``cpu`` (gloo carries the tensors) or
@@ -77,7 +77,7 @@ def main() -> int:
                             cpu_group=made[mine], device_group=data[mine])
     fanout.host_identity = lambda: a["hosts"][rank]
     headers = [read_header(p) for p in a.get("files_of", {}).get(str(rank), a["files"])]
-    fan, why = fanout.plan(a.get("distributed", True), device, a.get("timeout", 20.0), tp=group, headers=headers)
+    fan, why = fanout.negotiate(a.get("distributed", True), device, a.get("timeout", 20.0), tp=group, headers=headers)
     out = {"why": why, "fan": None, "tensors": {}}
     if fan is not None:
         if a.get("run_files_of", {}).get(str(rank)):  # headers that change after the plan (a safety-net test)

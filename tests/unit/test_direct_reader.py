@@ -241,15 +241,15 @@ def test_a_larger_runai_slot_recarves_the_arena_instead_of_allocating(tmp_path, 
     assert set(got) == set(expected) and extra == [] and stats["pinned_extra_bytes"] == 0
 
 
-def test_plan_pieces_cover_every_byte_once(tmp_path):
+def test_split_into_pieces_cover_every_byte_once(tmp_path):
     write_zoo(tmp_path / "model.safetensors")
     h = read_header(str(tmp_path / "model.safetensors"))
-    (path, offsets, sizes), = direct.plan_pieces([h], 1000)[0]
+    (path, offsets, sizes), = direct.split_into_pieces([h], 1000)[0]
     assert max(sizes) == 1000 and sum(sizes) == sum(t.nbytes for t in h.tensors.values())
     assert offsets[0] == 8 + h.header_len
     assert all(a + n == b for a, n, b in zip(offsets, sizes, offsets[1:]))  # contiguous, in file order
     with pytest.raises(ValueError, match="pinned_slot_bytes"):
-        direct.plan_pieces([h], 0)
+        direct.split_into_pieces([h], 0)
 
 
 def test_unsupported_dtype_is_named(tmp_path):

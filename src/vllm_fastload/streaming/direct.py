@@ -105,7 +105,7 @@ def unsupported(headers: list[SafetensorsHeader]) -> Optional[str]:
     return None
 
 
-def plan_pieces(headers: list[SafetensorsHeader], pinned_slot_bytes: int, only: Optional[set] = None):
+def split_into_pieces(headers: list[SafetensorsHeader], pinned_slot_bytes: int, only: Optional[set] = None):
     """Split every non-empty tensor into ranges of at most ``pinned_slot_bytes`` bytes.
 
     Returns ``(chunks, where, empty)``: ``chunks[i]`` = ``(path, offsets, sizes)`` of file ``i`` (absolute byte
@@ -353,7 +353,7 @@ def stream_tensors(headers: list[SafetensorsHeader], device: torch.device, pinne
     times.measures("slot_wait_s", "h2d_s")
     dtypes = torch_dtypes()
     info = {(i, t.name): t for i, h in enumerate(headers) for t in h.tensors.values()}
-    chunks, where, empty = plan_pieces(headers, pinned_slot_bytes, only)
+    chunks, where, empty = split_into_pieces(headers, pinned_slot_bytes, only)
     for key in empty:
         t = info[key]
         times.tensors += 1

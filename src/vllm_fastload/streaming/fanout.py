@@ -322,7 +322,7 @@ def checkpoint_digest(headers: Sequence[Any]) -> str:
     return hashlib.sha256(repr(facts).encode()).hexdigest()
 
 
-def plan(distributed: Any, device: Any, distributed_timeout_s: float, reader_off: Optional[str] = None,
+def negotiate(distributed: Any, device: Any, distributed_timeout_s: float, reader_off: Optional[str] = None,
          tp: Any = None, headers: Sequence[Any] = ()) -> tuple[Optional[Fanout], Optional[str]]:
     """Decide, together with the other ranks of vLLM's TP group, whether this load fans out.
 

@@ -337,13 +337,13 @@ class RunaiStreamerLoader(BaseModelLoader):
         return arena
 
     def _fanout(self, device: Any, why_not_direct: str | None, headers: list) -> Any:
-        """The fan-out of this load (``streaming.fanout.plan``, decided with the other ranks of the TP group), or
+        """The fan-out of this load (``streaming.fanout.negotiate``, decided with the other ranks of the TP group), or
         None: then this rank reads the whole checkpoint, logged at INFO with the reason when the TP group has
         other ranks. Every rank of the TP group calls this (the config, device type and headers agree)."""
         from . import fanout
 
         reader_off = why_not_direct if device.type == "cuda" else None
-        fan, why = fanout.plan(self.config.distributed, device, self.config.distributed_timeout_s, reader_off,
+        fan, why = fanout.negotiate(self.config.distributed, device, self.config.distributed_timeout_s, reader_off,
                                headers=headers)
         if why:
             step_down(f"{LOAD_FORMAT} reads the whole checkpoint on this rank (no fan-out)", why)

@@ -13,7 +13,7 @@ from typing import Any, Optional
 from ...errors import FastloadError
 from ...log import logger
 from ..memory.backends import get_transport
-from ..memory.layout import fill, plan, sample_checksums
+from ..memory.layout import fill, place, sample_checksums
 from ..memory.transport import Segment, Transport
 from ..wire import protocol
 from ..wire.messages import Manifest, TensorEntry
@@ -51,14 +51,14 @@ def pack(tensors: dict[str, Any], device: Any = None, kinds: Optional[dict[str, 
     """Copy ``tensors`` (name -> ``torch.Tensor``) into one new segment on ``device`` (default CPU) made by
     ``transport`` (default: the device's).
 
-    Returns the segment and, per name, its manifest entry: the :func:`.layout.plan` placement, the checksum
+    Returns the segment and, per name, its manifest entry: the :func:`.layout.place` placement, the checksum
     sample of the copied bytes and its ``kind`` from ``kinds`` (default ``"param"``). Raises
     :class:`.transport.NoTransport` for a device without a transport.
     """
     import torch
 
     device = torch.device("cpu") if device is None else device
-    placements, size = plan(tensors)
+    placements, size = place(tensors)
     transport = transport or get_transport(device)
     segment = transport.allocate(size, device)
     fill(segment.buf, tensors, placements)

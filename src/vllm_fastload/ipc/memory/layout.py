@@ -59,7 +59,7 @@ class Placement:
     nbytes: int
 
 
-def plan(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, Placement], int]:
+def place(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, Placement], int]:
     """Place ``tensors`` in one buffer. Returns (a :class:`Placement` per name, buffer size in bytes).
 
     Dense tensors keep their strides; overlapping or gapped views (rare) are stored contiguous.

@@ -246,6 +246,12 @@ class StreamerConfig(_LoaderConfig):
         description="GPU only, experimental: read, memcpy and copy issue in a producer thread, overlapped with "
         "weight_loader calls; off by default because its memcpy competes with the reader threads for the CPUs.",
     )
+    issue_thread: bool = key(
+        True,
+        allowed="true or false (JSON bool)",
+        description="GPU only, direct read path: the H2D copies of the pieces are issued by a thread of the load, "
+        "overlapped with vLLM's weight_loader calls; false: issued by vLLM's loading thread between them.",
+    )
     pinned_slots: int = key(
         16, ge=2, le=64,
         allowed="an integer from 2 to 64",

@@ -20,9 +20,10 @@ from vllm_fastload.streaming.hostmem import page_locked  # noqa: E402
 from vllm_fastload.streaming.timing import StageTimes  # noqa: E402
 
 
+@pytest.mark.parametrize("issue_thread", [False, True], ids=["consumer-issues", "issue-thread"])
 @pytest.mark.parametrize("threads", [None, 4], ids=["runai", "pread"])
 @pytest.mark.parametrize("piece", [4096, 5000, 2**20])
-def test_zoo_bit_exact_through_a_registered_arena_made_on_a_thread(tmp_path, piece, threads):
+def test_zoo_bit_exact_through_a_registered_arena_made_on_a_thread(tmp_path, piece, threads, issue_thread):
     expected = write_zoo(tmp_path / "model.safetensors")
     future = direct.ArenaFuture(piece, 2, torch.cuda.current_device())
     arena, _ = future.result()
@@ -30,7 +31,7 @@ def test_zoo_bit_exact_through_a_registered_arena_made_on_a_thread(tmp_path, pie
     times, stats, got = StageTimes(), {}, {}
     for name, t in direct.stream_to_device([read_header(str(tmp_path / "model.safetensors"))],
                                            torch.device("cuda", torch.cuda.current_device()), piece, 2, times,
-                                           arena, stats, threads=threads):
+                                           arena, stats, threads=threads, issue_thread=issue_thread):
         got[name] = t
         torch.cuda._sleep(1000)  # a slow consumer: a slot must not be refilled before its copies finished
     arena = None
@@ -59,11 +60,8 @@ def test_page_locked_copies_asynchronously_and_unregisters(monkeypatch):
     assert unregistered == [(ptr, torch.cuda.current_device())]
 
 
-
-
-
-@pytest.mark.parametrize("path, in_pool", [("direct", True), ("direct-pread", True), ("pipeline", True),
-                                           ("pipeline-thread", True), ("direct", False)])
+@pytest.mark.parametrize("path, in_pool", [("direct", True), ("direct-pread", True), ("direct-pread-issue", True),
+                                           ("pipeline", True), ("pipeline-thread", True), ("direct", False)])
 def test_inside_a_memory_pool_buffers_stay_out_of_it_and_are_reused(tmp_path, path, in_pool):
     """vLLM's sleep mode loads inside ``torch.cuda.use_mem_pool`` (its sleep allocator). Inside
     ``devmem.outside_pools`` (what the loader enters then) the streamer's buffers must not be cached in that pool
@@ -90,7 +88,8 @@ def test_inside_a_memory_pool_buffers_stay_out_of_it_and_are_reused(tmp_path, pa
     with torch.cuda.use_mem_pool(pool), devmem.outside_pools(in_pool):
         if path.startswith("direct"):
             it = direct.stream_to_device([read_header(str(path_st))], dev, 4 * 2**20, 4, StageTimes(),
-                                         threads=4 if path == "direct-pread" else None)
+                                         threads=4 if path.startswith("direct-pread") else None,
+                                         issue_thread=path.endswith("-issue"))
         else:
             from safetensors import safe_open
 

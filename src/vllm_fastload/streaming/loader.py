@@ -301,7 +301,7 @@ class RunaiStreamerLoader(BaseModelLoader):
             arena = self._take_arena(device, report)
             t, stats = StageTimes(), {}
             it = stream_to_device(load.headers, device, cfg.pinned_slot_bytes, cfg.pinned_slots, t, arena, stats,
-                                  load.threads)
+                                  load.threads, cfg.issue_thread)
             arena = None  # the stream owns it now
             try:
                 yield from self._progress(self._storage_errors(load.plan, it), load)
@@ -364,7 +364,7 @@ class RunaiStreamerLoader(BaseModelLoader):
         arena = self._take_arena(device, report) if device.type == "cuda" else None
         t, stats = StageTimes(), {}
         local = stream_tensors(headers, device, cfg.pinned_slot_bytes, cfg.pinned_slots, t, arena, stats, only=only,
-                               threads=load.threads)
+                               threads=load.threads, issue_thread=cfg.issue_thread)
         arena = None  # the stream owns it now
         it = fan.run(entries, owner, self._storage_errors(load.plan, local), device)
         try:

@@ -38,8 +38,8 @@ LOADERS = {
     # default slots and with the slots of before the pread reader (32 MiB)
     "runai_fastload_runai": ("runai_streamer", {}),
     "runai_fastload_runai32": ("runai_streamer", {}),
-    # ours with the H2D copies issued by vLLM's loading thread (`issue_thread: false`), as before the issue thread
-    "runai_fastload_noissue": ("runai_streamer", {}),
+    # ours with the H2D copies issued by a thread of the load (`issue_thread: true`)
+    "runai_fastload_issue": ("runai_streamer", {}),
     # ipc_cache needs a `vllm-fastload preload` daemon for the same model/TP; started by main() when asked for.
     # ipc_copy releases the daemon's memory, so it must come last.
     "ipc_zero_copy": ("ipc_cache", {}),
@@ -119,8 +119,8 @@ def run_one(name: str, model: str, tp: int, gmu: float, report: Path, extra: dic
         ex["fs_strategy"] = "sync_buffered"
     if name == "runai_fastload_runai32":
         ex["pinned_slot_bytes"] = 32 * 2**20
-    if name == "runai_fastload_noissue":
-        ex["issue_thread"] = False
+    if name == "runai_fastload_issue":
+        ex["issue_thread"] = True
     if name.startswith("ipc_"):
         ex = {"socket_dir": SOCKET_DIR[0], "mode": name[4:], "report_path": str(report), "fallback": False}
     args = {"model": model, "load_format": fmt, "tp": tp, "gmu": gmu, "extra": ex}

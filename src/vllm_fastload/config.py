@@ -247,10 +247,11 @@ class StreamerConfig(_LoaderConfig):
         "weight_loader calls; off by default because its memcpy competes with the reader threads for the CPUs.",
     )
     issue_thread: bool = key(
-        True,
+        False,
         allowed="true or false (JSON bool)",
-        description="GPU only, direct read path: the H2D copies of the pieces are issued by a thread of the load, "
-        "overlapped with vLLM's weight_loader calls; false: issued by vLLM's loading thread between them.",
+        description="GPU only, direct read path, experimental: the H2D copies of the pieces are issued by a thread "
+        "of the load, overlapped with vLLM's weight_loader calls; off by default because it measured slower (it "
+        "shares the GIL with the readers and the loading thread); false: issued by vLLM's loading thread.",
     )
     pinned_slots: int = key(
         16, ge=2, le=64,

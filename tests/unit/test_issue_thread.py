@@ -130,11 +130,11 @@ def test_a_consumer_that_stops_midway_leaves_no_thread(tmp_path, fake_cuda, thre
     assert _load_threads() == []
 
 
-def test_issue_thread_is_on_by_default_and_validated():
+def test_issue_thread_is_off_by_default_and_validated():
     from vllm_fastload.config import StreamerConfig
     from vllm_fastload.errors import ConfigError
 
-    assert StreamerConfig.from_extra({}).issue_thread is True
-    assert StreamerConfig.from_extra({"issue_thread": False}).issue_thread is False
+    assert StreamerConfig.from_extra({}).issue_thread is False
+    assert StreamerConfig.from_extra({"issue_thread": True}).issue_thread is True
     with pytest.raises(ConfigError, match="issue_thread"):
         StreamerConfig.from_extra({"issue_thread": "yes please"})

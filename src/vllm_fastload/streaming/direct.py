@@ -7,10 +7,11 @@ Data flow (:func:`stream_to_device`)::
     side stream--> tensor's device buffer [offset : offset + n]
     -> after the tensor's last piece: an event the consuming stream waits on -> yield (name, device tensor)
 
-* **Who issues the copies.** A thread of the load (``issue_thread``, :class:`_IssueThread`; the loader's default)
-  or the consumer's thread between the tensors it takes. Each piece's copy is a few driver calls under the GIL;
-  in the consumer's thread they take turns with vLLM's ``weight_loader`` calls, on their own thread they overlap
-  them. That thread runs at most :data:`AHEAD_SPANS` ring spans of finished tensors ahead of the consumer.
+* **Who issues the copies.** The consumer's thread between the tensors it takes (the default), or a thread of the
+  load (``issue_thread``, :class:`_IssueThread`), which runs at most :data:`AHEAD_SPANS` ring spans of finished
+  tensors ahead of the consumer. Each piece's copy is a few driver calls under the GIL; on a thread of their own
+  they overlap vLLM's ``weight_loader`` calls but contend with them and the readers for the GIL, which measured
+  slower (docs/benchmarks.md), so that thread is opt-in.
 
 * **Pieces.** runai places each requested range in one ring buffer, so with whole tensors every buffer must hold
   the largest tensor (an embedding matrix is often over a GB) and a ring deep enough to keep the readers busy needs

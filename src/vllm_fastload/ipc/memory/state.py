@@ -169,6 +169,18 @@ def _state_object(v: Any) -> bool:
     return any(c.__module__.startswith("vllm") for c in type(v).__mro__ if c is not object)
 
 
+def _attributes(obj: Any, prefix: str) -> Iterator[tuple[str, Any, str]]:
+    """The attributes of ``obj`` the state walks visit, as ``(name, value, dotted path under prefix)``: never
+    dunders or submodules (each module is walked on its own), and at the module itself (``prefix`` empty) not
+    ``nn.Module``'s bookkeeping (:data:`_MODULE_INTERNALS`)."""
+    d = vars(obj)
+    for k in (d.keys() - _MODULE_INTERNALS if not prefix else list(d)):
+        v = d[k]
+        if k.startswith("__") or isinstance(v, nn.Module):
+            continue
+        yield k, v, f"{prefix}.{k}" if prefix else k
+
+
 def object_state(m: nn.Module) -> tuple[dict[str, Any], dict[str, Any]]:
     """What the vLLM objects hanging off module ``m`` hold, by dotted path
     (``"quant_method.fp8_linear.logical_output_size"``), at most :data:`STATE_DEPTH` objects deep, each object
@@ -180,12 +192,7 @@ def object_state(m: nn.Module) -> tuple[dict[str, Any], dict[str, Any]]:
     seen: set[int] = set()
 
     def walk(obj: Any, prefix: str, depth: int) -> None:
-        d = vars(obj)
-        for k in (d.keys() - _MODULE_INTERNALS if not prefix else list(d)):
-            v = d[k]
-            if k.startswith("__") or isinstance(v, nn.Module):
-                continue
-            path = f"{prefix}.{k}" if prefix else k
+        for _, v, path in _attributes(obj, prefix):
             if _state_object(v):
                 if prefix:
                     refs[path] = v
@@ -555,12 +562,7 @@ def _tensor_refs(m: nn.Module) -> Iterator[tuple[str, Any, str, torch.Tensor]]:
     seen: set[int] = set()
 
     def walk(obj: Any, prefix: str, depth: int) -> Iterator[tuple[str, Any, str, torch.Tensor]]:
-        d = vars(obj)
-        for k in (d.keys() - _MODULE_INTERNALS if not prefix else list(d)):
-            v = d[k]
-            if k.startswith("__") or isinstance(v, nn.Module):
-                continue
-            path = f"{prefix}.{k}" if prefix else k
+        for k, v, path in _attributes(obj, prefix):
             if isinstance(v, torch.Tensor):
                 yield path, obj, k, v
             elif isinstance(v, (dict, list, tuple)):

@@ -3,6 +3,7 @@
     python benchmarks/make_model.py OUT --shape 8b      # Llama-3-8B shape, ~16 GB in 4 shards
     python benchmarks/make_model.py OUT --shape small   # 8 layers, ~0.4 GB (KV accounting tests)
     python benchmarks/make_model.py OUT --shape tiny    # 2 layers, ~20 MB, for correctness tests
+    python benchmarks/make_model.py OUT --shape deep    # 2444 layers, 22,003 tensors, ~0.5 GB (per-tensor costs)
 
 Weights are drawn on the GPU when there is one (fast), scaled small so greedy decoding is well defined.
 """
@@ -22,6 +23,9 @@ SHAPES = {
                num_key_value_heads=8, vocab_size=128256, shards=4),
     "small": dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=8, num_attention_heads=16,
                   num_key_value_heads=4, vocab_size=32000, shards=2),
+    # 22,003 tensors of 0.25-32 KiB: the per-tensor costs of a load (issue 28: "many tensors"), 0.5 GB
+    "deep": dict(hidden_size=128, intermediate_size=128, num_hidden_layers=2444, num_attention_heads=2,
+                 num_key_value_heads=1, vocab_size=4096, shards=2),
     "tiny": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, vocab_size=4096, shards=2),
 }

@@ -1,13 +1,16 @@
 """Per-tensor costs of `ipc_cache` at 1k / 20k / 100k tensors, phase by phase, on this machine (CPU memfd transport;
 the phases are the same code on a GPU, whose segment is mapped instead of an fd).
 
-    python benchmarks/many_tensors.py [--sizes 1000,20000,100000] [--bytes-per-tensor 256] [--out OUT.md]
+    python benchmarks/many_tensors.py [--sizes 1000,20000,100000] [--bytes-per-tensor 256] [--device cuda]
+                                      [--out OUT.md]
 
-Daemon side: ``pack`` (the export buffer and the manifest's entries, with checksum samples), the manifest's
-frame (``to_frame`` + JSON); engine side, through the real ``RankServer`` on a Unix socket in this process:
-``fetch`` (hello, receive, validate the manifest, map the segment), ``verify`` (checksum samples), ``views`` (one
-tensor per entry), ``install`` (into a skeleton module of N parameters on the meta device) and the fingerprint
-(:func:`vllm_fastload.fingerprint.Fingerprint.to_dict`). Prints one Markdown table: seconds per phase (the best of
+Daemon side: ``pack`` (the export buffer and the manifest's tensor table, with checksum samples), the manifest's
+frame (``to_frame`` + JSON); engine side, through the real ``RankServer`` on a Unix socket in this process and
+with the garbage collector paused as ``map_model`` pauses it: ``fetch`` (hello, receive, validate the manifest, map
+the segment), ``verify`` (checksum samples, the engine's ``_verify``), ``views`` (one tensor per row, the engine's
+``_view_tensors``: the table's geometry checked first), ``install`` (into a skeleton module of N parameters on the
+meta device) and the fingerprint (:func:`vllm_fastload.fingerprint.Fingerprint.to_dict`); and ``vllm-fastload
+inspect`` on one safetensors shard of the same tensors. Prints one Markdown table: seconds per phase (the best of
 ``--repeat`` runs) and microseconds per tensor.
 """
 
@@ -51,13 +54,34 @@ class Skeleton(nn.Module):
         self.model.layers = nn.ModuleDict(layers)
 
 
-def run(n: int, nbytes: int) -> dict[str, float]:
+#: Phases that are not the engine's (the engine total leaves them out).
+DAEMON_AND_TOOLS = ("pack", "manifest frame", "inspect (headers, no fingerprint)")
+
+
+def _inspect_cost(ts: dict[str, torch.Tensor]) -> float:
+    """Seconds of ``vllm-fastload inspect`` (:func:`vllm_fastload.inspect.inspect`, no fingerprint) on one shard
+    holding ``ts``."""
+    from safetensors.torch import save_file
+
+    from vllm_fastload.inspect import inspect
+
+    with tempfile.TemporaryDirectory(prefix="fl-many-st-") as d:
+        save_file(ts, str(Path(d) / "model.safetensors"))
+        t = time.perf_counter()
+        rep = inspect(d, with_fingerprint=False)
+        took = time.perf_counter() - t
+    assert rep["shards"][0]["tensors"] == len(ts), rep
+    return took
+
+
+def run(n: int, nbytes: int, device: torch.device | None = None) -> dict[str, float]:
+    """Seconds of each phase for ``n`` tensors of ``nbytes`` bytes exported on ``device`` (default CPU: memfd; CUDA:
+    the VMM transport, engine and daemon in this one process)."""
     from tests.conftest import make_fingerprint
     from vllm_fastload.ipc.daemon.export import pack
     from vllm_fastload.ipc.daemon.server import RankServer, RankState, acquire
-    from vllm_fastload.ipc.engine.mapping import fetch
-    from vllm_fastload.ipc.memory.layout import sample_checksums, views
-    from vllm_fastload.ipc.memory.memfd import MemfdTransport
+    from vllm_fastload.ipc.engine.mapping import _gc_paused, _verify, _view_tensors, fetch
+    from vllm_fastload.ipc.memory.backends import get_transport
     from vllm_fastload.ipc.memory.state import install
     from vllm_fastload.ipc.wire import protocol
     from vllm_fastload.ipc.wire.messages import Manifest, to_frame
@@ -65,11 +89,14 @@ def run(n: int, nbytes: int) -> dict[str, float]:
     ts = tensors(n, nbytes)
     out: dict[str, float] = {}
     t = time.perf_counter()
-    seg, entries = pack(ts)
+    device = device or torch.device("cpu")
+    transport = get_transport(device)
+    device = transport.resolve(device)
+    seg, entries = pack(ts, device, transport=transport)
     out["pack"] = time.perf_counter() - t
     fp = make_fingerprint()
     manifest = Manifest(version=protocol.PROTOCOL_VERSION, fingerprint=fp.to_dict(), fingerprint_short=fp.short(),
-                        segments=[MemfdTransport().describe(seg, torch.device("cpu"))], tensors=entries)
+                        segment=transport.describe(seg, device), tensors=entries)
     t = time.perf_counter()
     frame = json.dumps(to_frame(manifest), separators=(",", ":"))
     out["manifest frame"] = time.perf_counter() - t
@@ -77,8 +104,8 @@ def run(n: int, nbytes: int) -> dict[str, float]:
     os.chmod(d, 0o700)
     path = d / "cpu-r0.sock"
     lock = acquire(path)
-    st = RankState(fingerprint=fp.to_dict(), segment=seg, manifest=manifest, model="m", device="cpu",
-                   socket=str(path), load_s=0.0, nbytes=sum(e.nbytes for e in entries.values()))
+    st = RankState(fingerprint=fp.to_dict(), segment=seg, manifest=manifest, model="m", device=str(device),
+                   socket=str(path), load_s=0.0, nbytes=entries.total_bytes())
     st.ready.set()
     srv = RankServer(st, path)
     srv.bind()
@@ -86,28 +113,27 @@ def run(n: int, nbytes: int) -> dict[str, float]:
     th = threading.Thread(target=srv.serve_forever, daemon=True)
     th.start()
     try:
-        t = time.perf_counter()
-        fd = fp.to_dict()
-        out["fingerprint"] = time.perf_counter() - t
-        t = time.perf_counter()
-        lease = fetch(str(path), fd, 5.0, 60.0, torch.device("cpu"))
-        out["fetch (hello, manifest, map)"] = time.perf_counter() - t
-        t = time.perf_counter()
-        crcs = sample_checksums(lease.segment.buf, lease.manifest.tensors)
-        assert all(crcs[k] == e.checksum for k, e in lease.manifest.tensors.items())
-        out["verify"] = time.perf_counter() - t
-        t = time.perf_counter()
-        mapped = views(lease.segment.buf, lease.manifest.tensors)
-        got = {k: (e.kind, mapped[k]) for k, e in lease.manifest.tensors.items()}
-        out["views"] = time.perf_counter() - t
-        model = Skeleton(list(ts), nbytes // 4)
-        t = time.perf_counter()
-        install(model, got, lease.manifest.aliases, lease.manifest.reprocess, lease.manifest.attrs,
-                lease.manifest.object_attrs)
-        out["install"] = time.perf_counter() - t
-        some = next(iter(ts))
-        assert torch.equal(model.get_parameter(some), ts[some])
-        lease.close()
+        with _gc_paused():  # as map_model runs the engine's phases
+            t = time.perf_counter()
+            fd = fp.to_dict()
+            out["fingerprint"] = time.perf_counter() - t
+            t = time.perf_counter()
+            lease = fetch(str(path), fd, 5.0, 60.0, device)
+            out["fetch (hello, manifest, map)"] = time.perf_counter() - t
+            t = time.perf_counter()
+            _verify(lease, str(path))
+            out["verify"] = time.perf_counter() - t
+            t = time.perf_counter()
+            got = _view_tensors(lease, "zero_copy")
+            out["views"] = time.perf_counter() - t
+            model = Skeleton(list(ts), nbytes // 4)
+            t = time.perf_counter()
+            install(model, got, lease.manifest.aliases, lease.manifest.reprocess, lease.manifest.attrs,
+                    lease.manifest.object_attrs)
+            out["install"] = time.perf_counter() - t
+            some = next(iter(ts))
+            assert torch.equal(model.get_parameter(some).cpu(), ts[some])
+            lease.close()
     finally:
         srv.close()
         th.join(5)
@@ -115,7 +141,8 @@ def run(n: int, nbytes: int) -> dict[str, float]:
         for f in d.iterdir():
             f.unlink()
         d.rmdir()
-    out["engine total"] = sum(v for k, v in out.items() if k not in ("pack", "manifest frame"))
+    out["inspect (headers, no fingerprint)"] = _inspect_cost(ts)
+    out["engine total"] = sum(v for k, v in out.items() if k not in DAEMON_AND_TOOLS)
     out["frame MB"] = len(frame) / 1e6
     return out
 
@@ -125,12 +152,14 @@ def main() -> int:
     ap.add_argument("--sizes", default="1000,20000,100000")
     ap.add_argument("--bytes-per-tensor", type=int, default=256)
     ap.add_argument("--repeat", type=int, default=3, help="runs per size; each phase's best is printed")
+    ap.add_argument("--device", default="cpu", help="cpu (memfd transport) or cuda (VMM transport)")
     ap.add_argument("--out", type=Path)
     a = ap.parse_args()
-    run(100, a.bytes_per_tensor)  # warm-up: imports (vLLM's, through install) and first-call costs off the table
+    device = torch.device(a.device)
+    run(100, a.bytes_per_tensor, device)  # warm-up: imports (vLLM's, through install), first-call costs off the table
     rows = {}
     for n in map(int, a.sizes.split(",")):
-        runs = [run(n, a.bytes_per_tensor) for _ in range(a.repeat)]
+        runs = [run(n, a.bytes_per_tensor, device) for _ in range(a.repeat)]
         rows[n] = {k: min(r[k] for r in runs) for k in runs[0]}
     phases = [k for k in next(iter(rows.values())) if k != "frame MB"]
     lines = ["| phase | " + " | ".join(f"{n} tensors: s (us/tensor)" for n in rows) + " |",

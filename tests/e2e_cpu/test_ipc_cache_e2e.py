@@ -22,6 +22,7 @@ from tests.conftest import demo_with_stale_copies  # noqa: E402
 from tests.e2e_cpu.conftest import answer_of, failed_startup_log, ids_of  # noqa: E402
 from vllm_fastload.ipc.wire import protocol  # noqa: E402
 from vllm_fastload.ipc.wire.client import status_of  # noqa: E402
+from vllm_fastload.ipc.wire.messages import TensorTable  # noqa: E402
 from vllm_fastload.servers import PreloadDaemon, VllmServer, free_port  # noqa: E402
 
 
@@ -193,11 +194,12 @@ def corrupted_tensor(sock_dir, nbytes=64):
     protocol.send(c, {"type": "bye"})
     c.close()
     assert man["type"] == "manifest" and len(fds) == 1, man.get("reason")
-    mm = mmap.mmap(fds[0], int(man["segments"][0]["size"]), flags=mmap.MAP_SHARED,
+    mm = mmap.mmap(fds[0], int(man["segment"]["size"]), flags=mmap.MAP_SHARED,
                    prot=mmap.PROT_READ | mmap.PROT_WRITE)
     os.close(fds[0])
-    name = next(k for k in sorted(man["tensors"]) if ".layers.1." in k and man["tensors"][k]["nbytes"] >= 4096)
-    off = int(man["tensors"][name]["offset"])
+    table = TensorTable(**man["tensors"])
+    name = next(k for k in sorted(table.names) if ".layers.1." in k and table[k].nbytes >= 4096)
+    off = table[name].offset
     original = mm[off:off + nbytes]
     mm[off:off + nbytes] = bytes(b ^ 0xFF for b in original)
     try:

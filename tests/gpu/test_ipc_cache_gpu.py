@@ -34,13 +34,9 @@ ROOT = Path(__file__).resolve().parents[2]
 from tests.conftest import Engine, one_shot  # noqa: E402
 from tests.gpu.zoo_cuda import zoo  # noqa: E402
 from vllm_fastload.ipc.memory.cuda_vmm import CudaVmmTransport  # noqa: E402
-from vllm_fastload.ipc.memory.layout import (  # noqa: E402
-    Placement,  # noqa: E402
-    sample_checksums,
-    view_at,
-)
+from vllm_fastload.ipc.memory.layout import sample_checksums, view_at  # noqa: E402
 from vllm_fastload.ipc.wire.client import status_of  # noqa: E402
-from vllm_fastload.ipc.wire.messages import SegmentMeta, TensorEntry  # noqa: E402
+from vllm_fastload.ipc.wire.messages import SegmentMeta, TensorRow, TensorTable  # noqa: E402
 from vllm_fastload.servers import PreloadDaemon  # noqa: E402
 
 # --- transport ------------------------------------------------------------------------------------------------
@@ -53,7 +49,7 @@ device = torch.device("cuda", 0)
 seg, entries = pack({k: v.cuda() for k, v in zoo().items()}, device)
 meta = get_transport(device).describe(seg, device)
 s = socket.socket(fileno=int(sys.argv[1]))
-socket.send_fds(s, [json.dumps({"entries": {k: e.model_dump() for k, e in entries.items()},
+socket.send_fds(s, [json.dumps({"entries": entries.model_dump(),
                                 "meta": meta.model_dump()}).encode()], [seg.fd])
 time.sleep(600)
 """
@@ -63,9 +59,10 @@ def test_checksums_of_a_cuda_buffer_equal_the_host_copy_s():
     """The engine checksums mapped GPU memory (D2H window copies), the CPU tests a host buffer: same numbers."""
     g = torch.Generator().manual_seed(5)
     buf = torch.randint(0, 256, (5 * 4096 + 333,), dtype=torch.uint8, generator=g)
-    entries = {"a": Placement("uint8", [5 * 4096], [1], 0, 5 * 4096),
-               "b": Placement("uint8", [77], [1], 5 * 4096 + 256, 77)}
-    assert sample_checksums(buf.cuda(), entries) == sample_checksums(buf, entries)
+    entries = TensorTable.of({"a": TensorRow("uint8", [5 * 4096], [1], 0, 5 * 4096, 0, "param"),
+                              "b": TensorRow("uint8", [77], [1], 5 * 4096 + 256, 77, 0, "param"),
+                              "c": TensorRow("uint8", [300], [1], 1000, 300, 0, "param")})
+    assert sample_checksums(buf.cuda(), entries).tolist() == sample_checksums(buf, entries).tolist()
 
 
 @pytest.mark.parametrize("expandable", [False, True], ids=["default-allocator", "expandable_segments"])
@@ -85,8 +82,8 @@ def test_vmm_transport_across_processes_and_exporter_sigkill(expandable):
         msg = json.loads(data.decode())
         seg = CudaVmmTransport().open(fds[0], SegmentMeta(**msg["meta"]), torch.device("cuda", 0))
         want = zoo()
-        entries = {k: TensorEntry(**e) for k, e in msg["entries"].items()}
-        crcs = sample_checksums(seg.buf, entries)
+        entries = TensorTable(**msg["entries"])
+        crcs = dict(zip(entries.names, sample_checksums(seg.buf, entries).tolist()))
 
         def check():
             for k, t in want.items():

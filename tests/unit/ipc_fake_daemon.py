@@ -49,9 +49,9 @@ def make_state(path, fp: Fingerprint, tensors: dict[str, torch.Tensor]) -> RankS
     """A ready RankState serving ``tensors`` packed into one segment, as ``serve_rank`` builds it after a load."""
     seg, entries = pack(tensors)
     manifest = Manifest(version=protocol.PROTOCOL_VERSION, fingerprint=fp.to_dict(), fingerprint_short=fp.short(),
-                        segments=[describe(seg)], tensors=entries)
+                        segment=describe(seg), tensors=entries)
     st = RankState(fingerprint=fp.to_dict(), segment=seg, manifest=manifest, model="m", device="dev",
-                   socket=str(path), load_s=0.0, nbytes=sum(e.nbytes for e in entries.values()))
+                   socket=str(path), load_s=0.0, nbytes=entries.total_bytes())
     st.ready.set()
     return st
 

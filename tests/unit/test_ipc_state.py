@@ -14,6 +14,7 @@ from vllm_fastload.ipc.daemon.export import pack  # noqa: E402
 from vllm_fastload.ipc.memory.layout import sample_checksums, view_at, views  # noqa: E402
 from vllm_fastload.ipc.memory.memfd import MemfdTransport  # noqa: E402
 from vllm_fastload.ipc.memory.state import InstallError, collect, install, object_states, reprocess_modules, snapshot  # noqa: E402
+from vllm_fastload.ipc.wire.messages import TensorRow, TensorTable  # noqa: E402
 
 
 class Packing(QuantizeMethodBase):
@@ -77,10 +78,9 @@ def transported(exp):
 
     cpu = torch.device("cpu")
     mapped = MemfdTransport().open(os.dup(seg.fd), MemfdTransport().describe(seg, cpu), cpu)
-    crcs = sample_checksums(mapped.buf, entries)
+    assert sample_checksums(mapped.buf, entries).tolist() == entries.checksum
     out = {}
-    for k, e in entries.items():
-        assert crcs[k] == e.checksum
+    for k, e in entries.rows():
         out[k] = (exp.tensors[k][0], view_at(mapped.buf, e, k))
     return seg, mapped, out
 
@@ -107,11 +107,12 @@ def test_corrupted_memory_fails_the_checksum():
     m, snap, _, _ = daemon_side()
     seg, entries = pack({k: t for k, (_, t) in collect(m, snap).tensors.items()})
     e = entries["sc.weight"]
-    assert sample_checksums(seg.buf, entries)["sc.weight"] == e.checksum
+    assert sample_checksums(seg.buf, entries).tolist() == entries.checksum
     seg.buf[e.offset + e.nbytes // 2] ^= 0xFF  # the middle window
-    crcs = sample_checksums(seg.buf, entries)
-    assert crcs["sc.weight"] != e.checksum
-    assert all(crcs[k] == x.checksum for k, x in entries.items() if k != "sc.weight")
+    crcs = sample_checksums(seg.buf, entries).tolist()
+    i = entries.index["sc.weight"]
+    assert crcs[i] != e.checksum
+    assert [c for j, c in enumerate(crcs) if j != i] == [c for j, c in enumerate(entries.checksum) if j != i]
     seg.close()
 
 
@@ -134,7 +135,7 @@ def test_strided_and_odd_tensors_keep_layout_and_bytes():
     seg, entries = pack(ts)
     assert entries["t"].stride == [1, 48] and entries["t"].nbytes == 64 * 48 * 4
     assert entries["overlap"].stride == [5, 1]  # an overlapping view is stored contiguous
-    assert all(e.offset % 256 == 0 for e in entries.values())
+    assert all(o % 256 == 0 for o in entries.offset)
     all_views = views(seg.buf, entries)
     for k, t in ts.items():
         for got in (view_at(seg.buf, entries[k], k), all_views[k]):
@@ -146,23 +147,39 @@ def test_strided_and_odd_tensors_keep_layout_and_bytes():
 
 
 def test_bad_manifest_entries_are_named():
-    seg, entries = pack({"w": torch.ones(4, 4)})
+    seg, entries = pack({"ok": torch.ones(3), "w": torch.ones(4, 4)})
     e = entries["w"]
+
+    def table(**change):  # the table with tensor "w" changed (the good tensor before it must not hide it)
+        return TensorTable.of({"ok": entries["ok"], "w": e._replace(**change)})
+
     with pytest.raises(ValueError, match="'w'.*outside"):
-        view_at(seg.buf, e.model_copy(update={"offset": seg.size}), "w")
+        view_at(seg.buf, e._replace(offset=seg.size), "w")
     with pytest.raises(ValueError, match="'w'.*do not hold"):
-        view_at(seg.buf, e.model_copy(update={"stride": [1, 1]}), "w")
+        view_at(seg.buf, e._replace(stride=[1, 1]), "w")
     with pytest.raises(ValueError, match="'w'.*unknown dtype 'float99'"):
-        view_at(seg.buf, e.model_copy(update={"dtype": "float99"}), "w")
+        view_at(seg.buf, e._replace(dtype="float99"), "w")
+    for bad in (view_at, views):  # one row, and the whole table checked at once
+        def check(bad=bad, **change):
+            return bad(seg.buf, table(**change)) if bad is views else bad(seg.buf, e._replace(**change), "w")
+
+        with pytest.raises(ValueError, match="'w'.*outside"):
+            check(offset=seg.size)
+        with pytest.raises(ValueError, match="'w'.*offset 258 is not aligned to 4-byte float32"):
+            check(offset=258)
+        # would pass the size check (span 3 elements x 4 bytes) and crash as_strided instead of falling back
+        with pytest.raises(ValueError, match="'w' has a negative stride"):
+            check(shape=[2, 2], stride=[3, -1], nbytes=12)
+        with pytest.raises(ValueError, match="'w' has a negative dimension"):
+            check(shape=[-1, 4], stride=[4, 1])
+        with pytest.raises(ValueError, match="'w'.*do not hold"):
+            check(shape=[4, 5], stride=[5, 1])
+        with pytest.raises(ValueError, match="'w'.*unknown dtype 'float99'"):
+            check(dtype="float99")
+    with pytest.raises(ValueError, match="'w'.*outside"):  # beyond int64: checked row by row
+        views(seg.buf, table(offset=2**70))
     with pytest.raises(ValueError, match="'w'.*outside"):
-        views(seg.buf, {"w": e.model_copy(update={"offset": seg.size})})
-    with pytest.raises(ValueError, match="'w'.*offset 2 is not aligned to 4-byte float32"):
-        views(seg.buf, {"w": e.model_copy(update={"offset": 2})})
-    # would pass the size check (span 3 elements x 4 bytes) and crash as_strided instead of falling back
-    with pytest.raises(ValueError, match="'w' has a negative stride"):
-        views(seg.buf, {"w": e.model_copy(update={"shape": [2, 2], "stride": [3, -1], "nbytes": 12})})
-    with pytest.raises(ValueError, match="'w' has a negative dimension"):
-        view_at(seg.buf, e.model_copy(update={"shape": [-1, 4]}), "w")
+        sample_checksums(seg.buf, table(offset=seg.size))
     seg.close()
 
 
@@ -345,9 +362,10 @@ def test_checksum_windows_match_an_independent_computation():
     buf = torch.randint(0, 256, (3 * layout.SAMPLE + 777,), dtype=torch.uint8, generator=g)
     raw = buf.numpy().tobytes()
     def at(o, n):
-        return layout.Placement("uint8", [n], [1], o, n)
+        return TensorRow("uint8", [n], [1], o, n, 0, "param")
 
-    entries = {"long": at(0, 3 * layout.SAMPLE), "short": at(3 * layout.SAMPLE + 5, 9), "none": at(0, 0)}
+    entries = TensorTable.of({"long": at(0, 3 * layout.SAMPLE), "short": at(3 * layout.SAMPLE + 5, 9),
+                              "none": at(0, 0)})
 
     def ref(o, n):
         h = 0
@@ -358,11 +376,11 @@ def test_checksum_windows_match_an_independent_computation():
             w = w + w[-1:] * (layout.SAMPLE - len(w))
             v = sum(int.from_bytes(w[8 * j:8 * j + 8], "little") * x for j, x in enumerate(layout._word_weights()))
             h = (h * 0x100000001B3 + v % 2**64) % 2**64
-        return f"{h:016x}"
+        return h
 
-    got = layout.sample_checksums(buf, entries)
-    assert got == {"long": ref(0, 3 * layout.SAMPLE), "short": ref(3 * layout.SAMPLE + 5, 9), "none": f"{0:016x}"}
-    assert len(set(got.values())) == 3
+    got = layout.sample_checksums(buf, entries).tolist()
+    assert got == [ref(0, 3 * layout.SAMPLE), ref(3 * layout.SAMPLE + 5, 9), 0]
+    assert len(set(got)) == 3
 
 
 @pytest.mark.parametrize("leaf", ["forward", "training_step_property", "lin", "__class__"])
@@ -378,3 +396,35 @@ def test_cached_attributes_never_replace_methods_properties_or_submodules(leaf):
         eng = WithProp()
     with pytest.raises(InstallError, match=f"cached attribute .*{leaf}"):
         install(eng, {}, {}, [], {"": {leaf: None}})
+
+
+def test_the_one_walk_of_install_lists_what_named_modules_lists():
+    """:func:`state.walk_modules` and :func:`state.unique_modules` replace four ``named_modules`` walks of
+    ``install``: same names, same order, a module shared under two names (tied) listed under both, then once."""
+    from vllm_fastload.ipc.memory.state import unique_modules, walk_modules
+
+    shared = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU())
+    model = torch.nn.Module()
+    model.a = torch.nn.ModuleList([torch.nn.Linear(2, 2), shared])
+    model.b = torch.nn.ModuleDict({"x": shared, "y": torch.nn.Sequential(torch.nn.Identity())})
+    model.register_module("gone", None)  # a child slot set to None: skipped by both
+    walked = walk_modules(model)
+    assert [(n, id(m)) for n, m in walked] == [(n, id(m)) for n, m in model.named_modules(remove_duplicate=False)]
+    assert [(n, id(m)) for n, m in unique_modules(walked)] == [(n, id(m)) for n, m in model.named_modules()]
+
+
+def test_member_lookup_finds_what_getattr_finds():
+    """``_member`` skips ``nn.Module.__getattr__``'s exception but finds instance attributes, submodules and
+    properties like ``getattr`` (vLLM's LoRA fused-MoE layer has a ``quant_method`` property)."""
+    from vllm_fastload.ipc.memory.state import _member
+
+    class WithProperty(torch.nn.Module):
+        @property
+        def quant_method(self):
+            return "from-property"
+
+    plain, attr, sub, prop = torch.nn.Linear(1, 1), torch.nn.Linear(1, 1), torch.nn.Module(), WithProperty()
+    attr.quant_method = "attr"
+    sub.quant_method = torch.nn.Identity()
+    for m in (plain, attr, sub, prop):
+        assert _member(m, "quant_method") is getattr(m, "quant_method", None)

@@ -16,7 +16,7 @@ from ..memory.backends import get_transport
 from ..memory.layout import fill, place, sample_checksums
 from ..memory.transport import Segment, Transport
 from ..wire import protocol
-from ..wire.messages import Manifest, TensorEntry
+from ..wire.messages import KINDS, Manifest, TensorTable
 
 
 def finish_online_quantization(model: Any, model_config: Any) -> bool:
@@ -47,26 +47,27 @@ def rank_loader(load_config: Any) -> Any:
 
 
 def pack(tensors: dict[str, Any], device: Any = None, kinds: Optional[dict[str, str]] = None,
-         transport: Optional[Transport] = None) -> tuple[Segment, dict[str, TensorEntry]]:
+         transport: Optional[Transport] = None) -> tuple[Segment, TensorTable]:
     """Copy ``tensors`` (name -> ``torch.Tensor``) into one new segment on ``device`` (default CPU) made by
     ``transport`` (default: the device's).
 
-    Returns the segment and, per name, its manifest entry: the :func:`.layout.place` placement, the checksum
-    sample of the copied bytes and its ``kind`` from ``kinds`` (default ``"param"``). Raises
+    Returns the segment and the manifest's table of its tensors: the :func:`.layout.place` placements, the
+    checksum sample of the copied bytes and each tensor's ``kind`` from ``kinds`` (default ``"param"``). Raises
     :class:`.transport.NoTransport` for a device without a transport.
     """
     import torch
 
     device = torch.device("cpu") if device is None else device
-    placements, size = place(tensors)
+    table, size = place(tensors)
     transport = transport or get_transport(device)
     segment = transport.allocate(size, device)
-    fill(segment.buf, tensors, placements)
-    crcs = sample_checksums(segment.buf, placements, transport)
+    fill(segment.buf, tensors, table)
+    crcs = sample_checksums(segment.buf, table, transport)
     kinds = kinds or {}
-    # fields copied by hand: dataclasses.asdict would deep-copy every list, once per tensor
-    return segment, {k: TensorEntry(dtype=p.dtype, shape=p.shape, stride=p.stride, offset=p.offset, nbytes=p.nbytes,
-                                    checksum=crcs[k], kind=kinds.get(k, "param")) for k, p in placements.items()}
+    index = {k: i for i, k in enumerate(KINDS)}
+    cols = table.model_dump()
+    cols.update(checksum=crcs.tolist(), kind=[index[kinds.get(k, "param")] for k in table.names])
+    return segment, TensorTable(**cols)
 
 
 def build_and_export(vllm_config: Any, local_rank: int, rank: int, world_size: int, init_method: str
@@ -106,7 +107,7 @@ def build_and_export(vllm_config: Any, local_rank: int, rank: int, world_size: i
         exp.tensors.clear()
         transport.free_cached(device)
     manifest = Manifest(type="manifest", version=protocol.PROTOCOL_VERSION, fingerprint=fp.to_dict(),
-                        fingerprint_short=fp.short(), segments=[transport.describe(segment, device)], tensors=entries,
+                        fingerprint_short=fp.short(), segment=transport.describe(segment, device), tensors=entries,
                         aliases=exp.aliases, reprocess=exp.reprocess, attrs=exp.attrs, object_attrs=exp.object_attrs,
                         objects=exp.objects, content_digest=content_digest)
     _log_export(rank, entries, exp.reprocess)
@@ -143,11 +144,11 @@ def _processed_export(vllm_config: Any, device: Any) -> tuple[Any, Optional[str]
     return exp, content_digest
 
 
-def _log_export(rank: int, entries: dict[str, TensorEntry], reprocess: list[str]) -> None:
+def _log_export(rank: int, table: TensorTable, reprocess: list[str]) -> None:
     """One INFO line: how many tensors rank ``rank`` exported, their bytes by dtype, the layers engines re-process."""
     by_dtype: dict[str, int] = {}
-    for e in entries.values():
-        by_dtype[e.dtype] = by_dtype.get(e.dtype, 0) + e.nbytes
+    for j, n in zip(table.dtype, table.nbytes):
+        by_dtype[table.dtypes[j]] = by_dtype.get(table.dtypes[j], 0) + n
     logger.info("fastload: rank %d: %d tensors exported as is (bytes by dtype: %s), %d layer(s) re-processed by the "
-                "engine: %s", rank, len(entries), ", ".join(f"{d}={n}" for d, n in sorted(by_dtype.items())),
+                "engine: %s", rank, len(table), ", ".join(f"{d}={n}" for d, n in sorted(by_dtype.items())),
                 len(reprocess), ", ".join(reprocess[:6]) + (" ..." if len(reprocess) > 6 else ""))

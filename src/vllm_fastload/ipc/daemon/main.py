@@ -79,7 +79,7 @@ def serve_rank(vllm_config: Any, local_rank: int, rank: int, world_size: int, in
         with state.lock:
             state.segment, state.manifest, state.load_s = segment, manifest, seconds
             state.fingerprint = manifest.fingerprint
-            state.nbytes = sum(e.nbytes for e in manifest.tensors.values())
+            state.nbytes = manifest.tensors.total_bytes()
             state.loading = False
         server.warm(manifest)  # encoded once now, not while the first engine's hello waits
         state.ready.set()

@@ -72,7 +72,7 @@ def fetch(path: str, fingerprint: dict, connect_timeout_s: float, state_timeout_
     transport = transport or get_transport(device)
     lease = open_lease(path, fingerprint, connect_timeout_s, state_timeout_s, spec)
     try:
-        segment = transport.open(lease.take_fd(), lease.manifest.segments[0], device)
+        segment = transport.open(lease.take_fd(), lease.manifest.segment, device)
     except BaseException:
         lease.close()
         raise
@@ -216,14 +216,17 @@ def _verify(lease: MappedLease, path: str) -> None:
     """Check every tensor's checksum sample in the mapped segment against the manifest, before anything is built
     (a corrupt daemon must not leave a half-built model behind). Raises :class:`ChecksumMismatch` naming the
     first tensor that differs, :class:`~vllm_fastload.errors.ManifestError` for an entry outside the segment."""
+    import numpy as np
+
     from ..memory.layout import sample_checksums
 
-    entries = lease.manifest.tensors
-    crcs = sample_checksums(lease.segment.buf, entries, lease.transport)
-    bad = [name for name, e in entries.items() if crcs[name] != e.checksum]
-    if bad:
-        raise ChecksumMismatch(f"tensor {bad[0]!r} in the daemon's memory does not match its checksum sample "
-                               f"({len(bad)} tensor(s) differ); the daemon at {path} serves corrupt memory: restart it")
+    table = lease.manifest.tensors
+    crcs = sample_checksums(lease.segment.buf, table, lease.transport)
+    bad = np.flatnonzero(crcs != np.array(table.checksum, dtype=np.uint64))
+    if len(bad):
+        raise ChecksumMismatch(f"tensor {table.names[bad[0]]!r} in the daemon's memory does not match its checksum "
+                               f"sample ({len(bad)} tensor(s) differ); the daemon at {path} serves corrupt memory: "
+                               f"restart it")
 
 
 def _build_model(vllm_config: Any, model_config: Any, prefix: str) -> Any:
@@ -241,12 +244,14 @@ def _view_tensors(lease: MappedLease, mode: Mode) -> dict[str, tuple[str, Any]]:
     """name -> ``(kind, tensor)``: views into the segment (``zero_copy``) or clones of them (``copy``). Raises
     :class:`~vllm_fastload.errors.ManifestError` naming an entry that does not fit the segment."""
     from ..memory.layout import views
+    from ..wire.messages import KINDS
 
-    entries = lease.manifest.tensors
-    mapped = views(lease.segment.buf, entries)
+    table = lease.manifest.tensors
+    mapped = views(lease.segment.buf, table)
+    kinds = [KINDS[k] for k in table.kind]
     if mode == "copy":
-        return {name: (entry.kind, mapped[name].clone()) for name, entry in entries.items()}
-    return {name: (entry.kind, mapped[name]) for name, entry in entries.items()}
+        return {name: (kind, mapped[name].clone()) for name, kind in zip(table.names, kinds)}
+    return {name: (kind, mapped[name]) for name, kind in zip(table.names, kinds)}
 
 
 def _apply_entries(model: Any, tensors: dict[str, tuple[str, Any]], manifest: Manifest) -> None:
@@ -314,7 +319,7 @@ def _report(manifest: Manifest, path: str, fp: Any, plan: Any, mode: Mode, phase
                                       + phases["release_s"], 4)
     n_re = len(manifest.reprocess)
     report = LoadReport(load_format=LOAD_FORMAT, source=path, verb="mapped", tensors=len(manifest.tensors),
-                        bytes=sum(e.nbytes for e in manifest.tensors.values()), wall_s=time.perf_counter() - t0,
+                        bytes=manifest.tensors.total_bytes(), wall_s=time.perf_counter() - t0,
                         fingerprint=fp.short(), weights_phase_s=phases["weights_phase_s"],
                         note=f"no disk read (re-processing {n_re} module(s) {phases['reprocess_s']:.3f} s)",
                         shards=len(plan.files), content_digest=manifest.content_digest)

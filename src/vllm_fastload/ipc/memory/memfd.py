@@ -45,11 +45,17 @@ class MemfdTransport(Transport):
         return Segment(-1, meta.size, self.name, torch.frombuffer(mm, dtype=torch.uint8), mm)
 
     def read_windows(self, buf: torch.Tensor, starts: list[int], lens: list[int], width: int) -> Any:
-        """The windows as numpy rows, read straight from the mapping."""
+        """The windows as numpy rows, read straight from the mapping: one gather of whole rows where a row's
+        ``width`` bytes lie inside the buffer, the window's own bytes alone for the rows at its end."""
         import numpy as np
+        from numpy.lib.stride_tricks import sliding_window_view
 
         a = buf.numpy()
-        rows = np.empty((len(starts), width), dtype=np.uint8)
-        for i, (s, m) in enumerate(zip(starts, lens)):
-            rows[i, :m] = a[s:s + m]
+        s = np.asarray(starts, dtype=np.int64)
+        rows = np.empty((len(s), width), dtype=np.uint8)
+        inside = s + width <= a.size
+        if a.size >= width and inside.any():
+            rows[inside] = sliding_window_view(a, width)[s[inside]]
+        for i in np.flatnonzero(~inside).tolist():
+            rows[i, :lens[i]] = a[starts[i]:starts[i] + lens[i]]
         return rows

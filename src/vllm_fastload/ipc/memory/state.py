@@ -31,6 +31,7 @@ post-processing replaced a tensor of a reprocess module.
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -225,33 +226,94 @@ class NotExportable(FastloadError):
     so an engine could not rebuild it. The message names the module, the attribute and the quant method."""
 
 
-def _is_quant_method(v: Any) -> bool:
-    """vLLM's ``QuantizeMethodBase`` (also when it is a module, as the fused-MoE methods are); duck-typed without
-    vLLM."""
+@functools.cache
+def _quant_method_base() -> Any:
+    """vLLM's ``QuantizeMethodBase``, or None without vLLM (looked up once: this runs per module)."""
     try:
         from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
     except ImportError:
+        return None
+    return QuantizeMethodBase
+
+
+@functools.cache
+def _deferred_attention_check() -> Any:
+    """vLLM's ``is_deferred_attention_layer``, or None (older vLLM, or none; looked up once)."""
+    try:
+        from vllm.model_executor.layers.attention import is_deferred_attention_layer
+    except ImportError:
+        return None
+    return is_deferred_attention_layer
+
+
+def _is_quant_method(v: Any) -> bool:
+    """vLLM's ``QuantizeMethodBase`` (also when it is a module, as the fused-MoE methods are); duck-typed without
+    vLLM."""
+    base = _quant_method_base()
+    if base is None:
         return hasattr(v, "process_weights_after_loading") and hasattr(v, "apply")
-    return isinstance(v, QuantizeMethodBase)
+    known = _QUANT_TYPES.get(type(v))
+    if known is None:  # an ABC's isinstance is slow, and this runs twice per module: once per class
+        known = _QUANT_TYPES[type(v)] = isinstance(v, base)
+    return known
+
+
+#: Whether a class is a vLLM quant method (:func:`_is_quant_method`'s cache; isinstance depends on the class only).
+_QUANT_TYPES: dict[type, bool] = {}
 
 
 def _is_deferred_attention(m: nn.Module) -> bool:
-    try:
-        from vllm.model_executor.layers.attention import is_deferred_attention_layer
-    except ImportError:  # older vLLM, or none
-        return False
-    return bool(is_deferred_attention_layer(m))
+    check = _deferred_attention_check()
+    return check is not None and bool(check(m))
 
 
-def processing_units(model: nn.Module) -> set[str]:
+def walk_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Every ``(name, module)`` of ``model`` in ``named_modules(remove_duplicate=False)``'s order (pre-order, a
+    module reachable under two names listed under both), walked once without nested generators: a model of
+    thousands of layers is walked in a fraction of the time, and :func:`install` needs the walk four times."""
+    out: list[tuple[str, nn.Module]] = []
+    stack: list[tuple[str, nn.Module]] = [("", model)]
+    while stack:
+        name, m = stack.pop()
+        out.append((name, m))
+        children = m._modules
+        if children:
+            stack.extend(reversed([(f"{name}.{k}" if name else k, c) for k, c in children.items() if c is not None]))
+    return out
+
+
+def unique_modules(walked: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
+    """The first name of each module of :func:`walk_modules`' list: what ``named_modules()`` yields."""
+    seen: set[int] = set()
+    out = []
+    for name, m in walked:
+        if id(m) not in seen:
+            seen.add(id(m))
+            out.append((name, m))
+    return out
+
+
+def _member(m: nn.Module, name: str) -> Any:
+    """``getattr(m, name, None)`` without ``nn.Module.__getattr__``'s exception for a module that has no such
+    attribute (most modules, when asked for ``quant_method``: thousands of exceptions per model)."""
+    d = m.__dict__
+    if name in d:
+        return d[name]
+    if name in d.get("_modules", ()):
+        return d["_modules"][name]
+    return getattr(m, name, None) if hasattr(type(m), name) else None
+
+
+def processing_units(model: nn.Module, modules: list[tuple[str, nn.Module]] | None = None) -> set[str]:
     """Names of the modules vLLM's ``process_weights_after_loading`` (``model_loader/utils.py``, vLLM 0.26 and
     0.32) runs something for: a module whose ``quant_method`` is a quant method (not a quant method itself), a
-    deferred attention layer, and the model (``""``) when it has a ``process_weights_after_loading`` hook."""
+    deferred attention layer, and the model (``""``) when it has a ``process_weights_after_loading`` hook.
+    ``modules``: ``model.named_modules()`` when already walked (:func:`unique_modules`)."""
     units = set()
-    for name, m in model.named_modules():
+    for name, m in modules if modules is not None else model.named_modules():
         if _is_quant_method(m):
             continue
-        if _is_quant_method(getattr(m, "quant_method", None)) or _is_deferred_attention(m):
+        if _is_quant_method(_member(m, "quant_method")) or _is_deferred_attention(m):
             units.add(name)
     if hasattr(model, "process_weights_after_loading"):
         units.add("")
@@ -381,14 +443,16 @@ def install(model: nn.Module, tensors: dict[str, tuple[str, torch.Tensor]], alia
     :func:`collect`) are set on the skeleton's vLLM objects along the same path, with the same limits.
     Raises :class:`InstallError`.
     """
-    units = processing_units(model)
-    placer = _Placer(model, units, _checked_reprocess(reprocess, units))
+    walked = walk_modules(model)
+    modules = unique_modules(walked)
+    units = processing_units(model, modules)
+    placer = _Placer(dict(walked), units, _checked_reprocess(reprocess, units))
     placer.put_tensors(tensors)
     placer.put_aliases(aliases)
-    _drop_meta(model, placer.owned)
+    _drop_meta(modules, placer.owned)
     _set_attrs(placer.modules, attrs or {})
     _set_object_attrs(placer.modules, object_attrs or {})
-    repoint_stale(model, placer.replaced)
+    repoint_stale(model, placer.replaced, modules)
 
 
 def _checked_reprocess(reprocess: list[str], units: set[str]) -> set[str]:
@@ -409,9 +473,9 @@ class _Placer:
     units (their tensors must match the skeleton's), ``installed`` name -> what was put, ``replaced`` id of a
     skeleton tensor -> what took its place."""
 
-    def __init__(self, model: nn.Module, units: set[str], again: set[str]):
-        self.modules = dict(model.named_modules(remove_duplicate=False))
-        self.owned = {name for name in self.modules if owner_unit(name, units) in again}
+    def __init__(self, by_name: dict[str, nn.Module], units: set[str], again: set[str]):
+        self.modules = by_name
+        self.owned = {name for name in by_name if owner_unit(name, units) in again} if again else set()
         self.installed: dict[str, torch.Tensor] = {}
         self.replaced: dict[int, torch.Tensor] = {}
 
@@ -456,6 +520,12 @@ class _Placer:
         if owned and old is not None and (old.shape != t.shape or old.dtype != t.dtype):
             raise InstallError(f"cached tensor {full!r} is {t.dtype} {tuple(t.shape)}, the model expects "
                                f"{old.dtype} {tuple(old.shape)}")
+        if kind == "param" and old is not None:
+            # the skeleton's parameter of this name: register_parameter's name checks passed when it was built
+            p = m._parameters[leaf] = _as_parameter(t, old, owned)
+            self.installed[full] = p
+            self.replaced[id(old)] = p
+            return
         m._parameters.pop(leaf, None)
         m._buffers.pop(leaf, None)
         if kind == "param":
@@ -475,7 +545,7 @@ class _Placer:
 def _as_parameter(t: torch.Tensor, old: torch.Tensor | None, owned: bool) -> nn.Parameter:
     """``t`` as the parameter that replaces the skeleton's ``old``, with ``old``'s Python attributes
     (``weight_loader``, ``output_dim``...). ``owned`` (a re-processed module): of ``old``'s parameter class."""
-    if isinstance(t, nn.Parameter):
+    if type(t) is not torch.Tensor and isinstance(t, nn.Parameter):  # views are plain tensors: skip the slow check
         p = t
     elif owned and isinstance(old, nn.Parameter) and type(old) is not nn.Parameter:
         # pre-processing state: the parameter class the model built (vLLM's BasevLLMParameter subclasses carry the
@@ -490,13 +560,14 @@ def _as_parameter(t: torch.Tensor, old: torch.Tensor | None, owned: bool) -> nn.
     return p
 
 
-def _drop_meta(model: nn.Module, owned: set[str]) -> None:
-    """Remove the skeleton tensors still on the meta device: post-processing removed them in the daemon. Raises
-    :class:`InstallError` for one of an ``owned`` (re-processed) module, which must have come from the cache."""
-    for name, m in model.named_modules():
+def _drop_meta(modules: list[tuple[str, nn.Module]], owned: set[str]) -> None:
+    """Remove the skeleton tensors still on the meta device (``modules``: the model's, :func:`unique_modules`):
+    post-processing removed them in the daemon. Raises :class:`InstallError` for one of an ``owned``
+    (re-processed) module, which must have come from the cache."""
+    for name, m in modules:
         for store in (m._parameters, m._buffers):
-            for leaf, t in list(store.items()):
-                if t is not None and t.device.type == "meta":
+            for leaf, t in list(store.items()) if store else ():
+                if t is not None and t.is_meta:
                     if name in owned:
                         raise InstallError(f"{name}.{leaf} was not in the cache (its module is re-processed here)")
                     del store[leaf]
@@ -576,13 +647,16 @@ def _tensor_refs(m: nn.Module) -> Iterator[tuple[str, Any, str, torch.Tensor]]:
     yield from walk(m, "", 0)
 
 
-def repoint_stale(model: nn.Module, replaced: dict[int, torch.Tensor]) -> None:
+def repoint_stale(model: nn.Module, replaced: dict[int, torch.Tensor],
+                  modules: list[tuple[str, nn.Module]] | None = None) -> None:
     """Point references to replaced skeleton tensors at what replaced them (``replaced``: id of the skeleton's
     tensor -> the installed one): a module or vLLM object that kept a reference to another module's parameter at
     construction (DeepSeek-V3's fused-MoE router holds the gate's ``e_score_correction_bias``) would otherwise
     keep the meta-device original. A reference held in a tuple is rebuilt as a tuple. References :func:`audit`
-    cannot resolve stay for it to report."""
-    for _, m in model.named_modules():
+    cannot resolve stay for it to report. ``modules``: ``model.named_modules()`` when already walked."""
+    if not replaced:
+        return
+    for _, m in modules if modules is not None else model.named_modules():
         for _path, holder, key, t in list(_tensor_refs(m)):
             new = replaced.get(id(t))
             if new is None or t.device.type != "meta":

@@ -279,9 +279,9 @@ def _hello(conn: socket.socket, path: str, fingerprint: dict, connect_timeout_s:
 
 
 def _manifest_of(raw: dict[str, Any], fds: list[int], path: str) -> messages.Manifest:
-    """The validated manifest of the daemon's answer to hello (``raw`` with ``fds``, one per segment). Raises
+    """The validated manifest of the daemon's answer to hello (``raw`` with ``fds``: its segment's). Raises
     :class:`FingerprintMismatch` for the daemon's refusal of our fingerprint, :class:`CacheUnavailable` for another
-    refusal, another protocol version, an invalid reply, or fds that do not match the segments."""
+    refusal, another protocol version, an invalid reply, or not exactly one fd."""
     try:
         if raw.get("type") == "manifest" and type(raw.get("version")) is int:
             messages.check_version(raw["version"], "daemon", "engine")  # before fields that may differ by version
@@ -297,9 +297,9 @@ def _manifest_of(raw: dict[str, Any], fds: list[int], path: str) -> messages.Man
                 f"fingerprint mismatch with the daemon at {path}: {fields}; restart `vllm-fastload preload` with this "
                 f"engine's args, or start the engine with the daemon's", reply.mismatched)
         raise CacheUnavailable(f"daemon at {path}: {reply.reason}")
-    if len(fds) != len(reply.segments):
-        raise CacheUnavailable(f"daemon at {path} sent a manifest of {len(reply.segments)} segment(s) with "
-                               f"{len(fds)} file descriptor(s)")
+    if len(fds) != 1:
+        raise CacheUnavailable(f"daemon at {path} sent a manifest with {len(fds)} file descriptors, not its "
+                               f"segment's one")
     return reply
 
 

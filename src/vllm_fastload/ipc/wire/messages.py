@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import dataclasses
 import typing
-from typing import Annotated, Any, Literal, Optional, Union
+from collections.abc import Iterator
+from functools import cached_property
+from typing import Annotated, Any, Literal, NamedTuple, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, model_validator
 
 from ...config import Mode
 from ...fingerprint import Fingerprint
@@ -75,7 +77,7 @@ WireFingerprint = wire_model(Fingerprint)
 # --- requests ------------------------------------------------------------------------------------------------
 class Hello(_Request):
     """``hello``: the engine's protocol version and fingerprint (and its pid, for the daemon's log); answered by
-    ``manifest`` (+ one fd per segment) or ``error``. The mode is the attach's: a hello is the same for both."""
+    ``manifest`` (+ its segment's fd) or ``error``. The mode is the attach's: a hello is the same for both."""
 
     type: Literal["hello"] = "hello"
     version: int
@@ -124,27 +126,143 @@ class SegmentMeta(_Reply):
     device: Optional[str] = None
 
 
-class TensorEntry(_Reply):
-    """Where one tensor sits in the segment (:mod:`.layout` checks the geometry against the buffer)."""
+#: The kinds of exported tensor, by their index in :attr:`TensorTable.kind`.
+KINDS = ("param", "buffer", "attr")
+
+
+class TensorRow(NamedTuple):
+    """One tensor of a :class:`TensorTable`: ``dtype`` (a :data:`.layout.DTYPES` name), ``shape`` and ``stride``
+    (elements), ``offset`` and ``nbytes`` (bytes of the span the strides address), ``checksum`` (the 64-bit sample of
+    :func:`.layout.sample_checksums`) and ``kind`` (one of :data:`KINDS`)."""
 
     dtype: str
     shape: list[int]
-    stride: Optional[list[int]] = None
+    stride: list[int]
     offset: int
     nbytes: int
-    checksum: str
-    kind: Literal["param", "buffer", "attr"]
+    checksum: int
+    kind: str
+
+
+class TensorTable(_Reply):
+    """Where every exported tensor sits in the segment, one column per field (row ``i`` is tensor ``names[i]``).
+
+    Columns, not one JSON object per tensor: a 100k-tensor manifest is ten arrays that JSON decodes and pydantic
+    validates in bulk, and that :mod:`.layout` checks, views and checksums with numpy, instead of 100k objects
+    validated one by one. ``dtypes`` are the distinct dtype names and ``dtype[i]`` an index into them; ``kind[i]``
+    an index into :data:`KINDS`; ``shape`` and ``stride`` hold every tensor's dimensions one after the other
+    (``ndim[i]`` of them for tensor ``i``); ``checksum`` unsigned 64-bit integers. This model checks the columns'
+    lengths, indices and name uniqueness; the geometry against the buffer is :func:`.layout.check_geometry`'s."""
+
+    names: list[str]
+    dtypes: list[str]
+    dtype: list[int]
+    kind: list[int]
+    offset: list[int]
+    nbytes: list[int]
+    ndim: list[int]
+    shape: list[int]
+    stride: list[int]
+    checksum: list[int]
+
+    @model_validator(mode="after")
+    def _consistent(self) -> TensorTable:
+        n = len(self.names)
+        for col in ("dtype", "kind", "offset", "nbytes", "ndim", "checksum"):
+            if len(getattr(self, col)) != n:
+                raise ValueError(f"column {col!r} has {len(getattr(self, col))} entries for {n} tensor names")
+        if len(set(self.names)) != n:
+            raise ValueError("a tensor name appears twice in 'names'")
+        if self.dtype and not 0 <= min(self.dtype) <= max(self.dtype) < len(self.dtypes):
+            raise ValueError(f"column 'dtype' holds an index outside the {len(self.dtypes)} names of 'dtypes'")
+        if self.kind and not 0 <= min(self.kind) <= max(self.kind) < len(KINDS):
+            raise ValueError(f"column 'kind' holds an index outside {list(KINDS)}")
+        if self.ndim and min(self.ndim) < 0:
+            raise ValueError("column 'ndim' holds a negative number")
+        if not len(self.shape) == len(self.stride) == sum(self.ndim):
+            raise ValueError(f"columns 'shape' ({len(self.shape)}) and 'stride' ({len(self.stride)}) must hold "
+                             f"sum(ndim) = {sum(self.ndim)} entries")
+        if self.checksum and not 0 <= min(self.checksum) <= max(self.checksum) < 2**64:
+            raise ValueError("column 'checksum' holds a value outside the unsigned 64-bit range")
+        return self
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    @cached_property
+    def index(self) -> dict[str, int]:
+        """Row of each name."""
+        return {k: i for i, k in enumerate(self.names)}
+
+    @cached_property
+    def dims_at(self) -> list[int]:
+        """Where tensor ``i``'s dimensions start in ``shape``/``stride`` (``n + 1`` entries, the last = their end)."""
+        out, at = [0], 0
+        for d in self.ndim:
+            at += d
+            out.append(at)
+        return out
+
+    def row(self, i: int) -> TensorRow:
+        """Tensor ``i`` as one record."""
+        a, b = self.dims_at[i], self.dims_at[i + 1]
+        return TensorRow(self.dtypes[self.dtype[i]], self.shape[a:b], self.stride[a:b], self.offset[i],
+                         self.nbytes[i], self.checksum[i], KINDS[self.kind[i]])
+
+    def __getitem__(self, name: str) -> TensorRow:
+        """The row of tensor ``name``; ``KeyError`` when the table has none of that name."""
+        return self.row(self.index[name])
+
+    def rows(self) -> Iterator[tuple[str, TensorRow]]:
+        """``(name, row)`` of every tensor, in table order."""
+        for i, k in enumerate(self.names):
+            yield k, self.row(i)
+
+    def total_bytes(self) -> int:
+        """Bytes of every tensor's span together."""
+        return sum(self.nbytes)
+
+    @classmethod
+    def of(cls, rows: dict[str, Any]) -> TensorTable:
+        """The table of ``name -> row`` (anything with :class:`TensorRow`'s attributes; ``stride`` None =
+        contiguous, ``checksum`` and ``kind`` default to 0 and ``"param"``)."""
+        dtypes: dict[str, int] = {}
+        cols: dict[str, list] = {c: [] for c in ("dtype", "kind", "offset", "nbytes", "ndim", "shape", "stride",
+                                                  "checksum")}
+        kinds = {k: i for i, k in enumerate(KINDS)}
+        for r in rows.values():
+            shape = [int(d) for d in r.shape]
+            stride = r.stride if r.stride is not None else _contiguous(shape)
+            cols["dtype"].append(dtypes.setdefault(r.dtype, len(dtypes)))
+            cols["kind"].append(kinds[getattr(r, "kind", "param")])
+            cols["offset"].append(int(r.offset))
+            cols["nbytes"].append(int(r.nbytes))
+            cols["ndim"].append(len(shape))
+            cols["shape"].extend(shape)
+            cols["stride"].extend(int(s) for s in stride)
+            cols["checksum"].append(int(getattr(r, "checksum", 0)))
+        return cls(names=list(rows), dtypes=list(dtypes), **cols)
+
+
+def _contiguous(shape: list[int]) -> list[int]:
+    """Row-major strides (elements) of ``shape``."""
+    out, step = [], 1
+    for d in reversed(shape):
+        out.append(step)
+        step *= max(d, 1)
+    return out[::-1]
 
 
 class Manifest(_Reply):
-    """``manifest``: everything the engine installs; sent with one fd per segment."""
+    """``manifest``: everything the engine installs; sent with the fd of its one segment (a rank exports one
+    buffer: one fd, one device allocation, every tensor by offset)."""
 
     type: Literal["manifest"] = "manifest"
     version: int
     fingerprint: dict[str, Any]
     fingerprint_short: Optional[str] = None
-    segments: list[SegmentMeta] = Field(min_length=1)
-    tensors: dict[str, TensorEntry]
+    segment: SegmentMeta
+    tensors: TensorTable
     aliases: dict[str, str] = {}
     reprocess: list[str] = []
     attrs: dict[str, dict[str, Any]] = {}

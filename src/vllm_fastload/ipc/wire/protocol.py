@@ -7,8 +7,8 @@ File descriptors (the shared-memory segments) travel with a frame as SCM_RIGHTS 
 
 Conversation (client -> daemon / daemon -> client)::
 
-    hello {version, fingerprint, pid}        ->  manifest {version, fingerprint, segments, tensors, reprocess}
-                                                  + one fd per segment        | error {reason, mismatched}
+    hello {version, fingerprint, pid}        ->  manifest {version, fingerprint, segment, tensors, reprocess}
+                                                  + the segment's fd          | error {reason, mismatched}
     attach {mode}        (after the manifest) ->  attached {clients}
     release {}      (after attach in copy)   ->  released {freed}
     status {}                                ->  status {...}
@@ -33,9 +33,9 @@ from typing import Any, Optional
 from ...errors import FastloadError
 
 #: The version both sides must speak (:func:`.messages.check_version`); raised whenever a message changes in a way
-#: the other side would refuse or misread (3: the manifest's ``reprocess`` names processing units and ``objects``
-#: lists what their post-processing bound, which the engine audits).
-PROTOCOL_VERSION = 3
+#: the other side would refuse or misread (4: the manifest's tensors are a table of columns, checksums integers,
+#: and its one segment is ``segment``, not a list).
+PROTOCOL_VERSION = 4
 #: Largest frame accepted (bytes): room for the manifest of a model with a hundred thousand tensors, small enough
 #: that a peer announcing a huge frame is refused before anything is allocated.
 MAX_FRAME_BYTES = 256 * 2**20

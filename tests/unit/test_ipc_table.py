@@ -1,0 +1,103 @@
+"""The manifest's tensor table (columns, issue 28 item 2): what the wire model refuses, and the column-wise
+checksums, views and checks giving what the row-by-row definitions give."""
+
+import json
+
+import pytest
+
+torch = pytest.importorskip("torch")
+np = pytest.importorskip("numpy")
+
+from vllm_fastload.ipc.daemon.export import pack  # noqa: E402
+from vllm_fastload.ipc.memory import layout  # noqa: E402
+from vllm_fastload.ipc.memory.memfd import MemfdTransport  # noqa: E402
+from vllm_fastload.ipc.wire.messages import MessageError, TensorRow, TensorTable, parse_reply  # noqa: E402
+
+
+def manifest_frame(table: dict) -> dict:
+    return {"type": "manifest", "version": 4, "fingerprint": {}, "segment": {"size": 4096, "transport": "memfd"},
+            "tensors": table}
+
+
+def good() -> dict:
+    return TensorTable.of({"a": TensorRow("float32", [2, 3], [3, 1], 0, 24, 7, "param"),
+                           "b": TensorRow("bfloat16", [5], [1], 256, 10, 2**64 - 1, "buffer")}).model_dump()
+
+
+def test_a_table_survives_json_and_gives_its_rows_back():
+    t = parse_reply(json.loads(json.dumps(manifest_frame(good())))).tensors
+    assert len(t) == 2 and t.names == ["a", "b"]
+    assert t["a"] == TensorRow("float32", [2, 3], [3, 1], 0, 24, 7, "param")
+    assert t["b"] == TensorRow("bfloat16", [5], [1], 256, 10, 2**64 - 1, "buffer")
+    assert t.total_bytes() == 34
+
+
+@pytest.mark.parametrize("change, names", [
+    ({"offset": [0]}, "column 'offset' has 1 entries for 2 tensor names"),
+    ({"names": ["a", "a"]}, "a tensor name appears twice"),
+    ({"dtype": [0, 2]}, "column 'dtype' holds an index outside the 2 names of 'dtypes'"),
+    ({"kind": [0, 3]}, "column 'kind' holds an index outside"),
+    ({"ndim": [2, -1]}, "column 'ndim' holds a negative number"),
+    ({"shape": [2, 3]}, "columns 'shape' (2) and 'stride' (3) must hold sum(ndim) = 3 entries"),
+    ({"checksum": [0, 2**64]}, "column 'checksum' holds a value outside the unsigned 64-bit range"),
+    ({"offset": [0, "256"]}, "field 'tensors.offset.1'"),
+])
+def test_an_inconsistent_table_is_refused_naming_the_column(change, names):
+    with pytest.raises(MessageError, match="invalid 'manifest' message") as e:
+        parse_reply(manifest_frame({**good(), **change}))
+    assert names in str(e.value)
+
+
+def test_window_sums_equal_the_row_by_row_definition_for_every_length_class():
+    """Spans of 1..600 bytes, around the powers of two and :data:`layout.SAMPLE`, at odd offsets: the sums of
+    windows read in power-of-two widths equal one window padded to SAMPLE with its last byte."""
+    g = torch.Generator().manual_seed(11)
+    buf = torch.randint(0, 256, (40000,), dtype=torch.uint8, generator=g)
+    raw = buf.numpy().tobytes()
+    weights = layout._word_weights()
+
+    def ref(s, m):
+        w = raw[s:s + m] + raw[s + m - 1:s + m] * (layout.SAMPLE - m)
+        return sum(int.from_bytes(w[8 * j:8 * j + 8], "little") * x for j, x in enumerate(weights)) % 2**64
+
+    lens = [*range(1, 70), 127, 128, 129, 255, 256, 257, 600, 2047, 2048, 2049, 4095, 4096]
+    starts = [(7919 * i) % (40000 - 4096) for i in range(len(lens))] + [40000 - 5]  # the last one at the end
+    lens.append(5)
+    got = layout._window_sums(buf, np.array(starts), np.array(lens), MemfdTransport())
+    assert got.tolist() == [ref(s, m) for s, m in zip(starts, lens)]
+
+
+def test_windows_at_the_buffers_end_are_read_without_running_past_it():
+    a = torch.arange(100, dtype=torch.uint8)
+    rows = MemfdTransport().read_windows(a, [0, 90, 96], [8, 10, 4], 16)
+    assert rows[0, :8].tolist() == list(range(8))
+    assert rows[1, :10].tolist() == list(range(90, 100))
+    assert rows[2, :4].tolist() == [96, 97, 98, 99]
+
+
+def test_a_big_table_checks_views_and_checksums_like_row_by_row():
+    """Mixed dtypes, strides, empty and scalar tensors, spans under and over SAMPLE: the table's views are the
+    tensors, each checksum the one of a table holding that row alone."""
+    g = torch.Generator().manual_seed(2)
+    ts = {}
+    for i in range(300):
+        n = int(torch.randint(0, 3000, (1,), generator=g))
+        t = torch.randn(n, generator=g)
+        ts[f"t{i}"] = [t, t.to(torch.bfloat16), t.reshape(1, -1).t(), torch.tensor(float(i))][i % 4]
+    seg, table = pack(ts)
+    got = layout.views(seg.buf, table)
+    for k, t in ts.items():
+        assert torch.equal(got[k], t) and got[k].stride() == t.stride(), k
+    crcs = layout.sample_checksums(seg.buf, table).tolist()
+    alone = [layout.sample_checksums(seg.buf, TensorTable.of({k: row})).tolist()[0] for k, row in table.rows()]
+    assert crcs == alone == table.checksum
+    seg.close()
+
+
+def test_the_first_bad_row_of_a_big_table_is_named():
+    seg, table = pack({f"w{i}": torch.ones(4) for i in range(1000)})
+    cols = table.model_dump()
+    cols["nbytes"][777] = 12
+    with pytest.raises(ValueError, match="'w777': 12 bytes do not hold float32"):
+        layout.views(seg.buf, TensorTable(**cols))
+    seg.close()

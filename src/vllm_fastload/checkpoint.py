@@ -94,6 +94,9 @@ def torch_dtypes() -> dict[str, Any]:
 
 def _no_duplicates(path: str):
     def hook(pairs):
+        d = dict(pairs)
+        if len(d) == len(pairs):  # the common case, checked in C: a header holds one object per tensor
+            return d
         seen = set()
         for k, _ in pairs:
             if k in seen:

@@ -30,8 +30,8 @@ def test_zoo_bit_exact_through_a_registered_arena_made_on_a_thread(tmp_path, pie
     assert arena.is_pinned() and arena.numel() == direct.arena_bytes(piece, 2)  # page-locked per the CUDA runtime
     times, stats, got = StageTimes(), {}, {}
     for name, t in direct.stream_to_device([read_header(str(tmp_path / "model.safetensors"))],
-                                           torch.device("cuda", torch.cuda.current_device()), piece, 2, times,
-                                           arena, stats, threads=threads, issue_thread=issue_thread):
+                                           torch.device("cuda", torch.cuda.current_device()),
+                                           direct.Ring(piece, 2, threads, issue_thread), times, arena, stats):
         got[name] = t
         torch.cuda._sleep(1000)  # a slow consumer: a slot must not be refilled before its copies finished
     arena = None
@@ -87,9 +87,8 @@ def test_inside_a_memory_pool_buffers_stay_out_of_it_and_are_reused(tmp_path, pa
     pipe = None
     with torch.cuda.use_mem_pool(pool), devmem.outside_pools(in_pool):
         if path.startswith("direct"):
-            it = direct.stream_to_device([read_header(str(path_st))], dev, 4 * 2**20, 4, StageTimes(),
-                                         threads=4 if path.startswith("direct-pread") else None,
-                                         issue_thread=path.endswith("-issue"))
+            ring = direct.Ring(4 * 2**20, 4, 4 if path.startswith("direct-pread") else None, path.endswith("-issue"))
+            it = direct.stream_to_device([read_header(str(path_st))], dev, ring, StageTimes())
         else:
             from safetensors import safe_open
 

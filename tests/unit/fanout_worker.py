@@ -85,7 +85,7 @@ def main() -> int:
         entries = fanout.entries_of(headers)
         owner = fan.owners(entries)
         only = {e.key for e, o in zip(entries, owner) if o == fan.me}
-        local = direct.stream_tensors(headers, device, a.get("piece", 4096), 2, StageTimes(), only=only)
+        local = direct.stream_tensors(headers, device, direct.Ring(a.get("piece", 4096), 2), StageTimes(), only=only)
 
         def faulty(it):
             for k, item in enumerate(it):

@@ -96,7 +96,7 @@ def _stream(path, piece, depth, arena=True):
     headers = [read_header(str(path))]
     times, stats = StageTimes(), {}
     a = torch.empty(direct.arena_bytes(piece, depth), dtype=torch.uint8) if arena else None
-    stream = direct.stream_to_device(headers, torch.device("cpu"), piece, depth, times, a, stats)
+    stream = direct.stream_to_device(headers, torch.device("cpu"), direct.Ring(piece, depth), times, a, stats)
     got = {n: t.clone() for n, t in stream}
     return got, times, stats
 
@@ -215,13 +215,13 @@ def test_runai_keeps_its_own_allocator_outside_our_ring_build(tmp_path, fake_cud
     original = ri._alloc_slot
     write_zoo(tmp_path / "model.safetensors")
     h = [read_header(str(tmp_path / "model.safetensors"))]
-    g = direct.stream_to_device(h, torch.device("cpu"), 4096, 2, StageTimes())
+    g = direct.stream_to_device(h, torch.device("cpu"), direct.Ring(4096, 2), StageTimes())
     next(g)  # paused inside the stream, its ring built
     assert ri._alloc_slot is original
     with SafetensorsStreamer() as s:
         s.stream_files([str(tmp_path / "model.safetensors")], device="cpu", owned=True)
         other = {n: t for n, t in s.get_tensors()}
-    g2 = direct.stream_to_device(h, torch.device("cpu"), 4096, 2, StageTimes())
+    g2 = direct.stream_to_device(h, torch.device("cpu"), direct.Ring(4096, 2), StageTimes())
     next(g2)
     g.close()
     g2.close()  # closed in FIFO order: nothing left patched
@@ -236,8 +236,8 @@ def test_a_larger_runai_slot_recarves_the_arena_instead_of_allocating(tmp_path, 
     arena = torch.empty(direct.arena_bytes(8192, 2), dtype=torch.uint8)
     monkeypatch.setattr(direct, "arena_slot_bytes", lambda piece: 4096)  # slots cut too small for runai's request
     stats = {}
-    got = dict(direct.stream_to_device([read_header(str(tmp_path / "model.safetensors"))], torch.device("cpu"), 8192,
-                                       2, StageTimes(), arena, stats))
+    got = dict(direct.stream_to_device([read_header(str(tmp_path / "model.safetensors"))], torch.device("cpu"),
+                                       direct.Ring(8192, 2), StageTimes(), arena, stats))
     assert set(got) == set(expected) and extra == [] and stats["pinned_extra_bytes"] == 0
 
 

@@ -30,8 +30,8 @@ def _load_threads():
 
 def _stream(headers, piece=4096, depth=2, threads=None, stats=None, times=None):
     arena = torch.empty(direct.arena_bytes(piece, depth), dtype=torch.uint8)
-    return direct.stream_to_device(headers, torch.device("cpu"), piece, depth, times or StageTimes(), arena, stats,
-                                   threads=threads, issue_thread=True)
+    return direct.stream_to_device(headers, torch.device("cpu"), direct.Ring(piece, depth, threads, True),
+                                   times or StageTimes(), arena, stats)
 
 
 @READERS

@@ -120,8 +120,8 @@ def test_direct_path_with_the_pread_reader_is_bit_exact(tmp_path, fake_cuda, pie
     headers = [read_header(str(tmp_path / "model.safetensors"))]
     times, stats = StageTimes(), {}
     arena = torch.empty(direct.arena_bytes(piece, depth), dtype=torch.uint8)
-    got = {n: t.clone() for n, t in direct.stream_to_device(headers, torch.device("cpu"), piece, depth, times, arena,
-                                                            stats, threads=threads)}
+    ring = direct.Ring(piece, depth, threads)
+    got = {n: t.clone() for n, t in direct.stream_to_device(headers, torch.device("cpu"), ring, times, arena, stats)}
     assert_zoo_bit_exact(got, expected)
     assert times.bytes == sum(len(raw) for _, _, raw in expected.values()) and times.tensors == len(expected)
     assert consumer.waited == sum(1 for _, _, raw in expected.values() if raw)
@@ -135,8 +135,8 @@ def test_unpinned_pread_path_reads_a_share(tmp_path):
     expected = write_zoo(tmp_path / "model.safetensors")
     headers = [read_header(str(tmp_path / "model.safetensors"))]
     names = sorted(n for n, (_, _, raw) in expected.items() if raw)[::2]
-    got = {k[1]: t.clone() for k, t in direct.stream_tensors(headers, torch.device("cpu"), 4096, 2, StageTimes(),
-                                                               only={(0, n) for n in names}, threads=3)}
+    got = {k[1]: t.clone() for k, t in direct.stream_tensors(headers, torch.device("cpu"), direct.Ring(4096, 2, 3),
+                                                               StageTimes(), only={(0, n) for n in names})}
     assert sorted(got) == names
     assert_zoo_bit_exact(got, {n: expected[n] for n in names})
 
@@ -150,7 +150,7 @@ def test_the_consumer_gets_each_tensor_on_its_own_stream(tmp_path, fake_cuda, th
     headers = [read_header(str(tmp_path / "model.safetensors"))]
     times = StageTimes()
     arena = lambda: torch.empty(direct.arena_bytes(4096, 2), dtype=torch.uint8)  # noqa: E731
-    for _ in direct.stream_to_device(headers, torch.device("cpu"), 4096, 2, times, arena(), threads=threads):
+    for _ in direct.stream_to_device(headers, torch.device("cpu"), direct.Ring(4096, 2, threads), times, arena()):
         assert consumer.current == [] or consumer.current[-1] is consumer  # empty tensors come before any copy
     (copy_stream,) = consumer.copy_streams
     assert consumer.current[0] is copy_stream and consumer.current[-1] is consumer
@@ -160,7 +160,7 @@ def test_the_consumer_gets_each_tensor_on_its_own_stream(tmp_path, fake_cuda, th
     assert times.h2d_s == 0.0  # the stand-in events measure nothing; the sample's size is checked below
     assert times._copied_bytes == 0 and times.bytes == sum(t.nbytes for t in headers[0].tensors.values())
     assert pieces > direct.H2D_SAMPLE
-    g = direct.stream_to_device(headers, torch.device("cpu"), 4096, 2, StageTimes(), arena(), threads=threads)
+    g = direct.stream_to_device(headers, torch.device("cpu"), direct.Ring(4096, 2, threads), StageTimes(), arena())
     for _ in range(3):  # past the empty tensors, into the copies
         next(g)
     assert consumer.copy_streams[-1] in consumer.current
@@ -198,7 +198,7 @@ def test_a_consumer_that_stops_midway_leaves_no_thread(tmp_path, fake_cuda):  # 
     write_zoo(tmp_path / "model.safetensors")
     headers = [read_header(str(tmp_path / "model.safetensors"))]
     arena = torch.empty(direct.arena_bytes(4096, 2), dtype=torch.uint8)
-    g = direct.stream_to_device(headers, torch.device("cpu"), 4096, 2, StageTimes(), arena, threads=4)
+    g = direct.stream_to_device(headers, torch.device("cpu"), direct.Ring(4096, 2, 4), StageTimes(), arena)
     next(g)
     g.close()
     assert _reader_threads() == []

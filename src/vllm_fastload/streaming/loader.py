@@ -292,7 +292,7 @@ class RunaiStreamerLoader(BaseModelLoader):
         reader with ``load.threads`` threads, or by runai when None); else runai reads into pageable memory and each
         tensor is copied through a pinned ring (``streaming.pipeline``), logged with the reason when
         ``pinned_reader`` asked for the former. Both: async H2D on a side stream."""
-        from .direct import release_pinned_cache, stream_to_device
+        from .direct import Ring, release_pinned_cache, stream_to_device
         from .pipeline import H2DPipeline
         from .timing import StageTimes
 
@@ -300,8 +300,8 @@ class RunaiStreamerLoader(BaseModelLoader):
         if why_not_direct is None:
             arena = self._take_arena(device, report)
             t, stats = StageTimes(), {}
-            it = stream_to_device(load.headers, device, cfg.pinned_slot_bytes, cfg.pinned_slots, t, arena, stats,
-                                  load.threads, cfg.issue_thread)
+            ring = Ring(cfg.pinned_slot_bytes, cfg.pinned_slots, load.threads, cfg.issue_thread)
+            it = stream_to_device(load.headers, device, ring, t, arena, stats)
             arena = None  # the stream owns it now
             try:
                 yield from self._progress(self._storage_errors(load.plan, it), load)
@@ -353,7 +353,7 @@ class RunaiStreamerLoader(BaseModelLoader):
         """This rank reads its share (``streaming.direct.stream_tensors``: pinned direct reads on a GPU, by this
         package's reader with ``load.threads`` threads or by runai when None; runai's owned slots on CPU) and gets
         the rest from the other ranks of its host (``streaming.fanout``)."""
-        from .direct import release_pinned_cache, stream_tensors
+        from .direct import Ring, release_pinned_cache, stream_tensors
         from .fanout import entries_of
         from .timing import StageTimes
 
@@ -363,8 +363,8 @@ class RunaiStreamerLoader(BaseModelLoader):
         only = {e.key for e, o in zip(entries, owner) if o == fan.me}
         arena = self._take_arena(device, report) if device.type == "cuda" else None
         t, stats = StageTimes(), {}
-        local = stream_tensors(headers, device, cfg.pinned_slot_bytes, cfg.pinned_slots, t, arena, stats, only=only,
-                               threads=load.threads, issue_thread=cfg.issue_thread)
+        ring = Ring(cfg.pinned_slot_bytes, cfg.pinned_slots, load.threads, cfg.issue_thread)
+        local = stream_tensors(headers, device, ring, t, arena, stats, only=only)
         arena = None  # the stream owns it now
         it = fan.run(entries, owner, self._storage_errors(load.plan, local), device)
         try:
@@ -428,12 +428,11 @@ class RunaiStreamerLoader(BaseModelLoader):
             if load.skips_copies:
                 import torch
 
-                from .direct import stream_tensors
+                from .direct import Ring, stream_tensors
                 from .timing import StageTimes
 
-                cfg = self.config
-                for (_, name), t in stream_tensors(headers, torch.device("cpu"), cfg.pinned_slot_bytes,
-                                                   cfg.pinned_slots, StageTimes(), pinned=False):
+                ring = Ring(self.config.pinned_slot_bytes, self.config.pinned_slots)
+                for (_, name), t in stream_tensors(headers, torch.device("cpu"), ring, StageTimes(), pinned=False):
                     yield name, t
                 return
             with SafetensorsStreamer() as streamer:

@@ -1,5 +1,6 @@
-"""The per-rank socket server of the preload daemon: the lock that makes one daemon per device, the peer check,
-and the conversation with each engine (:mod:`.messages` validates every request, :mod:`.protocol` frames them).
+"""The per-rank socket server of the preload daemon: what a rank serves (:class:`RankState`), the lock that makes one
+daemon per device, and the accept loop with its connection limit; each accepted connection's conversation (the
+peer check, the requests and their answers) is :mod:`.conversation`'s.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from ...log import logger
 from ..memory.transport import Segment
 from ..wire import messages, protocol
 from ..wire.paths import DAEMON_FLAG, SocketDir, SocketDirSpec, file_kind
+from .conversation import Conversation, reply
 
 
 @dataclass
@@ -108,19 +110,6 @@ def accept_backoff(previous: float) -> float:
     return min(MAX_ACCEPT_BACKOFF_S, max(0.05, previous * 2))
 
 
-@dataclass
-class _Client:
-    """One connection's place in the conversation: who it is (``SO_PEERCRED``), whether it got the manifest, in
-    which mode it attached and whether it released the cache (copy mode, at most once)."""
-
-    cid: int
-    pid: int
-    uid: int
-    got_manifest: bool = False
-    mode: Optional[messages.Mode] = None
-    released: bool = False
-
-
 class RankServer:
     """Serves one rank's segment on its Unix socket (one thread per connection, at most ``max_connections``).
 
@@ -204,175 +193,23 @@ class RankServer:
                   f"this one is refused: retry later, or raise the limit")
         try:
             conn.settimeout(0.2)
-            _reply(conn, messages.Error(reason=reason))
+            reply(conn, messages.Error(reason=reason))
         except OSError:
             pass
         conn.close()
         self._log("full", logging.WARNING, "fastload: refused a connection on %s: %d connections open "
                   "(--weight-cache-max-connections %d)", self.path, most, most)
 
-    def _timeout_for(self, c: _Client) -> Optional[float]:
-        """How long the daemon waits for this connection's next frame."""
-        if c.mode == "zero_copy":
-            return None  # the connection is the lease: open as long as the engine maps the memory
-        if c.got_manifest and c.mode is None:
-            return self.limits.attach_timeout_s
-        return self.limits.idle_timeout_s
-
     def _handle(self, conn: socket.socket) -> None:
-        st = self.state
-        with st.lock:
+        """Serve one connection to its end (:class:`.conversation.Conversation`), then count it as closed."""
+        with self.state.lock:
             self._next_id += 1
-            c = _Client(self._next_id, -1, -1)
+            cid = self._next_id
         try:
-            c.pid, c.uid, _ = protocol.peer_credentials(conn)
-            if c.uid not in (os.getuid(), 0):
-                self._log("peer", logging.WARNING, "fastload: refused a connection from pid %d running as uid %d (not "
-                          "the daemon's uid %d, nor root)", c.pid, c.uid, os.getuid())
-                conn.settimeout(1.0)
-                _reply(conn, messages.Error(reason=f"peer uid {c.uid} is not the daemon's uid "
-                                     f"{os.getuid()} (or root); run the engine as the same user as "
-                                     f"`vllm-fastload preload`"))
-                return
-            while self._serve_one(conn, c):
-                pass
-        except OSError as e:  # the client went away while we were sending (killed mid-transfer): not our failure
-            logger.info("fastload: client %d disconnected while the daemon was sending to it (%s: %s); still serving",
-                        c.cid, type(e).__name__, e)
-        except Exception as e:  # noqa: BLE001 - a bug handling one client must not take the daemon down
-            logger.exception("fastload: internal error serving client %d (pid %d); closed its connection", c.cid, c.pid)
-            try:
-                _reply(conn, messages.Error(reason=f"internal error in the daemon ({type(e).__name__}: "
-                                     f"{e}); see its log"))
-            except OSError:
-                pass
+            Conversation(conn, cid, self.state, self.limits, self.recv_budget, self._manifest_body, self._log).run()
         finally:
-            with st.lock:
-                was = st.clients.pop(c.cid, None)
+            with self.state.lock:
                 self._active -= 1
-                left = len(st.clients)
-            if was is not None:
-                logger.info("fastload: client %d (pid %d, %s mode) detached; %d engine(s) attached", c.cid, c.pid, was,
-                            left)
-            conn.close()
-
-    def _serve_one(self, conn: socket.socket, c: _Client) -> bool:
-        """Receive and answer one frame of client ``c``. Returns False when the connection is done."""
-        raw = self._receive(conn, c)
-        if raw is None:
-            return False
-        try:
-            msg = messages.parse_request(raw)
-        except messages.MessageError as e:
-            self._log("invalid", logging.WARNING, "fastload: client %d (pid %d) sent an invalid message: %s",
-                      c.cid, c.pid, e)
-            _reply(conn, messages.Error(reason=str(e)))
-            return True
-        if isinstance(msg, messages.Status):
-            _reply(conn, self.state.status())
-        elif isinstance(msg, messages.Hello):
-            if self._hello(conn, msg):
-                c.got_manifest = True
-        elif isinstance(msg, messages.Attach):
-            self._attach(conn, c, msg)
-        elif isinstance(msg, messages.Release):
-            self._answer_release(conn, c)
-        else:  # bye
-            return False
-        return True
-
-    def _receive(self, conn: socket.socket, c: _Client) -> Optional[dict[str, Any]]:
-        """The next frame of client ``c`` (fds it carried closed), or None when the connection is done: the client
-        closed it, or sent no complete frame in time or a bad one (answered with an error frame, logged)."""
-        timeout = self._timeout_for(c)
-        conn.settimeout(timeout)
-        try:
-            raw, fds = protocol.recv(conn, frame_timeout_s=self.limits.idle_timeout_s,
-                                     limit=protocol.MAX_REQUEST_BYTES, budget=self.recv_budget)
-        except TimeoutError:
-            what = "between the manifest and the attach (--weight-cache-attach-timeout-s)" if timeout == \
-                self.limits.attach_timeout_s and c.got_manifest else "(--weight-cache-idle-timeout-s)"
-            self._log("idle", logging.INFO, "fastload: closed client %d (pid %d): no complete frame within %g s %s",
-                      c.cid, c.pid, timeout or self.limits.idle_timeout_s, what)
-            conn.settimeout(1.0)
-            _reply(conn, messages.Error(reason=f"no complete frame within {timeout or self.limits.idle_timeout_s:g}"
-                                 f" s {what}; closing the connection"))
-            return None
-        except protocol.PeerClosed:
-            return None
-        except protocol.ProtocolError as e:
-            self._log("frame", logging.WARNING, "fastload: closed client %d (pid %d): %s", c.cid, c.pid, e)
-            conn.settimeout(1.0)
-            _reply(conn, messages.Error(reason=f"bad frame: {e}; closing the connection"))
-            return None
-        protocol.close_fds(fds)
-        return raw
-
-    def _attach(self, conn: socket.socket, c: _Client, msg: messages.Attach) -> None:
-        """Answer client ``c``'s attach: counted in ``msg.mode`` after the manifest, at most once; else refused."""
-        if not c.got_manifest or c.mode is not None:
-            why = "attach before this connection received the manifest (send hello first)" if not c.got_manifest \
-                else f"this connection is already attached ({'released' if c.released else c.mode})"
-            _reply(conn, messages.Error(reason=f"attach refused: {why}"))
-            return
-        st = self.state
-        c.mode = msg.mode
-        with st.lock:
-            st.clients[c.cid] = msg.mode
-            st.attaches += 1
-            n = len(st.clients)
-        logger.info("fastload: client %d (pid %d, uid %d) attached in %s mode; %d engine(s) attached", c.cid, c.pid,
-                    c.uid, msg.mode, n)
-        _reply(conn, messages.Attached(clients=n))
-
-    def _answer_release(self, conn: socket.socket, c: _Client) -> None:
-        """Answer client ``c``'s release: only once, after a copy-mode attach (:meth:`_release`); else refused."""
-        if c.mode != "copy" or c.released:
-            self._log("release", logging.WARNING, "fastload: refused a release from client %d (pid %d, uid %d): "
-                      "only a connection that received the manifest and attached in copy mode may release",
-                      c.cid, c.pid, c.uid)
-            _reply(conn, messages.Error(reason="release refused: only a connection that received "
-                                 "the manifest and attached in copy mode may release the daemon's memory"))
-            return
-        _reply(conn, messages.Released(freed=self._release(c)))
-        c.released = True
-
-    def _hello(self, conn: socket.socket, msg: messages.Hello) -> bool:
-        """Answer a valid hello with the manifest (True) or an error (False)."""
-        from ...fingerprint import Fingerprint
-
-        st = self.state
-        if not st.ready.is_set():
-            # at once, so the engine tells "busy loading" (wait up to its state_timeout_s) from "not answering"
-            # (a stopped or hung daemon: nothing within its connect_timeout_s)
-            _reply(conn, st.status())
-        st.ready.wait()  # an engine that connects while the daemon loads waits (bounded by its state_timeout_s)
-        theirs = msg.to_fingerprint()
-        mine = Fingerprint.from_dict(st.fingerprint)
-        diff = mine.mismatched_fields(theirs)
-        if diff:
-            with st.lock:
-                st.mismatches += 1
-            logger.warning("fastload: refused client pid %s (it falls back to disk): fingerprint mismatch: %s",
-                           msg.pid, mine.explain(theirs))
-            _reply(conn, messages.Error(reason="fingerprint mismatch: " + mine.explain(theirs),
-                                 mismatched=[[n, a, b] for n, a, b in diff]))
-            return False
-        # Take what to send under the lock, send outside it: a client that stops reading must not block the
-        # status, attach and hello of every other client.
-        with st.lock:
-            seg = st.segment
-            fd = -1 if st.released or seg is None else os.dup(seg.fd)
-            manifest = st.manifest
-        if fd < 0:
-            _reply(conn, messages.Error(reason="the daemon's cache was released by a copy-mode "
-                                 "client; restart `vllm-fastload preload` to fill it again"))
-            return False
-        try:
-            protocol.send_body(conn, self._manifest_body(manifest), fds=[fd])
-        finally:
-            os.close(fd)
-        return True
 
     def warm(self, manifest: messages.Manifest) -> None:
         """Encode ``manifest``'s frame now (the daemon calls it when its load is done, before it is ready)."""
@@ -387,28 +224,6 @@ class RankServer:
                 cached = self._body = (manifest, protocol.encode(messages.to_frame(manifest)))
         return cached[1]
 
-    def _release(self, c: _Client) -> bool:
-        """Copy-mode client ``c`` is done: free the segment unless a zero_copy client still maps it; logged."""
-        st = self.state
-        with st.lock:
-            st.clients.pop(c.cid, None)
-            mapped = sum(m == "zero_copy" for m in st.clients.values())
-            if mapped or st.segment is None:
-                freed = False
-            else:
-                st.segment.close()
-                st.segment = None
-                st.released = True
-                freed = True
-        if freed:
-            logger.warning("fastload: client %d (pid %d, uid %d, copy mode) released the cache: %.2f GiB freed; later "
-                           "engines load from disk until the daemon is restarted", c.cid, c.pid, c.uid,
-                           st.nbytes / 2**30)
-        else:
-            logger.info("fastload: client %d (pid %d, uid %d, copy mode) is done; the cache stays (%d zero_copy "
-                        "client(s) map it)", c.cid, c.pid, c.uid, mapped)
-        return freed
-
     def close(self) -> None:
         """Stop accepting, remove the socket file, free the segment."""
         self.stop.set()
@@ -422,11 +237,6 @@ class RankServer:
             if self.state.segment is not None:
                 self.state.segment.close()
                 self.state.segment = None
-
-
-def _reply(conn: socket.socket, message: Any, fds: Optional[list[int]] = None) -> None:
-    """Send one reply model of :mod:`.messages` (with ``fds``)."""
-    protocol.send(conn, messages.to_frame(message), fds)
 
 
 def lock_name(path: Path) -> str:

@@ -79,7 +79,8 @@ def run(n: int, nbytes: int, device: torch.device | None = None) -> dict[str, fl
     the VMM transport, engine and daemon in this one process)."""
     from tests.conftest import make_fingerprint
     from vllm_fastload.ipc.daemon.export import pack
-    from vllm_fastload.ipc.daemon.server import RankServer, RankState, acquire
+    from vllm_fastload.ipc.daemon.rank import RankState
+    from vllm_fastload.ipc.daemon.server import RankServer, acquire
     from vllm_fastload.ipc.engine.mapping import _gc_paused, _verify, _view_tensors, fetch
     from vllm_fastload.ipc.memory.backends import get_transport
     from vllm_fastload.ipc.memory.state import install

@@ -27,7 +27,8 @@ from tests.conftest import unix_listener
 from vllm_fastload.fingerprint import Fingerprint
 from vllm_fastload.ipc.daemon.export import pack
 from vllm_fastload.ipc.daemon.health import start_health_server
-from vllm_fastload.ipc.daemon.server import Limits, RankServer, RankState, acquire
+from vllm_fastload.ipc.daemon.rank import Limits, RankState
+from vllm_fastload.ipc.daemon.server import RankServer, acquire
 from vllm_fastload.ipc.memory.memfd import MemfdTransport
 from vllm_fastload.ipc.wire import protocol
 from vllm_fastload.ipc.wire.messages import Manifest, SegmentMeta, to_frame

@@ -16,7 +16,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.unit.ipc_fake_daemon import fingerprint, make_state, weights
-from vllm_fastload.ipc.daemon.server import Limits, RankServer, acquire
+from vllm_fastload.ipc.daemon.rank import Limits
+from vllm_fastload.ipc.daemon.server import RankServer, acquire
 from vllm_fastload.ipc.wire import protocol
 from vllm_fastload.ipc.wire.client import status_of
 from vllm_fastload.ipc.wire.messages import REPLIES, REQUESTS, MessageError, parse_reply, parse_request, to_frame

@@ -29,7 +29,8 @@ from tests.unit.test_ipc_faults import fake_daemon, thread_errors, wait_for  # n
 from vllm_fastload import cli  # noqa: F401 (imported before a child drops to a uid that cannot read the stdlib)
 from vllm_fastload.errors import SocketDirError, UntrustedPeer
 from vllm_fastload.ipc.daemon.health import metrics_text
-from vllm_fastload.ipc.daemon.server import Limits, RankServer, acquire
+from vllm_fastload.ipc.daemon.rank import Limits
+from vllm_fastload.ipc.daemon.server import RankServer, acquire
 from vllm_fastload.ipc.engine.mapping import fetch
 from vllm_fastload.ipc.memory.layout import view_at
 from vllm_fastload.ipc.wire import protocol

@@ -16,7 +16,7 @@ from ...log import logger
 from ..wire import messages, protocol
 
 if TYPE_CHECKING:
-    from .server import Limits, RankState, Throttle
+    from .rank import Limits, RankState, Throttle
 
 
 @dataclass

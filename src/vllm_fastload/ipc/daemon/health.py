@@ -16,7 +16,7 @@ from ...errors import FastloadError
 from ...log import logger
 from ..wire.client import status_of
 from ..wire.messages import StatusReply
-from .server import Limits, Throttle, accept_backoff
+from .rank import Limits, Throttle, accept_backoff
 
 #: Prometheus metrics of the health port: (name, type, help, status key). Counters only ever grow while the daemon
 #: runs (prometheus_client appends ``_total`` to a counter's name in the exposition).
@@ -78,7 +78,7 @@ class HealthServer(ThreadingHTTPServer):
         super().__init__(address, handler)
 
     def get_request(self) -> Any:
-        """Accept one connection; on an accept error pause (doubling, :func:`.server.accept_backoff`) before
+        """Accept one connection; on an accept error pause (doubling, :func:`.rank.accept_backoff`) before
         socketserver skips it, so the loop does not spin at the fd limit."""
         try:
             got = super().get_request()

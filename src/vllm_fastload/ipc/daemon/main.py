@@ -24,17 +24,8 @@ from ...log import logger
 from ..wire.paths import SocketDir, SocketDirSpec, device_identity, socket_dir_spec, socket_path
 from .export import build_and_export
 from .health import start_health_server
-from .server import (
-    ATTACH_TIMEOUT_S,
-    IDLE_TIMEOUT_S,
-    MAX_CONNECTIONS,
-    Limits,
-    RankServer,
-    RankState,
-    acquire,
-    check_lock_free,
-    lock_name,
-)
+from .rank import ATTACH_TIMEOUT_S, IDLE_TIMEOUT_S, MAX_CONNECTIONS, Limits, RankState
+from .server import RankServer, acquire, check_lock_free, lock_name
 
 DEFAULT_LOAD_FORMAT = "runai_streamer"
 

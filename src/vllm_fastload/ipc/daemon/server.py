@@ -1,6 +1,6 @@
-"""The per-rank socket server of the preload daemon: what a rank serves (:class:`RankState`), the lock that makes one
-daemon per device, and the accept loop with its connection limit; each accepted connection's conversation (the
-peer check, the requests and their answers) is :mod:`.conversation`'s.
+"""The per-rank socket server of the preload daemon: the lock that makes one daemon per device, and the accept loop
+with its connection limit over the rank's state (:mod:`.rank`); each accepted connection's conversation (the peer
+check, the requests and their answers) is :mod:`.conversation`'s.
 """
 
 from __future__ import annotations
@@ -11,103 +11,15 @@ import os
 import socket
 import stat
 import threading
-import time
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
 from ...errors import FastloadError
 from ...log import logger
-from ..memory.transport import Segment
 from ..wire import messages, protocol
 from ..wire.paths import DAEMON_FLAG, SocketDir, SocketDirSpec, file_kind
 from .conversation import Conversation, reply
-
-
-@dataclass
-class RankState:
-    """What one rank serves and who uses it (guarded by ``lock``)."""
-
-    fingerprint: dict
-    segment: Optional[Segment]
-    manifest: Optional[messages.Manifest]
-    model: str
-    device: str
-    socket: str
-    load_s: float
-    nbytes: int
-    started: float = field(default_factory=time.time)
-    clients: dict = field(default_factory=dict)  # connection id -> mode
-    attaches: int = 0
-    mismatches: int = 0
-    released: bool = False
-    loading: bool = False
-    ready: threading.Event = field(default_factory=threading.Event)
-    lock: threading.Lock = field(default_factory=threading.Lock)
-
-    def status(self) -> messages.StatusReply:
-        """The ``status`` reply (``vllm-fastload status``, ``/health``, ``/metrics``)."""
-        with self.lock:
-            man = self.manifest
-            return messages.StatusReply(
-                model=self.model, device=self.device, socket=self.socket, fingerprint=self.fingerprint,
-                fingerprint_short=man.fingerprint_short if man else None,
-                content_digest=man.content_digest if man else None, tensors=len(man.tensors) if man else 0,
-                bytes=self.nbytes if not self.released else 0,
-                state="loading" if self.loading else "released" if self.released else "ready",
-                clients=len(self.clients), client_modes=sorted(self.clients.values()), attaches=self.attaches,
-                fingerprint_mismatches=self.mismatches, load_seconds=round(self.load_s, 3),
-                uptime_s=round(time.time() - self.started, 1), pid=os.getpid())
-
-
-#: Defaults of the connection limits (flags ``--weight-cache-max-connections``, ``-idle-timeout-s``,
-#: ``-attach-timeout-s``).
-MAX_CONNECTIONS = 256
-IDLE_TIMEOUT_S = 30.0
-ATTACH_TIMEOUT_S = 600.0
-@dataclass(frozen=True)
-class Limits:
-    """The daemon's connection limits (flags ``--weight-cache-max-connections``, ``--weight-cache-idle-timeout-s``,
-    ``--weight-cache-attach-timeout-s``): per server (each rank's socket, the health port), seconds."""
-
-    max_connections: int = MAX_CONNECTIONS
-    idle_timeout_s: float = IDLE_TIMEOUT_S
-    attach_timeout_s: float = ATTACH_TIMEOUT_S
-
-
-#: Longest pause of an accept loop after an accept error (EMFILE: the fd limit is reached).
-MAX_ACCEPT_BACKOFF_S = 1.0
-
-
-class Throttle:
-    """At most one log line per ``key`` every ``every_s`` seconds; the lines in between are counted and the next
-    one says how many were left out (a flood of bad clients must not flood the log)."""
-
-    def __init__(self, every_s: float = 10.0):
-        self.every_s = every_s
-        self._last: dict[str, float] = {}
-        self._skipped: dict[str, int] = {}
-        self._lock = threading.Lock()
-
-    def __call__(self, key: str, level: int, fmt: str, *args: Any) -> None:
-        """Log ``fmt % args`` at ``level`` unless a line of ``key`` was logged less than ``every_s`` ago."""
-        now = time.monotonic()
-        with self._lock:
-            if now - self._last.get(key, -1e9) < self.every_s:
-                self._skipped[key] = self._skipped.get(key, 0) + 1
-                return
-            self._last[key] = now
-            skipped = self._skipped.pop(key, 0)
-        if skipped:
-            fmt += " (%d more like this in the last %g s)"
-            args = (*args, skipped, self.every_s)
-        logger.log(level, fmt, *args)
-
-
-def accept_backoff(previous: float) -> float:
-    """The pause after an accept error: doubling from 50 ms up to :data:`MAX_ACCEPT_BACKOFF_S`. The pending
-    connection that failed to be accepted stays in the backlog, so without a pause the loop would spin."""
-    return min(MAX_ACCEPT_BACKOFF_S, max(0.05, previous * 2))
+from .rank import Limits, RankState, Throttle, accept_backoff
 
 
 class RankServer:

@@ -190,7 +190,8 @@ def table(results: list[dict]) -> str:
             d = max_logprob_diff(res["rows"], r["loader"])
             wp = r.get("weights_phase_s")
             why = r.get("error") or r.get("fallback_reason") or ""
-            out.append(f"| {res['model']} | {r['loader']} | {'yes' if same else 'NO'} | "
+            ids = "no auto row" if ref is None else "yes" if same else "NO"
+            out.append(f"| {res['model']} | {r['loader']} | {ids} | "
                        f"{'' if d is None else f'{d:.2e}'} | {'' if wp is None else f'{wp:.3f}'} | "
                        f"{r.get('model_loading_s') or ''} | {why[:160]} |")
     return "\n".join(out) + "\n"

@@ -551,13 +551,30 @@ def _as_parameter(t: torch.Tensor, old: torch.Tensor | None, owned: bool) -> nn.
         # pre-processing state: the parameter class the model built (vLLM's BasevLLMParameter subclasses carry the
         # loader's and kernels' metadata; re-processing asserts on them)
         p = torch.Tensor._make_subclass(type(old), t, False)
+    elif type(t) is torch.Tensor:  # what nn.Parameter(t, requires_grad=False) does for one, without its frame
+        p = torch.Tensor._make_subclass(nn.Parameter, t, False)
     else:
         p = nn.Parameter(t, requires_grad=False)
-    if old is not None and hasattr(old, "__dict__"):
-        for k, v in vars(old).items():
-            if k not in vars(p) and not hasattr(p, k):
+    attrs = getattr(old, "__dict__", None)
+    if attrs:
+        mine = vars(p)
+        for k, v in attrs.items():
+            if k not in mine and not _class_has(type(p), k):
                 setattr(p, k, v)
     return p
+
+
+def _class_has(cls: type, name: str) -> bool:
+    """``hasattr(cls, name)``, remembered per class and name (a new parameter's attributes are its class's; this
+    runs for every attribute of every installed parameter)."""
+    key = (cls, name)
+    got = _CLASS_HAS.get(key)
+    if got is None:
+        got = _CLASS_HAS[key] = hasattr(cls, name)
+    return got
+
+
+_CLASS_HAS: dict[tuple[type, str], bool] = {}
 
 
 def _drop_meta(modules: list[tuple[str, nn.Module]], owned: set[str]) -> None:
@@ -657,6 +674,8 @@ def repoint_stale(model: nn.Module, replaced: dict[int, torch.Tensor],
     if not replaced:
         return
     for _, m in modules if modules is not None else model.named_modules():
+        if not m.__dict__.keys() - _MODULE_INTERNALS:
+            continue  # nothing beyond nn.Module's bookkeeping: no reference to walk
         for _path, holder, key, t in list(_tensor_refs(m)):
             new = replaced.get(id(t))
             if new is None or t.device.type != "meta":

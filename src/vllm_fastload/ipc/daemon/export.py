@@ -16,7 +16,7 @@ from ..memory.backends import get_transport
 from ..memory.layout import fill, place, sample_checksums
 from ..memory.transport import Segment, Transport
 from ..wire import protocol
-from ..wire.messages import KINDS, Manifest, TensorTable
+from ..wire.messages import KIND_INDEX, Manifest, TensorTable
 
 
 def finish_online_quantization(model: Any, model_config: Any) -> bool:
@@ -64,10 +64,9 @@ def pack(tensors: dict[str, Any], device: Any = None, kinds: Optional[dict[str, 
     fill(segment.buf, tensors, table)
     crcs = sample_checksums(segment.buf, table, transport)
     kinds = kinds or {}
-    index = {k: i for i, k in enumerate(KINDS)}
-    cols = table.model_dump()
-    cols.update(checksum=crcs.tolist(), kind=[index[kinds.get(k, "param")] for k in table.names])
-    return segment, TensorTable(**cols)
+    # the placed table with this segment's checksums and the kinds: same names and geometry, so no new validation
+    return segment, table.model_copy(update={"checksum": crcs.tolist(),
+                                             "kind": [KIND_INDEX[kinds.get(k, "param")] for k in table.names]})
 
 
 def build_and_export(vllm_config: Any, local_rank: int, rank: int, world_size: int, init_method: str

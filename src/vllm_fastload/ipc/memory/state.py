@@ -524,20 +524,19 @@ class _Placer:
             # the skeleton's parameter of this name: register_parameter's name checks passed when it was built
             p = m._parameters[leaf] = _as_parameter(t, old, owned)
             self.installed[full] = p
-            self.replaced[id(old)] = p
-            return
-        m._parameters.pop(leaf, None)
-        m._buffers.pop(leaf, None)
-        if kind == "param":
-            p = _as_parameter(t, old, owned)
-            m.register_parameter(leaf, p)
-            self.installed[full] = p
-        elif kind == "buffer":
-            m.register_buffer(leaf, t)
-            self.installed[full] = t
         else:
-            setattr(m, leaf, t)
-            self.installed[full] = t
+            m._parameters.pop(leaf, None)
+            m._buffers.pop(leaf, None)
+            if kind == "param":
+                p = _as_parameter(t, old, owned)
+                m.register_parameter(leaf, p)
+                self.installed[full] = p
+            elif kind == "buffer":
+                m.register_buffer(leaf, t)
+                self.installed[full] = t
+            else:
+                setattr(m, leaf, t)
+                self.installed[full] = t
         if old is not None:
             self.replaced[id(old)] = self.installed[full]
 

@@ -128,6 +128,8 @@ class SegmentMeta(_Reply):
 
 #: The kinds of exported tensor, by their index in :attr:`TensorTable.kind`.
 KINDS = ("param", "buffer", "attr")
+#: The index of each kind in :data:`KINDS`.
+KIND_INDEX = {k: i for i, k in enumerate(KINDS)}
 
 
 class TensorRow(NamedTuple):
@@ -223,34 +225,21 @@ class TensorTable(_Reply):
         return sum(self.nbytes)
 
     @classmethod
-    def of(cls, rows: dict[str, Any]) -> TensorTable:
-        """The table of ``name -> row`` (anything with :class:`TensorRow`'s attributes; ``stride`` None =
-        contiguous, ``checksum`` and ``kind`` default to 0 and ``"param"``)."""
+    def of(cls, rows: dict[str, TensorRow]) -> TensorTable:
+        """The table of ``name -> row``."""
         dtypes: dict[str, int] = {}
         cols: dict[str, list] = {c: [] for c in ("dtype", "kind", "offset", "nbytes", "ndim", "shape", "stride",
                                                   "checksum")}
-        kinds = {k: i for i, k in enumerate(KINDS)}
         for r in rows.values():
-            shape = [int(d) for d in r.shape]
-            stride = r.stride if r.stride is not None else _contiguous(shape)
             cols["dtype"].append(dtypes.setdefault(r.dtype, len(dtypes)))
-            cols["kind"].append(kinds[getattr(r, "kind", "param")])
+            cols["kind"].append(KIND_INDEX[r.kind])
             cols["offset"].append(int(r.offset))
             cols["nbytes"].append(int(r.nbytes))
-            cols["ndim"].append(len(shape))
-            cols["shape"].extend(shape)
-            cols["stride"].extend(int(s) for s in stride)
-            cols["checksum"].append(int(getattr(r, "checksum", 0)))
+            cols["ndim"].append(len(r.shape))
+            cols["shape"].extend(int(d) for d in r.shape)
+            cols["stride"].extend(int(s) for s in r.stride)
+            cols["checksum"].append(int(r.checksum))
         return cls(names=list(rows), dtypes=list(dtypes), **cols)
-
-
-def _contiguous(shape: list[int]) -> list[int]:
-    """Row-major strides (elements) of ``shape``."""
-    out, step = [], 1
-    for d in reversed(shape):
-        out.append(step)
-        step *= max(d, 1)
-    return out[::-1]
 
 
 class Manifest(_Reply):

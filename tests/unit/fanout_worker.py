@@ -84,7 +84,7 @@ def main() -> int:
             headers = [read_header(p) for p in a["run_files_of"][str(rank)]]
         entries = fanout.entries_of(headers)
         owner = fan.owners(entries)
-        only = {e.key for e, o in zip(entries, owner) if o == fan.me}
+        only = {(f, t.name) for (f, t), o in zip(entries, owner) if o == fan.me}
         local = direct.stream_tensors(headers, device, direct.Ring(a.get("piece", 4096), 2), StageTimes(), only=only)
 
         def faulty(it):

@@ -189,7 +189,7 @@ def test_fan_out_entries_hold_each_name_once(tmp_path):
 
     _shared_norm(tmp_path, 2)
     entries = entries_of(list(read_checkpoint(select_shards(str(tmp_path))).headers))
-    assert sorted((e.key[0], e.key[1]) for e in entries if e.key[1] == "norm") == [(1, "norm")]
+    assert sorted((f, t.name) for f, t in entries if t.name == "norm") == [(1, "norm")]
     assert len(entries) == 6
 
 

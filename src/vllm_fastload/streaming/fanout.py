@@ -44,7 +44,11 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Optional
 
+from ..checkpoint import TensorInfo, torch_dtypes
 from ..errors import FastloadError
+
+#: One tensor of the fan-out: ``(file index, the tensor's header entry)``; ``(file index, name)`` is its key.
+Entry = tuple[int, TensorInfo]
 
 #: Descriptor codes exchanged each round (besides a tensor's index >= 0).
 DONE, FAILED = -1, -2
@@ -118,16 +122,6 @@ class FanoutStats:
                 "tensors_received": self.tensors_received}
 
 
-@dataclass(frozen=True)
-class Entry:
-    """One tensor of the fan-out: its key ``(file index, name)``, torch dtype, shape and bytes."""
-
-    key: tuple[int, str]
-    dtype: Any
-    shape: tuple[int, ...]
-    nbytes: int
-
-
 class Fanout:
     """The fan-out of one group: ``ranks`` (global ranks, group order), ``me`` (this process's index in it),
     ``sync_group`` (gloo, for the per-round exchange; its timeout bounds every wait), ``data_group`` (the group
@@ -143,7 +137,7 @@ class Fanout:
 
     def owners(self, entries: Sequence[Entry]) -> list[int]:
         """Reader of each entry (index into :attr:`ranks`, -1 for zero-byte tensors), see :func:`assign_owners`."""
-        return assign_owners([e.nbytes for e in entries], len(self.ranks))
+        return assign_owners([t.nbytes for _, t in entries], len(self.ranks))
 
     def run(self, entries: Sequence[Entry], owner: Sequence[int], own_stream: Iterator[tuple[tuple[int, str], Any]],
             device: Any) -> Iterator[tuple[str, Any]]:
@@ -153,8 +147,8 @@ class Fanout:
         ``RuntimeError`` from torch.distributed when a rank stops answering within the sync group's timeout."""
         import torch
 
-        device = torch.device(device)
-        index = {e.key: i for i, e in enumerate(entries)}
+        device, dtypes = torch.device(device), torch_dtypes()
+        index = {(f, t.name): i for i, (f, t) in enumerate(entries)}
         n = len(self.ranks)
         slots = [torch.zeros(1, dtype=torch.int64) for _ in range(n)]
         mine = torch.zeros(1, dtype=torch.int64)
@@ -163,9 +157,9 @@ class Fanout:
         error: Optional[BaseException] = None
         try:
             self._same_plan(entries, owner)
-            for e, o in zip(entries, owner):
+            for (_, t), o in zip(entries, owner):
                 if o < 0:
-                    yield e.key[1], torch.empty(e.shape, dtype=e.dtype, device=device)
+                    yield t.name, torch.empty(t.shape, dtype=dtypes[t.dtype], device=device)
             while True:
                 tensor = None
                 code = DONE
@@ -182,7 +176,7 @@ class Fanout:
                     self._raise_failed(codes, error)
                 if all(c == DONE for c in codes):
                     break
-                out = self._broadcast_round(codes, entries, tensor, device)
+                out = self._broadcast_round(codes, entries, tensor, device, dtypes)
                 del tensor
                 while out:
                     yield out.pop(0)
@@ -199,11 +193,11 @@ class Fanout:
             if close is not None:
                 close()
 
-    def _broadcast_round(self, codes: Sequence[int], entries: Sequence[Entry], tensor: Any,
-                         device: Any) -> list[tuple[str, Any]]:
+    def _broadcast_round(self, codes: Sequence[int], entries: Sequence[Entry], tensor: Any, device: Any,
+                         dtypes: dict) -> list[tuple[str, Any]]:
         """One round: every rank's tensor of this round (``codes[r]``: its entry index, < 0 = none) broadcast from
-        its reader to the others of the host, in rank order; ``tensor`` is this rank's. Returns ``(name, tensor)``
-        of each, counted in :attr:`stats`."""
+        its reader to the others of the host, in rank order; ``tensor`` is this rank's, ``dtypes`` maps safetensors
+        dtype strings to torch's. Returns ``(name, tensor)`` of each, counted in :attr:`stats`."""
         import torch
         import torch.distributed as dist
 
@@ -214,18 +208,18 @@ class Fanout:
         for src, c in enumerate(codes):
             if c < 0:
                 continue
-            e = entries[c]
+            info = entries[c][1]
             if src == self.me:
                 t = tensor
-                self.stats.read_bytes += e.nbytes
+                self.stats.read_bytes += info.nbytes
                 self.stats.tensors_read += 1
             else:
-                t = transient_empty(e.shape, e.dtype, device)  # given back: outside vLLM's sleep pool (devmem)
-                self.stats.received_bytes += e.nbytes
+                t = transient_empty(info.shape, dtypes[info.dtype], device)  # outside vLLM's sleep pool (devmem)
+                self.stats.received_bytes += info.nbytes
                 self.stats.tensors_received += 1
             dist.broadcast(t.reshape(-1).view(torch.uint8), src=self.ranks[src], group=self.data_group)
-            out.append((e.key[1], t))
-            round_bytes += e.nbytes
+            out.append((info.name, t))
+            round_bytes += info.nbytes
         self.stats.peak_round_bytes = max(self.stats.peak_round_bytes, round_bytes)
         return out
 
@@ -235,7 +229,7 @@ class Fanout:
         (one exchange); raises :class:`FanoutError` on every rank naming the ranks that differ."""
         import hashlib
 
-        plan = repr([(e.key, str(e.dtype), tuple(e.shape), e.nbytes, o) for e, o in zip(entries, owner)])
+        plan = repr([(f, t.name, t.dtype, tuple(t.shape), t.nbytes, o) for (f, t), o in zip(entries, owner)])
         digests = self._gather(hashlib.sha256(plan.encode()).hexdigest())
         if len(set(digests)) > 1:
             groups: dict = {}
@@ -303,13 +297,9 @@ class Fanout:
 
 
 def entries_of(headers: Sequence[Any]) -> list[Entry]:
-    """Every tensor of ``headers`` (parsed safetensors headers) as an :class:`Entry`, in file then offset order
-    (the same on every rank)."""
-    from ..checkpoint import torch_dtypes
-
-    dtypes = torch_dtypes()
-    return [Entry((i, t.name), dtypes[t.dtype], t.shape, t.nbytes)
-            for i, h in enumerate(headers) for t in sorted(h.tensors.values(), key=lambda t: (t.begin, t.name))]
+    """Every tensor of ``headers`` (parsed safetensors headers) as ``(file index, TensorInfo)``, in file then
+    offset order (the same on every rank)."""
+    return [(i, t) for i, h in enumerate(headers) for t in sorted(h.tensors.values(), key=lambda t: (t.begin, t.name))]
 
 
 def checkpoint_digest(headers: Sequence[Any]) -> str:

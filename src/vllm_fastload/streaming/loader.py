@@ -360,7 +360,7 @@ class RunaiStreamerLoader(BaseModelLoader):
         cfg, report, headers = self.config, load.report, load.headers
         entries = entries_of(headers)
         owner = fan.owners(entries)
-        only = {e.key for e, o in zip(entries, owner) if o == fan.me}
+        only = {(f, t.name) for (f, t), o in zip(entries, owner) if o == fan.me}
         arena = self._take_arena(device, report) if device.type == "cuda" else None
         t, stats = StageTimes(), {}
         ring = Ring(cfg.pinned_slot_bytes, cfg.pinned_slots, load.threads, cfg.issue_thread)
@@ -375,7 +375,7 @@ class RunaiStreamerLoader(BaseModelLoader):
         s = fan.stats
         t.feed(report)
         # this rank read only its share (t counts that); the model got every tensor of the checkpoint
-        report.tensors, report.bytes = len(entries), sum(e.nbytes for e in entries)
+        report.tensors, report.bytes = len(entries), sum(t.nbytes for _, t in entries)
         report.extra.update(stats, fanout=s.to_dict(), read_ring_pinned=device.type == "cuda")
         logger.info("fastload: %s fan-out over ranks %s of this host: this rank read %d tensors (%.2f GiB) and "
                     "received %d (%.2f GiB) in %d rounds (exchange %.3f s, largest round %.2f GiB)", LOAD_FORMAT,

@@ -73,6 +73,8 @@ kw = dict(model=args["model"], load_format=args["load_format"], enforce_eager=Tr
           tensor_parallel_size=args["tp"], max_model_len=1024, gpu_memory_utilization=args["gmu"])
 if args.get("extra"):
     kw["model_loader_extra_config"] = args["extra"]
+if args.get("dtype"):
+    kw["dtype"] = args["dtype"]
 t1 = time.perf_counter()
 llm = LLM(**kw)
 t_llm = time.perf_counter() - t1
@@ -104,7 +106,7 @@ PATTERNS = {
 }
 
 
-def run_one(name: str, model: str, tp: int, gmu: float, report: Path, extra: dict) -> dict:
+def run_one(name: str, model: str, tp: int, gmu: float, report: Path, extra: dict, dtype: str | None = None) -> dict:
     """One loader in a fresh process; returns parsed timings (seconds) and the greedy token ids."""
     fmt, env_over = LOADERS[name]
     env = {**os.environ, **env_over, "PYTHONUNBUFFERED": "1"}
@@ -123,7 +125,7 @@ def run_one(name: str, model: str, tp: int, gmu: float, report: Path, extra: dic
         ex["issue_thread"] = True
     if name.startswith("ipc_"):
         ex = {"socket_dir": SOCKET_DIR[0], "mode": name[4:], "report_path": str(report), "fallback": False}
-    args = {"model": model, "load_format": fmt, "tp": tp, "gmu": gmu, "extra": ex}
+    args = {"model": model, "load_format": fmt, "tp": tp, "gmu": gmu, "extra": ex, "dtype": dtype}
     t, spawned = time.perf_counter(), time.time()
     p = subprocess.run([sys.executable, "-c", CHILD, json.dumps(args)], capture_output=True, text=True, env=env,
                        timeout=900)
@@ -263,6 +265,8 @@ def main() -> int:
     ap.add_argument("--loaders", default=f"auto,runai_builtin,runai_fastload,{PEERS}",
                     help="comma-separated; peers whose package is not importable are skipped with a note")
     ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--dtype", default=None,
+                    help="the engines' and the daemon's --dtype (default: the model config's); on CPU say float32")
     ap.add_argument("--extra", default="{}", help="extra-config JSON for runai_fastload")
     ap.add_argument("--daemon-extra", default=None,
                     help="extra-config JSON of the preload daemon (its runai_streamer load), "
@@ -318,7 +322,7 @@ def start_daemon(a: argparse.Namespace, results: dict):
     SOCKET_DIR.append(str(sock))
     a.out.mkdir(parents=True, exist_ok=True)
     t = time.perf_counter()
-    args = ["--tensor-parallel-size", str(a.tp), "--max-model-len", "1024"]
+    args = ["--tensor-parallel-size", str(a.tp), "--max-model-len", "1024"] + (["--dtype", a.dtype] if a.dtype else [])
     if a.daemon_extra:
         args += ["--model-loader-extra-config", a.daemon_extra]
     daemon = PreloadDaemon(str(a.model), sock, args, log_path=a.out / "preload.log").ready_or_raise()
@@ -328,12 +332,12 @@ def start_daemon(a: argparse.Namespace, results: dict):
 
 def run_loader(name: str, a: argparse.Namespace, results: dict) -> None:
     """Run one loader ``--repeats`` times, keep the median run in ``results``."""
-    runs = [run_one(name, str(a.model), a.tp, a.gmu, a.out / f"{name}.report.json", json.loads(a.extra))
+    runs = [run_one(name, str(a.model), a.tp, a.gmu, a.out / f"{name}.report.json", json.loads(a.extra), a.dtype)
             for _ in range(a.repeats)]
     key = "model_loading_s" if runs[0].get("model_loading_s") is not None else "llm_init_s"
     runs.sort(key=lambda r: r[key] or 0)
     best = runs[len(runs) // 2]
-    weights = [r.get("fastload_weights_s") or r.get("default_weights_s") for r in runs]
+    weights = [r.get("fastload_weights_s") or r.get("ipc_weights_s") or r.get("default_weights_s") for r in runs]
     best["weights_s_runs"] = weights  # every run's weights phase, in the order of their "Model loading took"
     results["loaders"].append(best)
     print(f"[bench] {name}: {best.get('model_loading_s')} s model loading; weights phase of each run {weights}; "

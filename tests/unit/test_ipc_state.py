@@ -428,3 +428,47 @@ def test_member_lookup_finds_what_getattr_finds():
     sub.quant_method = torch.nn.Identity()
     for m in (plain, attr, sub, prop):
         assert _member(m, "quant_method") is getattr(m, "quant_method", None)
+
+
+class _Held:
+    __module__ = "vllm.fake_state"  # a vLLM object, as far as the state walks are concerned
+
+
+def _shared_deep_object():
+    """``x`` (holding ``x.y.t``, a meta tensor) is reached by module ``A`` only at the walk's depth limit
+    (``A.a.b.x``: ``x.y`` is not walked from there) and by module ``B`` directly (``B.x``), after ``A``."""
+    y, x, b, a = _Held(), _Held(), _Held(), _Held()
+    y.t = torch.empty(2, device="meta")
+    x.y, b.x, a.b = y, x, b
+    model = nn.Module()
+    model.A, model.B = nn.Module(), nn.Module()
+    model.A.a, model.B.x = a, x
+    return model, y
+
+
+def test_audit_finds_a_meta_tensor_in_an_object_first_reached_at_the_depth_limit():
+    """The walk shares what it visited across modules (a quant method held by every layer is walked once), but an
+    object reached nearer to a later module is walked again from there: otherwise ``B.x.y.t`` went unchecked."""
+    from vllm_fastload.ipc.memory.state import audit
+
+    model, _ = _shared_deep_object()
+    with pytest.raises(InstallError, match=r"^B\.x\.y\.t still refers to a meta-device tensor"):
+        audit(model)
+
+
+def test_repoint_reaches_a_shared_object_first_reached_at_the_depth_limit():
+    from vllm_fastload.ipc.memory.state import repoint_stale
+
+    model, y = _shared_deep_object()
+    new = torch.zeros(2)
+    repoint_stale(model, {id(y.t): new})
+    assert y.t is new
+
+
+def test_state_objects_are_decided_per_class_as_defined():
+    from vllm_fastload.ipc.memory.state import _is_state_object, _state_object
+
+    values = [_Held(), _Held(), torch.zeros(1), nn.Linear(1, 1), len, _shared_deep_object, 3, "s", None, [1],
+              type("FakeConfig", (_Held,), {"__module__": "vllm.fake_state"})(), object()]
+    assert [_state_object(v) for v in values] == [_is_state_object(v) for v in values]
+    assert [_state_object(v) for v in values][:2] == [True, True] and _state_object(values[-2]) is False

@@ -162,7 +162,21 @@ def _state_object(v: Any) -> bool:
     """An object whose plain attributes post-processing may set: an instance (with a ``__dict__``) of a vLLM
     class (a class defined in, or derived from one in, a ``vllm`` module), not a tensor, module, class or function.
     Example: online FP8's cutlass kernel keeps ``logical_output_size`` on ``layer.quant_method.fp8_linear``
-    (vLLM 0.26, ``kernels/linear/scaled_mm/cutlass.py``), set by ``process_weights_after_loading``."""
+    (vLLM 0.26, ``kernels/linear/scaled_mm/cutlass.py``), set by ``process_weights_after_loading``. Every test
+    depends on the class only, so the answer is decided once per class (the walks ask it for every attribute of
+    every module and object, hundreds of thousands of times in a deep model)."""
+    cls = type(v)
+    known = _STATE_CLASSES.get(cls)
+    if known is None:
+        known = _STATE_CLASSES[cls] = _is_state_object(v)
+    return known
+
+
+#: class -> whether its instances are state objects (:func:`_state_object`)
+_STATE_CLASSES: dict[type, bool] = {}
+
+
+def _is_state_object(v: Any) -> bool:
     if isinstance(v, (torch.Tensor, nn.Module, type)) or inspect.isroutine(v) or not hasattr(v, "__dict__"):
         return False
     if type(v).__name__.endswith("Config"):  # process-wide settings (VllmConfig, quant configs), not layer state
@@ -170,16 +184,26 @@ def _state_object(v: Any) -> bool:
     return any(c.__module__.startswith("vllm") for c in type(v).__mro__ if c is not object)
 
 
-def _attributes(obj: Any, prefix: str) -> Iterator[tuple[str, Any, str]]:
-    """The attributes of ``obj`` the state walks visit, as ``(name, value, dotted path under prefix)``: never
-    dunders or submodules (each module is walked on its own), and at the module itself (``prefix`` empty) not
-    ``nn.Module``'s bookkeeping (:data:`_MODULE_INTERNALS`)."""
+#: Types of attribute values that are neither tensors nor hold any (the tensor walk skips them at once: most of a
+#: layer's attributes are sizes, flags and names)
+_LEAF_TYPES = frozenset({int, float, bool, str, bytes, type(None), torch.dtype, torch.device})
+
+
+def _attributes(obj: Any, prefix: str, leaves: bool = True) -> list[tuple[str, Any]]:
+    """The attributes of ``obj`` the state walks visit, as ``(name, value)``: never dunders or submodules (each
+    module is walked on its own), and at the module itself (``prefix`` empty) not ``nn.Module``'s bookkeeping
+    (:data:`_MODULE_INTERNALS`). ``leaves`` False: not the values of :data:`_LEAF_TYPES` either. A list, built in
+    one comprehension: the engine's walks ask this of every module and object of the model."""
     d = vars(obj)
-    for k in (d.keys() - _MODULE_INTERNALS if not prefix else list(d)):
-        v = d[k]
-        if k.startswith("__") or isinstance(v, nn.Module):
-            continue
-        yield k, v, f"{prefix}.{k}" if prefix else k
+    keys = d.keys() - _MODULE_INTERNALS if not prefix else list(d)
+    if leaves:
+        return [(k, d[k]) for k in keys if not k.startswith("__") and not isinstance(d[k], nn.Module)]
+    return [(k, v) for k in keys if type(v := d[k]) not in _LEAF_TYPES and not k.startswith("__")
+            and not isinstance(v, nn.Module)]
+
+
+def _dotted(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
 
 
 def object_state(m: nn.Module) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -193,7 +217,8 @@ def object_state(m: nn.Module) -> tuple[dict[str, Any], dict[str, Any]]:
     seen: set[int] = set()
 
     def walk(obj: Any, prefix: str, depth: int) -> None:
-        for _, v, path in _attributes(obj, prefix):
+        for k, v in _attributes(obj, prefix):
+            path = _dotted(prefix, k)
             if _state_object(v):
                 if prefix:
                     refs[path] = v
@@ -635,30 +660,33 @@ def _set_object_attrs(modules: dict[str, nn.Module], object_attrs: dict[str, dic
             object.__setattr__(obj, leaf, decode_plain(enc))
 
 
-def _tensor_refs(m: nn.Module) -> Iterator[tuple[str, Any, str, torch.Tensor]]:
+def _tensor_refs(m: nn.Module, seen: dict[int, int] | None = None) -> Iterator[tuple[str, Any, str, torch.Tensor]]:
     """Every tensor a module reaches outside its parameters and buffers: its own tensor attributes and the tensor
     attributes of the vLLM objects hanging off it (:func:`object_state`'s walk), also inside lists, tuples and
     dicts there: ``(path, holder, key, tensor)``, where ``holder[key]`` (a container) or ``holder.key`` (an object)
-    is the reference."""
+    is the reference. ``seen``: id of each object already walked -> the depth it was walked from, shared across
+    the modules of one walk of the model so that an object many modules hold (a quant method, a kernel) is walked
+    once (again only when reached nearer to a module, where the depth limit lets the walk go further); None: per
+    module."""
     def items(obj: Any) -> Iterator[tuple[Any, Any]]:
         if isinstance(obj, dict):
             yield from obj.items()
         elif isinstance(obj, (list, tuple)):
             yield from enumerate(obj)
 
-    seen: set[int] = set()
+    seen = {} if seen is None else seen
 
     def walk(obj: Any, prefix: str, depth: int) -> Iterator[tuple[str, Any, str, torch.Tensor]]:
-        for k, v, path in _attributes(obj, prefix):
+        for k, v in _attributes(obj, prefix, leaves=False):
             if isinstance(v, torch.Tensor):
-                yield path, obj, k, v
+                yield _dotted(prefix, k), obj, k, v
             elif isinstance(v, (dict, list, tuple)):
                 for i, x in items(v):
                     if isinstance(x, torch.Tensor):
-                        yield f"{path}[{i!r}]", v, i, x
-            elif _state_object(v) and depth < STATE_DEPTH and id(v) not in seen:
-                seen.add(id(v))
-                yield from walk(v, path, depth + 1)
+                        yield f"{_dotted(prefix, k)}[{i!r}]", v, i, x
+            elif _state_object(v) and depth < STATE_DEPTH and seen.get(id(v), STATE_DEPTH) > depth:
+                seen[id(v)] = depth
+                yield from walk(v, _dotted(prefix, k), depth + 1)
 
     yield from walk(m, "", 0)
 
@@ -672,10 +700,11 @@ def repoint_stale(model: nn.Module, replaced: dict[int, torch.Tensor],
     cannot resolve stay for it to report. ``modules``: ``model.named_modules()`` when already walked."""
     if not replaced:
         return
+    seen: dict[int, int] = {}
     for _, m in modules if modules is not None else model.named_modules():
         if not m.__dict__.keys() - _MODULE_INTERNALS:
             continue  # nothing beyond nn.Module's bookkeeping: no reference to walk
-        for _path, holder, key, t in list(_tensor_refs(m)):
+        for _path, holder, key, t in list(_tensor_refs(m, seen)):
             new = replaced.get(id(t))
             if new is None or t.device.type != "meta":
                 continue
@@ -693,11 +722,12 @@ def audit(model: nn.Module, objects: dict[str, list[str]] | None = None) -> None
     (``objects``: module -> dotted paths, the manifest's) is bound again. Raises :class:`InstallError` naming the
     first tensor or object that is missing."""
     modules = dict(model.named_modules(remove_duplicate=False))
+    seen: dict[int, int] = {}
     for name, m in modules.items():
         for leaf, t in [*m._parameters.items(), *m._buffers.items()]:
             if t is not None and t.device.type == "meta":
                 raise InstallError(f"{name}.{leaf} is still on the meta device after the mapping (not in the cache)")
-        for path, _, _, t in _tensor_refs(m):
+        for path, _, _, t in _tensor_refs(m, seen):
             if t.device.type == "meta":
                 raise InstallError(f"{name}.{path} still refers to a meta-device tensor after the mapping: a reference "
                                    f"the cache cannot restore ({type(m).__name__})")

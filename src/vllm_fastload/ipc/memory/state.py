@@ -25,6 +25,10 @@ pointed at the installed tensors, no tensor any module reaches may stay on the m
 post-processing bound in the daemon (the manifest's ``objects``) must exist again after re-processing; a failed
 audit is an :class:`InstallError` (the fallback policy's business), never a model that dies at its first forward.
 
+A unit vLLM post-processes while its weights load (online quantization) is taken as it was when that processing
+started (:func:`capture_processing`), so the same rule covers it: its loaded weights are exported and the engine
+re-processes it.
+
 :func:`snapshot` (before post-processing) holds references, not copies: memory stays shared unless
 post-processing replaced a tensor of a reprocess module.
 """
@@ -34,6 +38,7 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -81,7 +86,8 @@ class Snapshot:
 
     tensors: dict[str, dict[str, tuple[str, torch.Tensor]]] = field(default_factory=dict)
     objects: dict[str, dict[str, int]] = field(default_factory=dict)
-    #: modules vLLM had already post-processed while loading (online quantization: ``_already_called_...``)
+    #: modules vLLM had already post-processed while loading (online quantization: ``_already_called_...``) whose
+    #: state before that processing was not captured (:func:`capture_processing`): nothing to re-process from
     early: set[str] = field(default_factory=set)
 
 
@@ -89,16 +95,76 @@ class Snapshot:
 #: (vllm/model_executor/layers/quantization/online/*.py, 0.26)
 _PROCESSED_FLAG = "_already_called_process_weights_after_loading"
 
+#: module name -> (its own tensors, its objects) at the moment its unit's post-processing started
+Captured = dict[str, tuple[dict[str, tuple[str, torch.Tensor]], dict[str, int]]]
 
-def snapshot(model: nn.Module) -> Snapshot:
-    """Take a :class:`Snapshot` of ``model`` (call between ``load_weights`` and post-processing)."""
+
+def snapshot(model: nn.Module, captured: Captured | None = None) -> Snapshot:
+    """Take a :class:`Snapshot` of ``model`` (call between ``load_weights`` and post-processing). Modules in
+    ``captured`` (:func:`capture_processing`: post-processed while their weights loaded) are taken as they were
+    just before that processing, not as they are now."""
     snap = Snapshot()
+    captured = captured or {}
     for name, m in model.named_modules():
+        if name in captured:
+            snap.tensors[name], snap.objects[name] = captured[name]
+            continue
         snap.tensors[name] = _own_tensors(m)
         snap.objects[name] = _objects(m)
         if vars(m).get(_PROCESSED_FLAG) is True:
             snap.early.add(name)
     return snap
+
+
+@contextmanager
+def capture_processing(model: nn.Module) -> Iterator[Captured]:
+    """While vLLM loads ``model``'s weights inside this block, record each processing unit's modules (the unit and
+    the modules it owns, :func:`owner_unit`) the moment its quant method's ``process_weights_after_loading``
+    starts: their own tensors (references) and objects. Yields the record (:data:`Captured`), filled as units are
+    processed; pass it to :func:`snapshot`.
+
+    Why: vLLM's online quantization processes a layer inside ``load_weights``, as soon as its last weight arrived
+    (``_layerwise_process`` in ``model_loader/reload/layerwise.py``, vLLM 0.26 and 0.32: the online-FP8 fused-MoE
+    methods quantize there and build their kernel object). A snapshot after loading would hold only the quantized
+    weights and the kernel, which an engine cannot rebuild; with the capture, such a unit is one more re-processed
+    unit: the engine installs the loaded weights and quantizes them itself, as vLLM's own loader does. The
+    capture holds references, so the daemon keeps those loaded weights (and the quantized ones) until it has
+    exported them. Quant methods see a wrapper of ``process_weights_after_loading`` in their instance dict
+    during the block only; it is removed on exit, also on error."""
+    modules = list(model.named_modules())
+    units = processing_units(model, modules)
+    owned: dict[str, list[tuple[str, nn.Module]]] = {}
+    for name, m in modules:
+        unit = owner_unit(name, units)
+        if unit is not None:
+            owned.setdefault(unit, []).append((name, m))
+    names = {id(m): name for name, m in modules}
+    captured: Captured = {}
+    wrapped: list[Any] = []
+
+    def wrap(qm: Any) -> None:
+        original = qm.process_weights_after_loading
+
+        def process_weights_after_loading(layer: nn.Module, *args: Any, **kwargs: Any) -> Any:
+            unit = names.get(id(layer))
+            if unit is not None and unit not in captured:
+                for name, m in owned.get(unit, ()):
+                    captured[name] = (_own_tensors(m), _objects(m))
+            return original(layer, *args, **kwargs)
+
+        vars(qm)["process_weights_after_loading"] = process_weights_after_loading
+        wrapped.append(qm)
+
+    modules_by_name = dict(modules)
+    for unit in units:
+        qm = _member(modules_by_name[unit], "quant_method")
+        if _is_quant_method(qm) and hasattr(qm, "__dict__") and "process_weights_after_loading" not in vars(qm):
+            wrap(qm)
+    try:
+        yield captured
+    finally:
+        for qm in wrapped:
+            vars(qm).pop("process_weights_after_loading", None)
 
 
 _SKIP = object()
@@ -382,8 +448,8 @@ def collect(model: nn.Module, snap: Snapshot, constructed: dict[str, tuple] | No
     values inside their vLLM objects that differ now are exported; anything else bound anew inside such an object
     (a tensor, a closure, a replaced object: none can be exported there) makes its unit a reprocess one. Without
     ``constructed`` every plain module attribute is exported. Raises :class:`NotExportable` when an object was
-    bound on a module that no processing unit owns, or on a unit vLLM had already processed while loading (online
-    quantization of a fused-MoE layer: the weights re-processing would start from are gone)."""
+    bound on a module that no processing unit owns, or on a unit vLLM had already processed while loading without
+    :func:`capture_processing` seeing it (the weights re-processing would start from are gone)."""
     out = Export()
     units = processing_units(model)
     modules = list(model.named_modules())
@@ -413,7 +479,8 @@ def collect(model: nn.Module, snap: Snapshot, constructed: dict[str, tuple] | No
         raise NotExportable(
             f"vLLM post-processed module {early[0]!r} ({type(m).__name__}"
             f"{', quant method ' + type(qm).__name__ if qm is not None else ''}) while loading its weights (online "
-            f"quantization) and bound objects an engine must rebuild from the loaded weights, which no longer exist; "
+            f"quantization), not through its quant method's process_weights_after_loading where the daemon keeps "
+            f"the loaded weights, and bound objects an engine must rebuild from them, which no longer exist; "
             f"serve this model with --load-format runai_streamer (or auto), or quantize the checkpoint offline")
     again = set(out.reprocess)
     seen: dict[tuple, str] = {}

@@ -188,9 +188,9 @@ def make_fingerprint(**fields):
     rank 0, bf16; ``fields`` replace any of its fields."""
     from vllm_fastload.fingerprint import Fingerprint, ShardFacts
 
-    base = dict(shards=(ShardFacts("model.safetensors", 100, "ab"),), architecture="X", dtype="bfloat16",
-                quantization=None, rope=None, revision=None, kv_cache_dtype="auto", tp_size=1, tp_rank=0, pp_size=1,
-                pp_rank=0, dp_size=1, dp_rank=0, vllm_version="0")
+    base = dict(shards=(ShardFacts(name="model.safetensors", size=100, header_sha256="ab"),), architecture="X",
+                dtype="bfloat16", quantization=None, rope=None, revision=None, kv_cache_dtype="auto", tp_size=1,
+                tp_rank=0, pp_size=1, pp_rank=0, dp_size=1, dp_rank=0, vllm_version="0")
     base.update(fields)
     return Fingerprint(**base)
 

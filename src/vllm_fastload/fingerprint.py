@@ -19,34 +19,25 @@ from typing import Any, Optional
 
 from . import __version__
 from .checkpoint import SafetensorsHeader, ShardPlan, model_shards, read_checkpoint
+from .storage import FileIdentity
 
 
-@dataclass(frozen=True)
-class ShardFacts:
-    """One shard: file name (no directory), size in bytes (declared by its header), SHA-256 of its header JSON,
-    and the identity of the file version read (:class:`~vllm_fastload.storage.FileIdentity`): ``mtime_ns``,
-    ``st_dev``, ``st_ino`` for local files (a rewrite in place changes the mtime, a replaced file the inode),
-    ``etag`` and ``version_id`` for objects (None where the store does not report them)."""
+@dataclass(frozen=True, kw_only=True)
+class ShardFacts(FileIdentity):
+    """One shard: the identity of the file version read (:class:`~vllm_fastload.storage.FileIdentity`: local files'
+    ``mtime_ns``, ``st_dev``, ``st_ino``, where a rewrite in place changes the mtime and a replaced file the inode;
+    objects' ``etag`` and ``version_id``, None where the store does not report them), with ``size`` (bytes) the
+    size its header declares, plus the file name (no directory) and the SHA-256 of its header JSON."""
 
     name: str
-    size: int
     header_sha256: str
-    mtime_ns: Optional[int] = None
-    st_dev: Optional[int] = None
-    st_ino: Optional[int] = None
-    etag: Optional[str] = None
-    version_id: Optional[str] = None
 
     @classmethod
     def of(cls, header: SafetensorsHeader) -> ShardFacts:
         """Facts of a parsed header (identity fields None when the header was parsed without one)."""
-        ident = header.identity
-        return cls(header.path.rstrip("/").rsplit("/", 1)[-1], header.declared_size, header.header_sha256,
-                   **({} if ident is None else {k: getattr(ident, k) for k in IDENTITY_FIELDS}))
-
-
-#: The :class:`ShardFacts` fields that identify the file version (the rest describe its header).
-IDENTITY_FIELDS = ("mtime_ns", "st_dev", "st_ino", "etag", "version_id")
+        ident = {} if header.identity is None else dataclasses.asdict(header.identity)
+        ident["size"] = header.declared_size
+        return cls(name=header.path.rstrip("/").rsplit("/", 1)[-1], header_sha256=header.header_sha256, **ident)
 
 
 @dataclass(frozen=True)

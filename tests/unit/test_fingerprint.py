@@ -11,7 +11,8 @@ from vllm_fastload.fingerprint import Fingerprint, ShardFacts
 
 #: two shards (given out of order), a Llama with RoPE settings; keywords replace fields
 fp = functools.partial(make_fingerprint,
-                       shards=(ShardFacts("b.safetensors", 20, "bb"), ShardFacts("a.safetensors", 10, "aa")),
+                       shards=(ShardFacts(name="b.safetensors", size=20, header_sha256="bb"),
+                               ShardFacts(name="a.safetensors", size=10, header_sha256="aa")),
                        architecture="LlamaForCausalLM", rope='{"rope_theta": 10000}', vllm_version="0.32.0")
 
 
@@ -32,10 +33,11 @@ def test_mismatch_lists_fields_with_both_values():
 
 def test_shard_change_names_the_shard_and_the_fact():
     a = fp()
-    b = fp(shards=(ShardFacts("a.safetensors", 10, "aa"), ShardFacts("b.safetensors", 20, "changed")))
+    b = fp(shards=(ShardFacts(name="a.safetensors", size=10, header_sha256="aa"),
+                   ShardFacts(name="b.safetensors", size=20, header_sha256="changed")))
     assert a.mismatched_fields(b) == [("shards", ["b.safetensors (header_sha256='bb')"],
                                        ["b.safetensors (header_sha256='changed')"])]
-    c = fp(shards=(ShardFacts("a.safetensors", 10, "aa"),))
+    c = fp(shards=(ShardFacts(name="a.safetensors", size=10, header_sha256="aa"),))
     assert a.mismatched_fields(c) == [("shards", ["b.safetensors"], [])]
 
 
@@ -79,7 +81,7 @@ def test_values_written_over_the_files_change_the_fingerprint(tmp_path):
 
 def test_old_fingerprint_dicts_still_parse():
     """A daemon of the previous version sends shards without identity fields: parsed, and unequal to ours."""
-    a = fp(shards=(ShardFacts("a.safetensors", 10, "aa", mtime_ns=1, st_dev=2, st_ino=3),))
+    a = fp(shards=(ShardFacts(name="a.safetensors", size=10, header_sha256="aa", mtime_ns=1, st_dev=2, st_ino=3),))
     old = a.to_dict()
     old["shards"] = [{"name": "a.safetensors", "size": 10, "header_sha256": "aa"}]
     b = Fingerprint.from_dict(old)

@@ -454,34 +454,51 @@ def collect(model: nn.Module, snap: Snapshot, constructed: dict[str, tuple] | No
     units = processing_units(model)
     modules = list(model.named_modules())
     for name, m in modules:
-        before = snap.objects.get(name, {})
-        changed = [k for k, i in _objects(m).items() if before.get(k) != i]
-        if constructed is not None:
-            was_refs = constructed.get(name, ({}, {}, {}))[2]
-            changed += [p for p, v in object_state(m)[1].items() if p not in was_refs or was_refs[p] is not v]
+        changed = _bound_anew(name, m, snap, constructed)
         if not changed:
             continue
         unit = owner_unit(name, units)
         if unit is None:
-            qm = getattr(m, "quant_method", None)
             raise NotExportable(
-                f"post-processing bound {changed[0]!r} on module {name!r} ({type(m).__name__}"
-                f"{', quant method ' + type(qm).__name__ if qm is not None else ''}), which no re-processable layer "
-                f"owns, so an engine could not rebuild it from exported tensors; serve this model with "
+                f"post-processing bound {changed[0]!r} on module {_described(name, m)}, which no re-processable "
+                f"layer owns, so an engine could not rebuild it from exported tensors; serve this model with "
                 f"--load-format runai_streamer (or auto)")
         out.objects[name] = sorted(set(changed))
         if unit not in out.reprocess:
             out.reprocess.append(unit)
     early = sorted(set(out.reprocess) & snap.early)
     if early:  # its loaded (pre-processing) weights are gone: re-processing would quantize quantized weights
-        m = dict(modules)[early[0]]
-        qm = getattr(m, "quant_method", None)
         raise NotExportable(
-            f"vLLM post-processed module {early[0]!r} ({type(m).__name__}"
-            f"{', quant method ' + type(qm).__name__ if qm is not None else ''}) while loading its weights (online "
-            f"quantization), not through its quant method's process_weights_after_loading where the daemon keeps "
-            f"the loaded weights, and bound objects an engine must rebuild from them, which no longer exist; "
+            f"vLLM post-processed module {_described(early[0], dict(modules)[early[0]])} while loading its weights "
+            f"(online quantization), not through its quant method's process_weights_after_loading where the daemon "
+            f"keeps the loaded weights, and bound objects an engine must rebuild from them, which no longer exist; "
             f"serve this model with --load-format runai_streamer (or auto), or quantize the checkpoint offline")
+    _export_tensors_and_values(out, modules, units, snap, constructed)
+    return out
+
+
+def _described(name: str, m: nn.Module) -> str:
+    """``'name' (Class, quant method Method)`` for messages that name a module."""
+    qm = getattr(m, "quant_method", None)
+    return f"{name!r} ({type(m).__name__}{', quant method ' + type(qm).__name__ if qm is not None else ''})"
+
+
+def _bound_anew(name: str, m: nn.Module, snap: Snapshot, constructed: dict[str, tuple] | None) -> list[str]:
+    """What loading and post-processing bound on module ``m`` that is no tensor or plain value: its own public
+    objects that differ from the snapshot's, and (with ``constructed``) the references inside its vLLM objects
+    that differ from the model as built, by dotted path."""
+    before = snap.objects.get(name, {})
+    changed = [k for k, i in _objects(m).items() if before.get(k) != i]
+    if constructed is not None:
+        was_refs = constructed.get(name, ({}, {}, {}))[2]
+        changed += [p for p, v in object_state(m)[1].items() if p not in was_refs or was_refs[p] is not v]
+    return changed
+
+
+def _export_tensors_and_values(out: Export, modules: list[tuple[str, nn.Module]], units: set[str], snap: Snapshot,
+                               constructed: dict[str, tuple] | None) -> None:
+    """Fill ``out``'s tensors and aliases (modules of re-processed units: their snapshot's tensors; the others: as
+    they are now) and the plain values of processed modules (:func:`collect`'s docstring)."""
     again = set(out.reprocess)
     seen: dict[tuple, str] = {}
     for name, m in modules:
@@ -505,7 +522,6 @@ def collect(model: nn.Module, snap: Snapshot, constructed: dict[str, tuple] | No
             if key is not None:
                 seen[key] = full
             out.tensors[full] = (kind, t)
-    return out
 
 
 def _names_code(cls: type, leaf: str) -> bool:

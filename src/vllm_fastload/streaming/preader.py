@@ -28,7 +28,7 @@ from collections.abc import Iterator
 from typing import Any, NamedTuple, Optional
 
 #: Share of the CPUs given to reader threads by default: the consumer thread issuing copies and vLLM's own
-#: threads need the rest (measured on a 16-CPU host: 12 readers beat 16, see docs/benchmarks.md).
+#: threads need the rest (docs/benchmarks.md, the page-cache reader probe: fewer readers than CPUs loaded faster).
 CPU_SHARE = 0.75
 #: Most reader threads chosen by default.
 MAX_DEFAULT_THREADS = 32

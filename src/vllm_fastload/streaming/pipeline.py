@@ -114,10 +114,9 @@ class H2DPipeline:
     def run(self, named: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         """Map ``(name, host tensor)`` to ``(name, device tensor)``.
 
-        With ``pipeline_thread`` a producer thread (:class:`_Producer`) pulls from ``named`` (the reader), fills
-        pinned slots and issues the copies; this generator hands each finished tensor to the consumer after making
-        the current stream wait for it. Errors of the reader or the copy are re-raised here; closing this generator
-        stops the producer.
+        A producer thread pulls from ``named`` (the reader), fills pinned slots and issues the copies; this
+        generator hands each finished tensor to the consumer after making the current stream wait for it.
+        Errors of the reader or the copy are re-raised here; closing this generator stops the producer.
         """
         consumer = torch.cuda.current_stream(self.device)
         if not self.pipeline_thread:
@@ -126,21 +125,60 @@ class H2DPipeline:
             finally:
                 consumer.wait_stream(self.copy_stream)  # a buffer dropped mid-copy is reused only after its copies
             return
+        handoff: queue.Queue = queue.Queue(maxsize=self.lookahead)
+        stop = threading.Event()
+        errors: list[BaseException] = []
+        dropped: list = []  # a tensor the producer could not hand over: kept until the consumer waited for the copies
+        end_mark = object()
 
-        def start() -> None:
-            torch.cuda.set_device(self.device)
+        def put(item: Any) -> bool:
+            while not stop.is_set():
+                try:
+                    handoff.put(item, timeout=0.1)
+                    return True
+                except queue.Full:
+                    continue
+            return False
 
-        producer = _Producer(named, lambda t: self.to_device(t, consumer), self.lookahead, self.times, start)
+        def produce() -> None:
+            try:
+                torch.cuda.set_device(self.device)
+                while not stop.is_set():
+                    item, waited = next_timed(named)
+                    self.times.read_wait_s += waited
+                    if item is None:
+                        break
+                    out = (item[0], *self.to_device(item[1], consumer))
+                    if not put(out):
+                        dropped.append(out)
+                        break
+            except BaseException as e:  # noqa: BLE001 - handed to the consumer thread
+                errors.append(e)
+            finally:
+                close = getattr(named, "close", None)
+                if close is not None:
+                    close()
+                put(end_mark)
+
+        worker = threading.Thread(target=produce, name="fastload-h2d", daemon=True)
+        worker.start()
         try:
-            for name, dst, event in producer.handed_over():
+            while True:
+                with self.times.clock("consumer_wait_s"):
+                    item = handoff.get()
+                if item is end_mark:
+                    break
+                name, dst, event = item
                 if event is not None:
                     consumer.wait_event(event)
                 yield name, dst
         finally:
-            producer.stop()
+            stop.set()
+            worker.join()
             consumer.wait_stream(self.copy_stream)  # tensors left in the hand-over queue may still be copying
-            producer.dropped.clear()
-        producer.raise_error()
+            dropped.clear()
+        if errors:
+            raise errors[0]
 
     def _run_inline(self, named: Iterator[tuple[str, torch.Tensor]],
                     consumer: Any) -> Iterator[tuple[str, torch.Tensor]]:
@@ -171,73 +209,3 @@ class H2DPipeline:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
-
-
-class _Producer:
-    """The pipeline thread of :meth:`H2DPipeline.run`: pulls ``(name, host tensor)`` from ``named`` (time spent
-    waiting added to ``times.read_wait_s``), starts each copy with ``to_device`` (host tensor -> ``(device tensor,
-    event)``) and hands ``(name, device tensor, event)`` over a queue of at most ``lookahead`` items. ``start`` runs
-    first in the thread (binding it to the device). It closes ``named`` when it ends, whatever the reason; an item it
-    could not hand over after :meth:`stop` is kept in ``dropped`` until the consumer has waited for its copies."""
-
-    _END = object()
-
-    def __init__(self, named: Iterator[tuple[str, Any]], to_device: Any, lookahead: int, times: StageTimes,
-                 start: Any = None):
-        self.named, self.to_device, self.times, self.start = named, to_device, times, start
-        self.queue: queue.Queue = queue.Queue(maxsize=lookahead)
-        self.stopped = threading.Event()
-        self.errors: list[BaseException] = []
-        self.dropped: list = []
-        self.thread = threading.Thread(target=self._produce, name="fastload-h2d", daemon=True)
-        self.thread.start()
-
-    def _put(self, item: Any) -> bool:
-        """Hand ``item`` over, polling so that :meth:`stop` ends the wait. Returns False when stopped first."""
-        while not self.stopped.is_set():
-            try:
-                self.queue.put(item, timeout=0.1)
-                return True
-            except queue.Full:
-                continue
-        return False
-
-    def _produce(self) -> None:
-        try:
-            if self.start is not None:
-                self.start()
-            while not self.stopped.is_set():
-                item, waited = next_timed(self.named)
-                self.times.read_wait_s += waited
-                if item is None:
-                    break
-                out = (item[0], *self.to_device(item[1]))
-                if not self._put(out):
-                    self.dropped.append(out)
-                    break
-        except BaseException as e:  # noqa: BLE001 - handed to the consumer thread
-            self.errors.append(e)
-        finally:
-            close = getattr(self.named, "close", None)
-            if close is not None:
-                close()
-            self._put(self._END)
-
-    def handed_over(self) -> Iterator[tuple[str, Any, Any]]:
-        """The items in order, until the producer ends (time waiting for them added to ``times.consumer_wait_s``)."""
-        while True:
-            with self.times.clock("consumer_wait_s"):
-                item = self.queue.get()
-            if item is self._END:
-                return
-            yield item
-
-    def stop(self) -> None:
-        """Stop producing and join the thread (an item it still held goes to ``dropped``)."""
-        self.stopped.set()
-        self.thread.join()
-
-    def raise_error(self) -> None:
-        """Raise the first error of the reader or of a copy, if there was one."""
-        if self.errors:
-            raise self.errors[0]

@@ -254,7 +254,7 @@ def online_daemon():
     torch.manual_seed(0)
     m = built(OnlineMoe)
     constructed = object_states(m)
-    with capture_processing(m) as captured:
+    with capture_processing(m, constructed) as captured:
         for p in m.parameters():
             p.data.normal_()
         m.experts.quant_method.process_weights_after_loading(m.experts)  # _layerwise_process's call
@@ -282,6 +282,50 @@ def test_a_unit_vllm_processes_while_loading_is_exported_as_loaded_and_reprocess
     assert eng.experts.w13.dtype == torch.bfloat16 and torch.equal(eng.experts.w13, m.experts.w13)
     x = torch.randn(5, 3)
     assert torch.equal(eng.experts.quant_method.apply(eng.experts, x), m.experts.quant_method.apply(m.experts, x))
+
+
+class OnlineLinearMethod(QuantizeMethodBase):
+    """Like vLLM 0.26's Fp8PerTensorOnlineLinearMethod: quantizes the loaded weight into a new parameter and sets
+    plain values, once; binds no object."""
+
+    def create_weights(self, *a, **k):
+        pass
+
+    def apply(self, layer, x):
+        return x @ layer.weight.float().t()
+
+    def process_weights_after_loading(self, layer):
+        if getattr(layer, "_already_called_process_weights_after_loading", False):
+            return
+        layer.weight = nn.Parameter(layer.weight.data.to(torch.bfloat16), requires_grad=False)
+        layer.input_scale = None
+        layer._already_called_process_weights_after_loading = True
+
+
+class OnlineLinear(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(4, 3), requires_grad=False)
+        self.quant_method = OnlineLinearMethod()
+
+
+def test_a_unit_processed_while_loading_that_binds_no_object_is_not_kept_and_exported_as_processed():
+    """Online FP8 of a dense linear leaves only tensors and plain values: the capture does not keep its loaded
+    weights (the daemon would otherwise hold every bf16 weight beside its FP8 one until export: 1.5x the model),
+    and the layer is exported as processed, as before the capture existed."""
+    torch.manual_seed(0)
+    m = built(OnlineLinear)
+    constructed = object_states(m)
+    with capture_processing(m, constructed) as captured:
+        m.weight.data.normal_()
+        loaded = m.weight.data
+        m.quant_method.process_weights_after_loading(m)
+    assert captured == {}
+    snap = snapshot(m, captured)
+    exp = collect(m, snap, constructed)
+    assert exp.reprocess == [] and exp.tensors["weight"][1].dtype == torch.bfloat16
+    assert torch.equal(exp.tensors["weight"][1], loaded.to(torch.bfloat16))
+    assert exp.attrs[""]["_already_called_process_weights_after_loading"] is True
 
 
 def test_a_unit_processed_while_loading_unseen_by_the_capture_is_refused_by_the_daemon():

@@ -129,7 +129,8 @@ def _processed_export(vllm_config: Any, device: Any) -> tuple[Any, Optional[str]
         with device:
             model = initialize_model(vllm_config=vllm_config, model_config=mc)
         constructed = object_states(model)  # what the engine's skeleton will start from
-        with capture_processing(model) as captured:  # units vLLM post-processes while loading (online quantization)
+        # the units vLLM post-processes while loading (online quantization) and that engines must re-process
+        with capture_processing(model, constructed) as captured:
             loader.load_weights(model, mc)
             content_digest = getattr(loader, "content_digest", None)  # our runai_streamer with content_hash
             finish_online_quantization(model, mc)

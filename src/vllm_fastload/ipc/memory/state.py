@@ -117,11 +117,12 @@ def snapshot(model: nn.Module, captured: Captured | None = None) -> Snapshot:
 
 
 @contextmanager
-def capture_processing(model: nn.Module) -> Iterator[Captured]:
+def capture_processing(model: nn.Module, constructed: dict[str, tuple] | None = None) -> Iterator[Captured]:
     """While vLLM loads ``model``'s weights inside this block, record each processing unit's modules (the unit and
-    the modules it owns, :func:`owner_unit`) the moment its quant method's ``process_weights_after_loading``
-    starts: their own tensors (references) and objects. Yields the record (:data:`Captured`), filled as units are
-    processed; pass it to :func:`snapshot`.
+    the modules it owns, :func:`owner_unit`) as they were when its quant method's ``process_weights_after_loading``
+    started, their own tensors (references) and objects, for the units whose processing bound an object there
+    (:func:`_bound_anew`, against ``constructed`` as in :func:`collect`). Yields the record (:data:`Captured`),
+    filled as units are processed; pass it to :func:`snapshot`.
 
     Why: vLLM's online quantization processes a layer inside ``load_weights``, as soon as its last weight arrived
     (``_layerwise_process`` in ``model_loader/reload/layerwise.py``, vLLM 0.26 and 0.32: the online-FP8 fused-MoE
@@ -129,8 +130,10 @@ def capture_processing(model: nn.Module) -> Iterator[Captured]:
     weights and the kernel, which an engine cannot rebuild; with the capture, such a unit is one more re-processed
     unit: the engine installs the loaded weights and quantizes them itself, as vLLM's own loader does. The
     capture holds references, so the daemon keeps those loaded weights (and the quantized ones) until it has
-    exported them. Quant methods see a wrapper of ``process_weights_after_loading`` in their instance dict
-    during the block only; it is removed on exit, also on error."""
+    exported them. A unit whose processing left only tensors and plain values (online FP8 of a dense linear) is
+    not kept: it is exported as processed, and its loaded weights are freed as vLLM frees them. Quant methods see
+    a wrapper of ``process_weights_after_loading`` in their instance dict during the block only; it is removed on
+    exit, also on error."""
     modules = list(model.named_modules())
     units = processing_units(model, modules)
     owned: dict[str, list[tuple[str, nn.Module]]] = {}
@@ -140,31 +143,51 @@ def capture_processing(model: nn.Module) -> Iterator[Captured]:
             owned.setdefault(unit, []).append((name, m))
     names = {id(m): name for name, m in modules}
     captured: Captured = {}
-    wrapped: list[Any] = []
+    wrappers: dict[int, tuple[Any, Any]] = {}  # id of a quant method -> (it, its wrapper)
+
+    def set_wrappers(on: bool) -> None:
+        for qm, fn in wrappers.values():
+            if on:
+                vars(qm)["process_weights_after_loading"] = fn
+            else:
+                vars(qm).pop("process_weights_after_loading", None)
+
+    @contextmanager
+    def unwrapped() -> Iterator[None]:
+        """The wrappers out of the quant methods' dicts: they are no state processing bound."""
+        set_wrappers(False)
+        try:
+            yield
+        finally:
+            set_wrappers(True)
 
     def wrap(qm: Any) -> None:
         original = qm.process_weights_after_loading
 
         def process_weights_after_loading(layer: nn.Module, *args: Any, **kwargs: Any) -> Any:
             unit = names.get(id(layer))
-            if unit is not None and unit not in captured:
-                for name, m in owned.get(unit, ()):
-                    captured[name] = (_own_tensors(m), _objects(m))
-            return original(layer, *args, **kwargs)
+            if unit is None or unit in captured:
+                return original(layer, *args, **kwargs)
+            before = {name: (_own_tensors(m), _objects(m)) for name, m in owned.get(unit, ())}
+            result = original(layer, *args, **kwargs)
+            with unwrapped():
+                if any(_bound_anew(name, m, before[name][1], constructed) for name, m in owned.get(unit, ())):
+                    captured.update(before)
+            return result
 
-        vars(qm)["process_weights_after_loading"] = process_weights_after_loading
-        wrapped.append(qm)
+        wrappers[id(qm)] = (qm, process_weights_after_loading)
 
     modules_by_name = dict(modules)
     for unit in units:
         qm = _member(modules_by_name[unit], "quant_method")
-        if _is_quant_method(qm) and hasattr(qm, "__dict__") and "process_weights_after_loading" not in vars(qm):
+        if (_is_quant_method(qm) and hasattr(qm, "__dict__") and "process_weights_after_loading" not in vars(qm)
+                and id(qm) not in wrappers):
             wrap(qm)
+    set_wrappers(True)
     try:
         yield captured
     finally:
-        for qm in wrapped:
-            vars(qm).pop("process_weights_after_loading", None)
+        set_wrappers(False)
 
 
 _SKIP = object()
@@ -454,7 +477,7 @@ def collect(model: nn.Module, snap: Snapshot, constructed: dict[str, tuple] | No
     units = processing_units(model)
     modules = list(model.named_modules())
     for name, m in modules:
-        changed = _bound_anew(name, m, snap, constructed)
+        changed = _bound_anew(name, m, snap.objects.get(name, {}), constructed)
         if not changed:
             continue
         unit = owner_unit(name, units)
@@ -483,11 +506,10 @@ def _described(name: str, m: nn.Module) -> str:
     return f"{name!r} ({type(m).__name__}{', quant method ' + type(qm).__name__ if qm is not None else ''})"
 
 
-def _bound_anew(name: str, m: nn.Module, snap: Snapshot, constructed: dict[str, tuple] | None) -> list[str]:
+def _bound_anew(name: str, m: nn.Module, before: dict[str, int], constructed: dict[str, tuple] | None) -> list[str]:
     """What loading and post-processing bound on module ``m`` that is no tensor or plain value: its own public
-    objects that differ from the snapshot's, and (with ``constructed``) the references inside its vLLM objects
-    that differ from the model as built, by dotted path."""
-    before = snap.objects.get(name, {})
+    objects that differ from ``before`` (:func:`_objects` of ``m`` taken earlier), and (with ``constructed``) the
+    references inside its vLLM objects that differ from the model as built, by dotted path."""
     changed = [k for k, i in _objects(m).items() if before.get(k) != i]
     if constructed is not None:
         was_refs = constructed.get(name, ({}, {}, {}))[2]

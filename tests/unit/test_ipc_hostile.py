@@ -524,8 +524,8 @@ def test_a_malformed_attach_beside_a_zero_copy_client_leaves_status_health_and_m
     ({**HELLO, "fingerprint": "abc"}, "invalid 'hello' message: field 'fingerprint': Input should be a valid "
                                       "dictionary or instance of WireFingerprint (got 'abc')"),
     ({**HELLO, "fingerprint": {**FP, "shards": [{"name": 1}]}},
-     "invalid 'hello' message: field 'fingerprint.shards.0.name': Input should be a valid string (got 1); field "
-     "'fingerprint.shards.0.size': missing; field 'fingerprint.shards.0.header_sha256': missing"),
+     "invalid 'hello' message: field 'fingerprint.shards.0.size': missing; field 'fingerprint.shards.0.name': Input "
+     "should be a valid string (got 1); field 'fingerprint.shards.0.header_sha256': missing"),
     ({**HELLO, "fingerprint": {**FP, "shards": "x"}},
      "invalid 'hello' message: field 'fingerprint.shards': Input should be a valid list (got 'x')"),
     ({**HELLO, "version": "1"}, "invalid 'hello' message: field 'version': Input should be a valid integer (got '1')"),

@@ -92,6 +92,14 @@ def host_registry(monkeypatch):
     return calls
 
 
+def device_buffers(path, piece):
+    """How many device buffers (and so copy events the consumer waits for) the direct path makes for the file at
+    ``path`` read in ranges of ``piece`` bytes: one per tensor read alone or in pieces, one per shared range."""
+    _, where, _ = direct.split_into_pieces([read_header(str(path))], piece)
+    ranges = [parts for places in where for parts in places]
+    return len({p[0].key for p in ranges if len(p) == 1}) + sum(1 for p in ranges if len(p) > 1)
+
+
 def _stream(path, piece, depth, arena=True):
     headers = [read_header(str(path))]
     times, stats = StageTimes(), {}
@@ -109,7 +117,7 @@ def test_zoo_reassembled_bit_exact_from_pieces(tmp_path, fake_cuda, piece, depth
     assert_zoo_bit_exact(got, expected)
     assert times.bytes == sum(len(raw) for _, _, raw in expected.values())
     assert times.tensors == len(expected)
-    assert consumer.waited == sum(1 for _, _, raw in expected.values() if raw)  # one wait per non-empty tensor
+    assert consumer.waited == device_buffers(tmp_path / "model.safetensors", piece)  # one wait per copy event
     assert extra == [] and stats["pinned_extra_bytes"] == 0  # the arena sufficed: slots were recycled
 
 
@@ -130,7 +138,7 @@ def test_in_a_pool_each_buffer_is_the_consumers_and_the_copy_stream_waits_for_it
         got, _, _ = _stream(tmp_path / "model.safetensors", 4096, 2)
     assert_zoo_bit_exact(got, expected)
     (copy_stream,) = consumer.copy_streams
-    n = sum(1 for _, _, raw in expected.values() if raw)
+    n = device_buffers(tmp_path / "model.safetensors", 4096)
     assert copy_stream.waited_for == ([consumer] * n if in_pool else [])
     assert recorded == []  # CPU stand-in: record_stream is only called for CUDA buffers
 
@@ -250,6 +258,72 @@ def test_split_into_pieces_cover_every_byte_once(tmp_path):
     assert all(a + n == b for a, n, b in zip(offsets, sizes, offsets[1:]))  # contiguous, in file order
     with pytest.raises(ValueError, match="pinned_slot_bytes"):
         direct.split_into_pieces([h], 0)
+
+
+def _small_tensors(path, sizes, dtype=torch.uint8):
+    """A safetensors file of tensors ``s<i>`` of ``sizes[i]`` bytes each, back to back; name -> bytes."""
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(1)
+    tensors = {f"s{i:04d}": torch.randint(0, 256, (n,), generator=g, dtype=torch.uint8) for i, n in enumerate(sizes)}
+    save_file(tensors, str(path))
+    return {k: v.numpy().tobytes() for k, v in tensors.items()}
+
+
+def test_small_tensors_back_to_back_share_ranges_of_at_most_a_slot(tmp_path):
+    """2000 tensors of 48 bytes: ranges of up to 4096 bytes, each a run of whole tensors at multiples of 16 in
+    it, every tensor in exactly one range at its file bytes; a tensor larger than a slot is still split."""
+    _small_tensors(tmp_path / "m.safetensors", [48] * 2000 + [10000])
+    h = read_header(str(tmp_path / "m.safetensors"))
+    (chunks,), (places,), empty = direct.split_into_pieces([h], 4096)
+    _, offsets, sizes = chunks
+    assert empty == [] and max(sizes) <= 4096
+    whole = [parts for parts in places if len(parts) > 1]
+    assert len(whole) == -(-2000 * 48 // (4096 // 48 * 48))  # 85 tensors a range: 24 ranges, not 2000
+    seen = {}
+    for off, n, parts in zip(offsets, sizes, places):
+        for p in parts:
+            t = h.tensors[p.key[1]]
+            assert off - 8 - h.header_len + p.range_offset == t.begin + p.tensor_offset
+            assert p.range_offset % direct.COALESCE_ALIGN == 0 and p.range_offset + p.nbytes <= n
+            seen[p.key[1]] = seen.get(p.key[1], 0) + p.nbytes
+    assert seen == {name: t.nbytes for name, t in h.tensors.items()}
+    assert [len(p) for p in places[-3:]] == [1, 1, 1]  # s2000: 10000 bytes in 3 pieces of its own
+
+
+def test_a_tensor_off_the_alignment_or_outside_the_share_starts_a_new_range(tmp_path):
+    """Tensors of 20 bytes: the second would start at byte 20 of a range (not a multiple of 16), so none share;
+    with ``only`` leaving out s1, s0 and s2 are not back to back and do not share either."""
+    _small_tensors(tmp_path / "m.safetensors", [20, 20, 20, 32, 32])
+    h = read_header(str(tmp_path / "m.safetensors"))
+    (places,) = direct.split_into_pieces([h], 4096)[1]
+    assert [[p.key[1] for p in parts] for parts in places] == [["s0000"], ["s0001"], ["s0002"], ["s0003", "s0004"]]
+    only = {(0, "s0000"), (0, "s0002"), (0, "s0003")}
+    (places,) = direct.split_into_pieces([h], 4096, only)[1]
+    assert [[p.key[1] for p in parts] for parts in places] == [["s0000"], ["s0002"], ["s0003"]]
+
+
+@pytest.mark.parametrize("threads", [None, 2])
+def test_many_small_tensors_cost_one_buffer_and_copy_per_range(tmp_path, fake_cuda, monkeypatch, threads):
+    """3000 tensors of 64 bytes through runai's and our reader: bit-exact, and 47 device buffers, H2D copies and
+    consumer waits (ranges of 4096 bytes), not one per tensor; every tensor yielded is a view of its range's
+    buffer."""
+    expected = _small_tensors(tmp_path / "m.safetensors", [64] * 3000)
+    buffers, copies = [], []
+    real_target, real_copy = direct.copy_target, StageTimes.h2d_copy
+    monkeypatch.setattr(direct, "copy_target", lambda n, *a: buffers.append(n) or real_target(n, *a))
+    monkeypatch.setattr(StageTimes, "h2d_copy", lambda self, *a, **k: copies.append(1) or real_copy(self, *a, **k))
+    headers = [read_header(str(tmp_path / "m.safetensors"))]
+    arena = torch.empty(direct.arena_bytes(4096, 4), dtype=torch.uint8)
+    times, got, storages = StageTimes(), {}, set()
+    for n, t in direct.stream_to_device(headers, torch.device("cpu"), direct.Ring(4096, 4, threads), times, arena):
+        got[n] = t.clone()
+        storages.add(t.untyped_storage().nbytes())
+    assert {n: t.numpy().tobytes() for n, t in got.items()} == expected
+    assert sorted(buffers) == sorted([4096] * 46 + [3000 * 64 - 46 * 4096]) and len(copies) == 47
+    assert storages == {4096, 3000 * 64 - 46 * 4096}
+    assert fake_cuda[0].waited == 47  # the consumer waits once per range, not per tensor
+    assert times.tensors == 3000 and times.bytes == 3000 * 64
 
 
 def test_unsupported_dtype_is_named(tmp_path):

@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import save_file
 
 from tests.conftest import assert_zoo_bit_exact, write_zoo
-from tests.unit.test_direct_reader import fake_cuda  # noqa: F401 - fixture
+from tests.unit.test_direct_reader import device_buffers, fake_cuda  # noqa: F401 - fixture
 from vllm_fastload.checkpoint import read_header
 from vllm_fastload.streaming import direct
 from vllm_fastload.streaming.timing import StageTimes
@@ -52,8 +52,9 @@ def test_tensors_are_bit_exact_and_each_is_waited_for_in_the_consumers_thread(tm
     got = {n: t.clone() for n, t in _stream(headers, piece, depth, threads, stats, times)}
     assert_zoo_bit_exact(got, expected)
     assert times.bytes == sum(len(raw) for _, _, raw in expected.values()) and times.tensors == len(expected)
-    assert len(waits) == sum(1 for _, _, raw in expected.values() if raw) and set(waits) == {me}
-    pieces = sum(-(-len(raw) // piece) for _, _, raw in expected.values())
+    # one wait per copy event the tensors were handed with, one copy per range read
+    assert len(waits) == device_buffers(tmp_path / "model.safetensors", piece) and set(waits) == {me}
+    pieces = len(direct.split_into_pieces(headers, piece)[0][0][1])
     assert len(copies) == pieces and me not in copies and len(set(copies)) == 1
     (copy_stream,) = consumer.copy_streams
     assert current == [(copies[0], copy_stream)]  # made current once, on the issue thread only

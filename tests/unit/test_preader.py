@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tests.conftest import assert_zoo_bit_exact, write_zoo
-from tests.unit.test_direct_reader import fake_cuda  # noqa: F401 - fixture
+from tests.unit.test_direct_reader import device_buffers, fake_cuda  # noqa: F401 - fixture
 from vllm_fastload.checkpoint import read_header
 from vllm_fastload.streaming import direct, preader
 from vllm_fastload.streaming.timing import StageTimes
@@ -124,7 +124,7 @@ def test_direct_path_with_the_pread_reader_is_bit_exact(tmp_path, fake_cuda, pie
     got = {n: t.clone() for n, t in direct.stream_to_device(headers, torch.device("cpu"), ring, times, arena, stats)}
     assert_zoo_bit_exact(got, expected)
     assert times.bytes == sum(len(raw) for _, _, raw in expected.values()) and times.tensors == len(expected)
-    assert consumer.waited == sum(1 for _, _, raw in expected.values() if raw)
+    assert consumer.waited == device_buffers(tmp_path / "model.safetensors", piece)
     (copy_stream,) = consumer.copy_streams
     assert extra == [] and stats["pinned_extra_bytes"] == 0 and stats["reader_threads"] <= threads
     assert _reader_threads() == []

@@ -16,8 +16,11 @@ Data flow (:func:`stream_to_device`)::
 * **Pieces.** runai places each requested range in one ring buffer, so with whole tensors every buffer must hold
   the largest tensor (an embedding matrix is often over a GB) and a ring deep enough to keep the readers busy needs
   several GB of page-locked memory. Each tensor is therefore requested as ranges of at most ``pinned_slot_bytes``;
-  the pieces are assembled in the tensor's own device buffer. Both readers answer ranges in
-  completion order, so pieces and tensors arrive in any order; a tensor is yielded when its last piece was issued.
+  the pieces are assembled in the tensor's own device buffer. The other way round, small tensors that lie back to
+  back share one range (:func:`split_into_pieces`): every range costs a read, a slot hand-over between threads, a
+  device allocation, an H2D copy and an event, which for a checkpoint of tens of thousands of small tensors is the
+  whole load. Both readers answer ranges in completion order, so pieces and tensors arrive in any order; a tensor
+  is yielded when its last piece was issued.
 * **Slot reuse** (our reader): the consumer gives a slot back with the event recorded after the copy out of it;
   a reader thread waits for that event before it reads into the slot again.
 * **Slot reuse** (runai). The ring is streamed with ``owned=True``: runai's ``SlotPool`` then drops a released slot and
@@ -33,9 +36,10 @@ Data flow (:func:`stream_to_device`)::
   started before vLLM builds the model, see the loader) and unregistered when the load drops its last slot; slots
   runai asks for beyond the arena come from PyTorch's pinned allocator and are given back after the load
   (:func:`release_pinned_cache`).
-  Device: each yielded tensor is its own allocation (never a view into a reused buffer; valid for as long as the
-  consumer holds it, e.g. an FP8 weight waiting for its scale); tensors still being assembled are bounded by the
-  ring's span plus the largest tensor, finished ones not yet taken by the consumer (issue thread) by
+  Device: each yielded tensor is its own allocation, or a view of one that holds just the small tensors read in
+  one range (never a reused buffer; valid for as long as the consumer holds it, e.g. an FP8 weight waiting for
+  its scale, which keeps its range's at most ``pinned_slot_bytes`` alive); tensors still being assembled are
+  bounded by the ring's span plus the largest tensor, finished ones not yet taken by the consumer (issue thread) by
   :data:`AHEAD_SPANS` spans or one tensor. When the load runs inside vLLM's sleep-mode memory pool, each buffer is
   allocated outside it and on the consumer's stream (:func:`.devmem.copy_target` says why).
 
@@ -119,35 +123,72 @@ def unsupported(headers: list[SafetensorsHeader]) -> Optional[str]:
     return None
 
 
-def split_into_pieces(headers: list[SafetensorsHeader], pinned_slot_bytes: int, only: Optional[set] = None):
-    """Split every non-empty tensor into ranges of at most ``pinned_slot_bytes`` bytes.
+#: Where in a coalesced range a tensor may start, in bytes from the range's start: its view in the range's device
+#: buffer (whose start the caching allocator aligns to 512 bytes) is then aligned for any vectorized read of it.
+COALESCE_ALIGN = 16
 
+
+class Part(NamedTuple):
+    """What one byte range read from a file holds for one tensor: ``key`` = (file index, tensor name), the bytes
+    ``[tensor_offset, tensor_offset + nbytes)`` of that tensor at ``range_offset`` in the range."""
+
+    key: tuple[int, str]
+    tensor_offset: int
+    range_offset: int
+    nbytes: int
+
+
+def split_into_pieces(headers: list[SafetensorsHeader], pinned_slot_bytes: int, only: Optional[set] = None):
+    """Plan the byte ranges to read: every non-empty tensor in ranges of at most ``pinned_slot_bytes`` bytes.
+
+    A tensor larger than that is split into pieces, one range each; smaller tensors that lie back to back in the
+    file share a range while it stays within ``pinned_slot_bytes`` and each starts at a multiple of
+    :data:`COALESCE_ALIGN` in it (a checkpoint of many small tensors, e.g. MoE experts before fusion, is read, copied
+    and handed over in ranges of that size instead of one per tensor).
     Returns ``(chunks, where, empty)``: ``chunks[i]`` = ``(path, offsets, sizes)`` of file ``i`` (absolute byte
-    offsets in the file, in file order); ``where[i][r]`` = ``(key, offset in the tensor)`` of range ``r`` of file
-    ``i``; ``empty`` = keys of zero-byte tensors. A key is ``(file index, tensor name)``. ``only`` (a set of keys):
-    plan just those tensors (a rank's share of a fan-out, :mod:`.fanout`); None = every tensor.
+    offsets in the file, in file order); ``where[i][r]`` = the :class:`Part` tuple of range ``r`` of file ``i``
+    (one part: a whole tensor or a piece of one; several: whole tensors); ``empty`` = keys of zero-byte tensors.
+    A key is ``(file index, tensor name)``. ``only`` (a set of keys): plan just those tensors (a rank's share of a
+    fan-out, :mod:`.fanout`); None = every tensor.
     """
     if pinned_slot_bytes <= 0:
         raise ValueError(f"pinned_slot_bytes must be > 0, got {pinned_slot_bytes}")
     chunks, where, empty = [], [], []
     for i, h in enumerate(headers):
         base = 8 + h.header_len
-        offsets: list[int] = []
-        sizes: list[int] = []
-        places: list[tuple[tuple[int, str], int]] = []
-        for t in sorted(h.tensors.values(), key=lambda t: t.begin):
-            if only is not None and (i, t.name) not in only:
-                continue
-            if t.nbytes == 0:
-                empty.append((i, t.name))
-                continue
-            for off in range(0, t.nbytes, pinned_slot_bytes):
-                offsets.append(base + t.begin + off)
-                sizes.append(min(pinned_slot_bytes, t.nbytes - off))
-                places.append(((i, t.name), off))
-        chunks.append((h.path, offsets, sizes))
-        where.append(places)
+        tensors = [t for t in sorted(h.tensors.values(), key=lambda t: t.begin) if only is None or (i, t.name) in only]
+        empty += [(i, t.name) for t in tensors if t.nbytes == 0]
+        ranges = list(_ranges(i, [t for t in tensors if t.nbytes], pinned_slot_bytes))
+        chunks.append((h.path, [base + begin for begin, _, _ in ranges], [n for _, n, _ in ranges]))
+        where.append([parts for _, _, parts in ranges])
     return chunks, where, empty
+
+
+def _ranges(file_index: int, tensors: list, slot_bytes: int) -> Iterator[tuple[int, int, tuple[Part, ...]]]:
+    """``(begin in the data section, bytes, parts)`` of each range :func:`split_into_pieces` plans for the
+    non-empty ``tensors`` (header entries in file order) of file ``file_index``."""
+    group: list[Part] = []  # whole tensors of the range being gathered, from ``start`` to ``end``
+    start = end = 0
+    for t in tensors:
+        key = (file_index, t.name)
+        if t.nbytes > slot_bytes:
+            if group:
+                yield start, end - start, tuple(group)
+                group = []
+            for off in range(0, t.nbytes, slot_bytes):
+                n = min(slot_bytes, t.nbytes - off)
+                yield t.begin + off, n, (Part(key, off, 0, n),)
+            continue
+        joins = t.begin == end and t.end - start <= slot_bytes and (t.begin - start) % COALESCE_ALIGN == 0
+        if group and not joins:
+            yield start, end - start, tuple(group)
+            group = []
+        if not group:
+            start = t.begin
+        group.append(Part(key, 0, t.begin - start, t.nbytes))
+        end = t.end
+    if group:
+        yield start, end - start, tuple(group)
 
 
 def _slot_class():
@@ -408,14 +449,17 @@ def stream_tensors(headers: list[SafetensorsHeader], device: torch.device, ring:
 
 def _issue(source: Iterator[tuple], where: list, info: dict, device: torch.device, consumer: Any, copy_stream: Any,
            times: StageTimes, stopped: Any = lambda: False) -> Iterator[tuple[tuple[int, str], torch.Tensor, Any]]:
-    """Copy each piece of ``source`` (``(file id, range index, host bytes, give back or None)``) into its tensor's
-    device buffer (``where[file id][range index]`` = ``(key, offset)``, ``info[key]`` the tensor's header entry)
-    and yield ``(key, uint8 buffer, end)`` once its last piece was issued; ``end`` is the event after that piece's
-    copy (the consumer's stream must wait for it before it reads the buffer), None for plain copies.
+    """Copy each range of ``source`` (``(file id, range index, host bytes, give back or None)``) to the device and
+    yield ``(key, uint8 buffer, end)`` for every tensor whose last byte was issued; ``end`` is the event after
+    that copy (the consumer's stream must wait for it before it reads the buffer), None for plain copies.
+    ``where[file id][range index]`` is the range's :class:`Part` tuple (:func:`split_into_pieces`), ``info[key]``
+    the tensor's header entry. A piece of a tensor goes into that tensor's own device buffer; a range of whole
+    tensors into one buffer of its own, of which each tensor is a view (one allocation, copy and event per range).
     ``copy_stream`` None: plain copies in this thread; else asynchronous copies on it, which must be the current
     stream of the calling thread whenever this generator runs. Ends early when ``stopped()`` turns true (checked
-    per piece); closing it closes ``source``."""
-    left = Counter(key for places in where for key, _ in places)  # pieces still to come, per tensor
+    per range); closing it closes ``source``."""
+    # pieces still to come, per tensor that is read in pieces (or alone)
+    left = Counter(parts[0].key for places in where for parts in places if len(parts) == 1)
     building: dict[tuple[int, str], torch.Tensor] = {}  # tensors whose pieces are still being copied
     issued = 0
     use_pinned = copy_stream is not None
@@ -427,13 +471,18 @@ def _issue(source: Iterator[tuple], where: list, info: dict, device: torch.devic
                 if item is None:
                     break
                 file_id, range_index, host, done = item
-                key, off = where[file_id][range_index]
-                dst = building.get(key)
-                if dst is None:
-                    dst = copy_target(info[key].nbytes, device, consumer, copy_stream)
-                    building[key] = dst
+                parts = where[file_id][range_index]
                 src = host.view(-1)
                 n = src.numel()
+                if len(parts) > 1:
+                    dst = copy_target(n, device, consumer, copy_stream)
+                    off = 0
+                else:
+                    key, off = parts[0].key, parts[0].tensor_offset
+                    dst = building.get(key)
+                    if dst is None:
+                        dst = copy_target(info[key].nbytes, device, consumer, copy_stream)
+                        building[key] = dst
                 end = None
                 if use_pinned:
                     end = times.h2d_copy(dst[off:off + n], src, None, timed=issued % H2D_SAMPLE == 0)
@@ -443,6 +492,10 @@ def _issue(source: Iterator[tuple], where: list, info: dict, device: torch.devic
                 if done is not None:
                     done(end)
                 times.bytes += n
+                if len(parts) > 1:
+                    for p in parts:
+                        yield p.key, dst[p.range_offset:p.range_offset + p.nbytes], end
+                    continue
                 left[key] -= 1
                 if left[key] == 0:
                     del building[key]
@@ -465,12 +518,14 @@ def _assemble(source: Iterator[tuple], where: list, info: dict, device: torch.de
     (thousands of 8 MiB pieces)."""
     set_stream = torch.cuda.set_stream if copy_stream is not None else (lambda s: None)
     dtypes = torch_dtypes()
+    waited = None  # the tensors of one range share its copy's event: the consumer waits for it once
     try:
         set_stream(copy_stream)
         with contextlib.closing(_issue(source, where, info, device, consumer, copy_stream, times)) as done:
             for key, buf, end in done:
-                if end is not None:
+                if end is not None and end is not waited:
                     consumer.wait_event(end)
+                    waited = end
                 times.tensors += 1
                 set_stream(consumer)
                 yield key, _typed(key, buf, info, dtypes)
@@ -506,6 +561,7 @@ class _IssueThread:
         self._dtypes = torch_dtypes()
         self._device, self._copy_stream = device, copy_stream
         self._ahead_bytes, self._ahead = ahead_bytes, 0
+        self._waited = None
         self._stop = threading.Event()
         self._room = threading.Condition()
         self._ready: queue.SimpleQueue = queue.SimpleQueue()
@@ -552,8 +608,9 @@ class _IssueThread:
             with self._room:
                 self._ahead -= buf.numel()
                 self._room.notify()
-            if end is not None:
+            if end is not None and end is not self._waited:
                 self._consumer.wait_event(end)
+                self._waited = end  # the other tensors of its range share the event
             self._times.tensors += 1
             yield key, _typed(key, buf, self._info, self._dtypes)
 

@@ -13,12 +13,13 @@ from . import __version__
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``vllm-fastload`` console script. Returns the process exit code."""
     p = _parser()
+    own_process = argv is None  # the console script or `python -m vllm_fastload.cli`, not a caller's call
     argv = sys.argv[1:] if argv is None else argv
     if not argv:  # a bare `vllm-fastload`: what it can do, not argparse's "arguments are required"
         p.print_help()
         return 2
     if argv[0] == "preload":  # the daemon parses its own flags and vLLM's engine args
-        return _preload(argv[1:])
+        return _preload(argv[1:], own_process)
     args, rest = p.parse_known_args(argv)
     if rest and args.cmd != "inspect":
         p.error(f"unrecognized arguments: {' '.join(rest)}")
@@ -70,10 +71,13 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _preload(rest: list[str]) -> int:
+def _preload(rest: list[str], own_process: bool = False) -> int:
     """``vllm-fastload preload [MODEL] <args>``: check the model argument, then run the daemon
-    (:func:`vllm_fastload.ipc.daemon.main.main`). Returns the exit code (2 with one line for a missing model)."""
+    (:func:`vllm_fastload.ipc.daemon.main.main`). Returns the exit code (2 with one line for a missing model).
+    ``own_process``: the process is this command, so once the daemon returned (stopped, or failed to start) the
+    process is made to end within ``EXIT_GRACE_S`` (:func:`vllm_fastload.ipc.daemon.main.exit_within`)."""
     from .errors import FastloadError
+    from .ipc.daemon.main import EXIT_GRACE_S, exit_within
     from .ipc.daemon.main import main as preload_main
 
     if rest and not rest[0].startswith("-"):  # `preload MODEL ...`, as `vllm serve MODEL ...` takes it
@@ -92,11 +96,18 @@ def _preload(rest: list[str]) -> int:
         print("vllm-fastload preload: error: no model: pass it first (`vllm-fastload preload /models/llama ...`) "
               "or as --model, with the engine args the engine will use", file=sys.stderr)
         return 2
+    rc = 1  # an exception of vLLM's propagates (its traceback printed) and the process exits 1
     try:
-        return preload_main(rest)
+        rc = preload_main(rest)
+        return rc
     except FastloadError as e:
         print(f"vllm-fastload preload: error: {e}", file=sys.stderr)
-        return 2
+        rc = 2
+        return rc
+    finally:
+        if own_process:
+            exit_within(EXIT_GRACE_S, rc)
+
 
 
 def _inspect(args: argparse.Namespace, engine_args: list[str]) -> int:

@@ -1,5 +1,8 @@
 """The `vllm-fastload` command line: what a bare call prints, and `preload MODEL` taking the model positionally."""
 
+import sys
+import time
+
 import pytest
 
 from vllm_fastload import cli
@@ -126,3 +129,61 @@ def test_status_calls_a_non_socket_named_sock_what_it_is(tmp_path, capsys):
     out = capsys.readouterr().out
     assert f"{d / 'cpu-x-r0.sock'}: not a socket (a regular file)" in out
     assert f"{d / 'cpu-x-r1.sock'}: not a socket (a directory)" in out
+
+
+LINGERING_DAEMON = """
+import sys, threading, time
+import vllm_fastload.cli as cli
+import vllm_fastload.ipc.daemon.main as daemon
+from vllm_fastload.errors import FastloadError
+
+def stops(*args):
+    # what a library may leave behind: a non-daemon thread, which Python waits for before it exits
+    threading.Thread(target=time.sleep, args=(600,), name="left-behind").start()
+    if {fail!r}:
+        raise FastloadError("post-processed module 'experts' cannot be exported")
+    return 0
+
+daemon.EXIT_GRACE_S = 1.0
+if {rank!r}:  # one rank's process of a TP > 1 daemon (multiprocessing's target)
+    daemon.serve_rank = stops
+    daemon._rank_main(())
+daemon.main = stops
+sys.argv = ["vllm-fastload", "preload", {model!r}]
+raise SystemExit(cli.main())
+"""
+
+
+@pytest.mark.parametrize("rank", [False, True])
+@pytest.mark.parametrize("fail, code", [(True, 2), (False, 0)])
+def test_a_preload_daemon_that_stopped_exits_although_a_thread_is_left(tmp_path, fail, code, rank):
+    """A daemon whose load failed (or that stopped serving) must end even when a library left a non-daemon thread
+    (on a GPU, a refused model's daemon never ended in two device calls): the command's process, and each rank's
+    process of a TP > 1 daemon (which the command joins), exits within the grace period with its status and the
+    error. Without `exit_within` this subprocess sleeps 600 s."""
+    import subprocess
+
+    script = LINGERING_DAEMON.format(fail=fail, model=str(tmp_path), rank=rank)
+    t0 = time.monotonic()
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert time.monotonic() - t0 < 30
+    if rank:  # the rank's exception propagates (as multiprocessing would print it): status 1
+        assert r.returncode == (1 if fail else 0), r.stderr
+        assert not fail or "FastloadError: post-processed module 'experts' cannot be exported" in r.stderr
+    else:
+        assert r.returncode == code, r.stderr
+        said = "vllm-fastload preload: error: post-processed module 'experts' cannot be exported"
+        assert not fail or said in r.stderr
+
+
+def test_a_caller_of_cli_main_is_not_given_an_exit_timer(monkeypatch, tmp_path):
+    """Only the process that is the command is ended after the daemon returns: a caller (a test, a wrapper) that
+    passes its own argv keeps running."""
+    import threading
+
+    import vllm_fastload.ipc.daemon.main as daemon
+
+    monkeypatch.setattr(daemon, "main", lambda argv: 0)
+    before = {t.ident for t in threading.enumerate()}
+    assert cli.main(["preload", str(tmp_path)]) == 0
+    assert [t for t in threading.enumerate() if t.ident not in before and isinstance(t, threading.Timer)] == []

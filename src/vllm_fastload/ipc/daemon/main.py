@@ -92,7 +92,38 @@ def serve_rank(vllm_config: Any, local_rank: int, rank: int, world_size: int, in
 
 
 def _rank_main(args: tuple) -> None:  # multiprocessing target (spawn)
-    sys.exit(serve_rank(*args))
+    rc = 1  # an exception propagates (multiprocessing prints it) and the rank exits 1
+    try:
+        rc = serve_rank(*args)
+    finally:
+        exit_within(EXIT_GRACE_S, rc)  # the parent joins every rank: a rank that cannot end would hold it
+    sys.exit(rc)
+
+
+#: Seconds a preload daemon that has stopped serving (or failed to start) may take to exit before it is ended.
+EXIT_GRACE_S = 30.0
+
+
+def exit_within(seconds: float, code: int) -> threading.Timer:
+    """Make sure this process ends within ``seconds`` with exit status ``code``: a daemon thread that calls
+    ``os._exit(code)`` then, after flushing stdout and stderr. For a preload daemon that has stopped serving or
+    failed to load: its socket and lock are gone by then, but the libraries it loaded may keep the interpreter
+    from ending (a non-daemon thread, the process group of a distributed backend: Python waits for every
+    non-daemon thread before it exits, "Thread objects", Python docs), and a supervisor that waits for an exit to
+    restart the daemon would wait for ever. A process that ends earlier on its own is unaffected. Returns the
+    timer (started)."""
+    def end() -> None:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        os._exit(code)
+
+    timer = threading.Timer(seconds, end)
+    timer.daemon = True
+    timer.start()
+    return timer
 
 
 def add_daemon_flags(parser: Any) -> Any:

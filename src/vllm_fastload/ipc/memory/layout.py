@@ -224,7 +224,9 @@ def _window_sums(buf: torch.Tensor, starts: Any, lens: Any, transport: Any) -> A
                 short = m < wd
                 if short.any():
                     rows = np.where(np.arange(wd)[None, :] >= m[:, None], last[:, None], rows)
-                sums = (np.ascontiguousarray(rows).view("<u8") * w[None, :wd // 8]).sum(axis=1, dtype=np.uint64)
+                # einsum keeps uint64 and reduces without the (windows x words) product array a `(a * w).sum()`
+                # would allocate and fill first
+                sums = np.einsum("ij,j->i", np.ascontiguousarray(rows).view("<u8"), w[:wd // 8])
                 out[sel] = sums + last.astype(np.uint64) * np.uint64(_ONES) * suffix[wd // 8]
     return out
 

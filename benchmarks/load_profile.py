@@ -2,7 +2,7 @@
 garbage-collector pauses and imports (issue 16, item 3).
 
     python benchmarks/load_profile.py --model DIR --load-format ipc_cache [--extra JSON] [--daemon] [--out DIR]
-                                      [--cprofile]
+                                      [--cprofile] [--dtype DTYPE]
 
 ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` keeps vLLM's engine core (and so the model runner's ``load_model``) in this
 process. The window is the model runner's ``load_model`` (vLLM times "Model loading took" inside it, from before
@@ -254,6 +254,8 @@ def main() -> int:
     ap.add_argument("--daemon", action="store_true", help="start vllm-fastload preload first (ipc_cache)")
     ap.add_argument("--cprofile", action="store_true", help="also run cProfile around LLM() (profile-cprofile.txt)")
     ap.add_argument("--device", default=None, help="vLLM device (default: vLLM's choice)")
+    ap.add_argument("--dtype", default=None, help="vLLM --dtype for the engine and the daemon (default: vLLM's "
+                    "choice, which a CPU host may make differently for the two: a fingerprint mismatch)")
     ap.add_argument("--freeze-first", action="store_true",
                     help="gc.freeze() just before LLM(): what a heap freeze when vLLM loads its plugins (inside "
                          "LLM()) would reach at most; measured, not a setting of the package")
@@ -268,8 +270,8 @@ def main() -> int:
         from vllm_fastload.servers import PreloadDaemon
 
         sock = Path(tempfile.mkdtemp(prefix="flprof", dir="/tmp"))
-        daemon = PreloadDaemon(str(a.model), sock, ["--max-model-len", "1024"],
-                               log_path=a.out / "preload.log").ready_or_raise()
+        args = ["--max-model-len", "1024", *(["--dtype", a.dtype] if a.dtype else [])]
+        daemon = PreloadDaemon(str(a.model), sock, args, log_path=a.out / "preload.log").ready_or_raise()
         extra.setdefault("socket_dir", str(sock))
         extra.setdefault("fallback", False)
     try:
@@ -287,6 +289,8 @@ def main() -> int:
             gc.freeze()
         t = time.perf_counter()
         kw = {"device": a.device} if a.device else {}
+        if a.dtype:
+            kw["dtype"] = a.dtype
         llm = LLM(model=str(a.model), load_format=a.load_format, enforce_eager=True, skip_tokenizer_init=True,
                   max_model_len=1024, gpu_memory_utilization=0.5, model_loader_extra_config=extra, **kw)
         llm_s = time.perf_counter() - t

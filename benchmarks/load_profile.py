@@ -16,7 +16,8 @@ process. The window is the model runner's ``load_model`` (vLLM times "Model load
   on the Python frame that made the call);
 - the garbage collector's pauses (``gc.callbacks``) and the modules first imported in the window.
 
-``--cprofile`` adds cProfile around ``LLM()`` (it slows Python-heavy code: compare shares, not seconds). Writes
+``--cprofile`` adds cProfile around ``LLM()`` (it slows Python-heavy code: compare shares, not seconds; the raw
+stats in ``profile.pstats``). Writes
 ``profile.json`` and a readable ``profile.txt`` to ``--out``; ``--daemon`` starts ``vllm-fastload preload`` for the
 model first (ipc_cache).
 """
@@ -315,6 +316,7 @@ def main() -> int:
         stats = pstats.Stats(prof, stream=buf)
         stats.sort_stats("cumulative").print_stats(r"model_loader|vllm_fastload|model_runner", 45)
         (a.out / "profile-cprofile.txt").write_text(buf.getvalue())
+        prof.dump_stats(str(a.out / "profile.pstats"))  # the whole profile, for pstats / snakeviz
     print(text)
     return 0
 

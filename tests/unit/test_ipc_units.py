@@ -135,6 +135,33 @@ def test_a_reference_to_another_modules_parameter_follows_the_installed_tensor()
     assert torch.equal(bias, m.gate.e_score_correction_bias)
 
 
+class Shared(Moe):
+    """A module that is no processing unit holding the gate's bias through a vLLM-like object (as a shared
+    expert's router might): nothing re-processes it."""
+
+    def __init__(self):
+        super().__init__()
+        self.side = nn.Module()
+        self.side.router = Router(self.gate.e_score_correction_bias)
+
+
+def test_a_reference_outside_re_processed_units_is_pointed_by_the_audits_walk():
+    """Install points references only inside re-processed units (whose re-processing may read them) and leaves the
+    rest to the audit, which walks the whole model anyway: one walk instead of two. Without the replaced tensors
+    the audit names the reference it cannot restore."""
+    m, exp = daemon(Shared)
+    eng = built(Shared, "meta")
+    replaced = install(eng, dict(exp.tensors), exp.aliases, exp.reprocess, exp.attrs, exp.object_attrs)
+    assert eng.experts.router.e_score_correction_bias is eng.gate.e_score_correction_bias  # re-processed unit
+    assert eng.side.router.e_score_correction_bias.device.type == "meta"  # left for the audit
+    reprocess_modules(eng, exp.reprocess, model_config=None)
+    with pytest.raises(InstallError, match=r"side\.router\.e_score_correction_bias still refers to a meta-device"):
+        audit(eng, exp.objects)
+    audit(eng, exp.objects, replaced)
+    assert eng.side.router.e_score_correction_bias is eng.gate.e_score_correction_bias
+    assert torch.equal(eng.side.router.e_score_correction_bias, m.gate.e_score_correction_bias)
+
+
 def test_audit_refuses_a_meta_reference_nothing_can_restore():
     _, exp = daemon()
     eng = engine(exp)

@@ -167,11 +167,12 @@ def map_model(vllm_config: Any, model_config: Any, prefix: str, path: str, confi
             with phases.part("views_s"):
                 tensors = _view_tensors(lease, config.mode)
             with phases.part("install_s"):
-                _apply_entries(model, tensors, lease.manifest)
+                replaced = _apply_entries(model, tensors, lease.manifest)
                 _record_restore_device(model, device)
             del tensors  # copy mode: the model holds the clones; nothing else may view the mapping
             phases.lap("map_verify_install_s")
-            _reprocess(model, lease.manifest, model_config, transport, device)
+            _reprocess(model, lease.manifest, model_config, transport, device, replaced)
+            del replaced
             phases.lap("reprocess_s")
             lease.attach(config.mode)
         except BaseException:
@@ -254,12 +255,13 @@ def _view_tensors(lease: MappedLease, mode: Mode) -> dict[str, tuple[str, Any]]:
     return {name: (kind, mapped[name]) for name, kind in zip(table.names, kinds)}
 
 
-def _apply_entries(model: Any, tensors: dict[str, tuple[str, Any]], manifest: Manifest) -> None:
+def _apply_entries(model: Any, tensors: dict[str, tuple[str, Any]], manifest: Manifest) -> dict[int, Any]:
     """Install ``tensors``, the aliases and the attributes of ``manifest`` into the skeleton ``model``
-    (:func:`.state.install`, whose :class:`.state.InstallError` it raises)."""
+    (:func:`.state.install`, whose :class:`.state.InstallError` it raises). Returns install's replaced skeleton
+    tensors, for :func:`_reprocess`'s audit."""
     from ..memory.state import install
 
-    install(model, tensors, manifest.aliases, manifest.reprocess, manifest.attrs, manifest.object_attrs)
+    return install(model, tensors, manifest.aliases, manifest.reprocess, manifest.attrs, manifest.object_attrs)
 
 
 def _record_restore_device(model: Any, device: Any) -> None:
@@ -270,16 +272,18 @@ def _record_restore_device(model: Any, device: Any) -> None:
     record_restore_device(model, device)
 
 
-def _reprocess(model: Any, manifest: Manifest, model_config: Any, transport: Transport, device: Any) -> None:
+def _reprocess(model: Any, manifest: Manifest, model_config: Any, transport: Transport, device: Any,
+               replaced: dict[int, Any]) -> None:
     """Run post-processing of the processing units the daemon marked, on the installed tensors, wait until the
     device is done (copies in ``copy`` mode included), then audit the model (:func:`.state.audit`: no meta tensor
-    left, every object the daemon's post-processing bound bound again), whose :class:`.state.InstallError` it
-    raises: the fallback policy's case, not an engine that dies at its first forward."""
+    left once the references to ``replaced`` skeleton tensors were pointed at the installed ones, every object the
+    daemon's post-processing bound bound again), whose :class:`.state.InstallError` it raises: the fallback
+    policy's case, not an engine that dies at its first forward."""
     from ..memory.state import audit, reprocess_modules
 
     reprocess_modules(model, manifest.reprocess, model_config)
     transport.synchronize(device)
-    audit(model, manifest.objects)
+    audit(model, manifest.objects, replaced)
 
 
 def _send_release(lease: MappedLease, device: Any) -> None:

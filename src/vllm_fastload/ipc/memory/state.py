@@ -21,7 +21,8 @@ decided by the daemon:
 
 The engine audits what it built before the load counts as done (:func:`repoint_stale`, :func:`audit`): references
 that vLLM objects or modules hold to the skeleton's meta tensors (a router's copy of the gate's score bias) are
-pointed at the installed tensors, no tensor any module reaches may stay on the meta device, and every object
+pointed at the installed tensors (inside re-processed units before their re-processing, elsewhere during the
+audit's own walk), no tensor any module reaches may stay on the meta device, and every object
 post-processing bound in the daemon (the manifest's ``objects``) must exist again after re-processing; a failed
 audit is an :class:`InstallError` (the fallback policy's business), never a model that dies at its first forward.
 
@@ -560,7 +561,7 @@ class InstallError(CacheUnavailable):
 
 def install(model: nn.Module, tensors: dict[str, tuple[str, torch.Tensor]], aliases: dict[str, str],
             reprocess: list[str], attrs: dict[str, dict[str, Any]] | None = None,
-            object_attrs: dict[str, dict[str, Any]] | None = None) -> None:
+            object_attrs: dict[str, dict[str, Any]] | None = None) -> dict[int, torch.Tensor]:
     """Put ``tensors`` (name -> (kind, tensor)) into a skeleton ``model`` built on the meta device.
 
     Parameters keep the Python attributes of the skeleton's parameter (``weight_loader``, ``output_dim``...).
@@ -570,18 +571,25 @@ def install(model: nn.Module, tensors: dict[str, tuple[str, torch.Tensor]], alia
     :func:`plain_attrs`) are set on the skeleton; they never replace a method, property or submodule, nor a
     skeleton tensor unless the value is ``None`` (post-processing removed it). ``object_attrs`` (dotted paths from
     :func:`collect`) are set on the skeleton's vLLM objects along the same path, with the same limits.
-    Raises :class:`InstallError`.
+    References other objects hold to replaced skeleton tensors (:func:`repoint_stale`) are pointed at the installed
+    ones here only inside the modules of re-processed units, whose re-processing may read them (all modules when
+    the model-level hook is re-processed); the others are left to :func:`audit`, whose walk of the whole model
+    comes anyway, so the model is walked once instead of twice. Returns what :func:`audit` needs for that: id of
+    each replaced skeleton tensor -> what replaced it. Raises :class:`InstallError`.
     """
     walked = walk_modules(model)
     modules = unique_modules(walked)
     units = processing_units(model, modules)
-    placer = _Placer(dict(walked), units, _checked_reprocess(reprocess, units))
+    again = _checked_reprocess(reprocess, units)
+    placer = _Placer(dict(walked), units, again)
     placer.put_tensors(tensors)
     placer.put_aliases(aliases)
     _drop_meta(modules, placer.owned)
     _set_attrs(placer.modules, attrs or {})
     _set_object_attrs(placer.modules, object_attrs or {})
-    repoint_stale(model, placer.replaced, modules)
+    holders = modules if "" in again else [(name, m) for name, m in modules if name in placer.owned]
+    repoint_stale(model, placer.replaced, holders)
+    return placer.replaced
 
 
 def _checked_reprocess(reprocess: list[str], units: set[str]) -> set[str]:
@@ -813,29 +821,42 @@ def repoint_stale(model: nn.Module, replaced: dict[int, torch.Tensor],
             continue  # nothing beyond nn.Module's bookkeeping: no reference to walk
         for _path, holder, key, t in list(_tensor_refs(m, seen)):
             new = replaced.get(id(t))
-            if new is None or t.device.type != "meta":
-                continue
-            if isinstance(holder, (dict, list)):
-                holder[key] = new
-            elif isinstance(holder, tuple):
-                continue  # immutable: audit() names it
-            else:
-                object.__setattr__(holder, key, new)
+            if new is not None and t.device.type == "meta":
+                _repoint(holder, key, new)  # one held in a tuple stays: audit() names it
 
 
-def audit(model: nn.Module, objects: dict[str, list[str]] | None = None) -> None:
+def _repoint(holder: Any, key: Any, new: torch.Tensor) -> bool:
+    """Make ``holder[key]`` (a dict or list) or ``holder.key`` (an object) refer to ``new``; False for a tuple
+    (immutable), which is left as it is."""
+    if isinstance(holder, (dict, list)):
+        holder[key] = new
+    elif isinstance(holder, tuple):
+        return False
+    else:
+        object.__setattr__(holder, key, new)
+    return True
+
+
+def audit(model: nn.Module, objects: dict[str, list[str]] | None = None,
+          replaced: dict[int, torch.Tensor] | None = None) -> None:
     """After install and re-processing, before the engine uses the model: no parameter, buffer or tensor that a
     module or its vLLM objects reach is on the meta device, and every object post-processing bound in the daemon
-    (``objects``: module -> dotted paths, the manifest's) is bound again. Raises :class:`InstallError` naming the
-    first tensor or object that is missing."""
+    (``objects``: module -> dotted paths, the manifest's) is bound again. ``replaced`` (what :func:`install`
+    returned): a reference to a replaced skeleton tensor is pointed at what replaced it on the way (the references
+    install left for this walk) instead of being refused. Raises :class:`InstallError` naming the first tensor or
+    object that is missing."""
     modules = dict(model.named_modules(remove_duplicate=False))
+    replaced = replaced or {}
     seen: dict[int, int] = {}
     for name, m in modules.items():
         for leaf, t in [*m._parameters.items(), *m._buffers.items()]:
             if t is not None and t.device.type == "meta":
                 raise InstallError(f"{name}.{leaf} is still on the meta device after the mapping (not in the cache)")
-        for path, _, _, t in _tensor_refs(m, seen):
+        for path, holder, key, t in list(_tensor_refs(m, seen)):
             if t.device.type == "meta":
+                new = replaced.get(id(t))
+                if new is not None and _repoint(holder, key, new):
+                    continue
                 raise InstallError(f"{name}.{path} still refers to a meta-device tensor after the mapping: a reference "
                                    f"the cache cannot restore ({type(m).__name__})")
     for mod_name, paths in (objects or {}).items():

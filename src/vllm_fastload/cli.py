@@ -6,20 +6,43 @@ import argparse
 import json
 import os
 import sys
+from typing import Any
 
 from . import __version__
 
 
+def console() -> int:
+    """The ``vllm-fastload`` console script and ``python -m vllm_fastload.cli``: :func:`main` on ``sys.argv``, in a
+    process that is this command. Returns the exit code. After ``preload`` the process is made to end within
+    ``EXIT_GRACE_S`` of the daemon's return, with the daemon's status
+    (:func:`vllm_fastload.ipc.daemon.main.exit_within`), whether it returned, raised or called ``sys.exit``. Only
+    here: a caller of :func:`main` in its own process (a wrapper, a test) is never ended by a timer."""
+    code: Any = 1  # an unexpected exception propagates (its traceback printed) and the process exits 1
+    try:
+        code = main()
+        return code
+    except SystemExit as e:  # argparse and the daemon's short usage errors
+        code = e.code
+        raise
+    except KeyboardInterrupt:
+        code = 130
+        raise
+    finally:
+        if sys.argv[1:2] == ["preload"]:
+            from .ipc.daemon.main import EXIT_GRACE_S, exit_status, exit_within
+
+            exit_within(EXIT_GRACE_S, exit_status(code))
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``vllm-fastload`` console script. Returns the process exit code."""
+    """The ``vllm-fastload`` command on ``argv`` (default ``sys.argv[1:]``). Returns the exit code."""
     p = _parser()
-    own_process = argv is None  # the console script or `python -m vllm_fastload.cli`, not a caller's call
     argv = sys.argv[1:] if argv is None else argv
     if not argv:  # a bare `vllm-fastload`: what it can do, not argparse's "arguments are required"
         p.print_help()
         return 2
     if argv[0] == "preload":  # the daemon parses its own flags and vLLM's engine args
-        return _preload(argv[1:], own_process)
+        return _preload(argv[1:])
     args, rest = p.parse_known_args(argv)
     if rest and args.cmd != "inspect":
         p.error(f"unrecognized arguments: {' '.join(rest)}")
@@ -71,13 +94,10 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _preload(rest: list[str], own_process: bool = False) -> int:
+def _preload(rest: list[str]) -> int:
     """``vllm-fastload preload [MODEL] <args>``: check the model argument, then run the daemon
-    (:func:`vllm_fastload.ipc.daemon.main.main`). Returns the exit code (2 with one line for a missing model).
-    ``own_process``: the process is this command, so once the daemon returned (stopped, or failed to start) the
-    process is made to end within ``EXIT_GRACE_S`` (:func:`vllm_fastload.ipc.daemon.main.exit_within`)."""
+    (:func:`vllm_fastload.ipc.daemon.main.main`). Returns the exit code (2 with one line for a missing model)."""
     from .errors import FastloadError
-    from .ipc.daemon.main import EXIT_GRACE_S, exit_within
     from .ipc.daemon.main import main as preload_main
 
     if rest and not rest[0].startswith("-"):  # `preload MODEL ...`, as `vllm serve MODEL ...` takes it
@@ -96,17 +116,11 @@ def _preload(rest: list[str], own_process: bool = False) -> int:
         print("vllm-fastload preload: error: no model: pass it first (`vllm-fastload preload /models/llama ...`) "
               "or as --model, with the engine args the engine will use", file=sys.stderr)
         return 2
-    rc = 1  # an exception of vLLM's propagates (its traceback printed) and the process exits 1
     try:
-        rc = preload_main(rest)
-        return rc
+        return preload_main(rest)
     except FastloadError as e:
         print(f"vllm-fastload preload: error: {e}", file=sys.stderr)
-        rc = 2
-        return rc
-    finally:
-        if own_process:
-            exit_within(EXIT_GRACE_S, rc)
+        return 2
 
 
 
@@ -197,4 +211,4 @@ def _status(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(console())

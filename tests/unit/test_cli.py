@@ -140,8 +140,10 @@ from vllm_fastload.errors import FastloadError
 def stops(*args):
     # what a library may leave behind: a non-daemon thread, which Python waits for before it exits
     threading.Thread(target=time.sleep, args=(600,), name="left-behind").start()
-    if {fail!r}:
+    if {how!r} == "refused":
         raise FastloadError("post-processed module 'experts' cannot be exported")
+    if {how!r} == "usage":
+        sys.exit(2)  # what the daemon's argument parser does for a bad flag
     return 0
 
 daemon.EXIT_GRACE_S = 1.0
@@ -150,40 +152,90 @@ if {rank!r}:  # one rank's process of a TP > 1 daemon (multiprocessing's target)
     daemon._rank_main(())
 daemon.main = stops
 sys.argv = ["vllm-fastload", "preload", {model!r}]
-raise SystemExit(cli.main())
+raise SystemExit(cli.console())
 """
 
 
 @pytest.mark.parametrize("rank", [False, True])
-@pytest.mark.parametrize("fail, code", [(True, 2), (False, 0)])
-def test_a_preload_daemon_that_stopped_exits_although_a_thread_is_left(tmp_path, fail, code, rank):
+@pytest.mark.parametrize("how, code, rank_code", [("refused", 2, 1), ("usage", 2, 2), ("stopped", 0, 0)])
+def test_a_preload_daemon_that_stopped_exits_although_a_thread_is_left(tmp_path, how, code, rank_code, rank):
     """A daemon whose load failed (or that stopped serving) must end even when a library left a non-daemon thread
     (on a GPU, a refused model's daemon never ended in two device calls): the command's process, and each rank's
-    process of a TP > 1 daemon (which the command joins), exits within the grace period with its status and the
-    error. Without `exit_within` this subprocess sleeps 600 s."""
+    process of a TP > 1 daemon (which the command joins), exits within the grace period with its status (also one
+    set by ``sys.exit``) and the error. Without `exit_within` this subprocess sleeps 600 s."""
     import subprocess
 
-    script = LINGERING_DAEMON.format(fail=fail, model=str(tmp_path), rank=rank)
+    script = LINGERING_DAEMON.format(how=how, model=str(tmp_path), rank=rank)
     t0 = time.monotonic()
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert time.monotonic() - t0 < 30
-    if rank:  # the rank's exception propagates (as multiprocessing would print it): status 1
-        assert r.returncode == (1 if fail else 0), r.stderr
-        assert not fail or "FastloadError: post-processed module 'experts' cannot be exported" in r.stderr
-    else:
-        assert r.returncode == code, r.stderr
-        said = "vllm-fastload preload: error: post-processed module 'experts' cannot be exported"
-        assert not fail or said in r.stderr
+    # a rank's FastloadError propagates (multiprocessing would print it): status 1
+    assert r.returncode == (rank_code if rank else code), r.stderr
+    if how == "refused":
+        said = ("FastloadError: post-processed module 'experts' cannot be exported" if rank else
+                "vllm-fastload preload: error: post-processed module 'experts' cannot be exported")
+        assert said in r.stderr
 
 
 def test_a_caller_of_cli_main_is_not_given_an_exit_timer(monkeypatch, tmp_path):
-    """Only the process that is the command is ended after the daemon returns: a caller (a test, a wrapper) that
-    passes its own argv keeps running."""
+    """Only the console script (``cli.console``) ends its process after the daemon returned: a caller of
+    ``cli.main`` in its own process (a wrapper that restarts the daemon, a test), with its own argv or with
+    ``sys.argv``, keeps running."""
     import threading
 
     import vllm_fastload.ipc.daemon.main as daemon
 
     monkeypatch.setattr(daemon, "main", lambda argv: 0)
+    monkeypatch.setattr(sys, "argv", ["vllm-fastload", "preload", str(tmp_path)])
     before = {t.ident for t in threading.enumerate()}
     assert cli.main(["preload", str(tmp_path)]) == 0
+    assert cli.main() == 0
     assert [t for t in threading.enumerate() if t.ident not in before and isinstance(t, threading.Timer)] == []
+
+
+class _Rank:
+    """A stand-in for a rank's ``multiprocessing.Process``: alive until ``ends_at`` (monotonic; None: never)."""
+
+    def __init__(self, pid, ends_at=None):
+        self.pid, self.ends_at, self.killed = pid, ends_at, False
+
+    def is_alive(self):
+        return not self.killed and (self.ends_at is None or time.monotonic() < self.ends_at)
+
+    def join(self, timeout=None):
+        if self.is_alive():
+            time.sleep(min(timeout or 0.05, 0.05))
+
+    def kill(self):
+        self.killed = True
+
+
+def test_a_rank_stuck_after_the_stop_is_killed_and_one_that_ends_is_not(caplog):
+    """A stop was asked: the rank that ends on its own is waited for, the one stuck (its exit timer never started,
+    e.g. inside a blocking call of a distributed backend) is killed after the deadline and named in the log."""
+    import logging
+    import threading
+
+    from vllm_fastload.ipc.daemon.main import _join_ranks
+
+    stopping = threading.Event()
+    stopping.set()
+    ends, stuck = _Rank(11, time.monotonic() + 0.1), _Rank(12)
+    t0 = time.monotonic()
+    with caplog.at_level(logging.ERROR):
+        _join_ranks([ends, stuck], stopping, kill_after_s=1.0)
+    assert stuck.killed and not ends.killed
+    assert 1.0 <= time.monotonic() - t0 < 5
+    assert "rank process 12 did not exit within 1 s of the stop; killing it" in caplog.text
+    assert "rank process 11" not in caplog.text
+
+
+def test_serving_ranks_are_never_killed_without_a_stop():
+    """Without a stop nothing is killed, however long the ranks serve (here: until they end on their own)."""
+    import threading
+
+    from vllm_fastload.ipc.daemon.main import _join_ranks
+
+    ranks = [_Rank(21, time.monotonic() + 0.6), _Rank(22, time.monotonic() + 0.8)]
+    _join_ranks(ranks, threading.Event(), kill_after_s=0.1)
+    assert not any(r.killed for r in ranks) and not any(r.is_alive() for r in ranks)

@@ -17,6 +17,7 @@ import signal
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -92,16 +93,28 @@ def serve_rank(vllm_config: Any, local_rank: int, rank: int, world_size: int, in
 
 
 def _rank_main(args: tuple) -> None:  # multiprocessing target (spawn)
-    rc = 1  # an exception propagates (multiprocessing prints it) and the rank exits 1
+    code: Any = 1  # an exception propagates (multiprocessing prints it) and the rank exits 1
     try:
-        rc = serve_rank(*args)
+        code = serve_rank(*args)
+    except SystemExit as e:
+        code = e.code
+        raise
     finally:
-        exit_within(EXIT_GRACE_S, rc)  # the parent joins every rank: a rank that cannot end would hold it
-    sys.exit(rc)
+        # the parent joins every rank: a rank that cannot end would hold it
+        exit_within(EXIT_GRACE_S, exit_status(code))
+    sys.exit(code)
 
 
 #: Seconds a preload daemon that has stopped serving (or failed to start) may take to exit before it is ended.
 EXIT_GRACE_S = 30.0
+
+
+def exit_status(code: Any) -> int:
+    """The status a process exits with for ``SystemExit(code)``: 0 for None, the number for an int, 1 for anything
+    else (a message), as the interpreter does (Python docs, ``SystemExit``)."""
+    if code is None:
+        return 0
+    return code if isinstance(code, int) else 1
 
 
 def exit_within(seconds: float, code: int) -> threading.Timer:
@@ -261,7 +274,10 @@ def _run_ranks(vllm_config: Any, world: int, init_method: str, spec: SocketDirSp
     for p in procs:
         p.start()
 
+    stopping = threading.Event()
+
     def forward(signum: int, _f: Any) -> None:
+        stopping.set()
         for p in procs:
             if p.is_alive():
                 os.kill(p.pid, signal.SIGTERM)
@@ -283,6 +299,29 @@ def _run_ranks(vllm_config: Any, world: int, init_method: str, spec: SocketDirSp
                 break
     if not pending:
         logger.info("fastload: ready")
-    for p in procs:
-        p.join()
+    _join_ranks(procs, stopping, 2 * EXIT_GRACE_S)
     return max((p.exitcode or 0) for p in procs) or (1 if pending else 0)
+
+
+def _join_ranks(procs: list, stopping: threading.Event, kill_after_s: float) -> None:
+    """Wait until every rank process of ``procs`` (``multiprocessing.Process``) ended. Once a stop was asked
+    (``stopping``: SIGTERM/SIGINT forwarded, or a rank that died while loading), a rank still alive after
+    ``kill_after_s`` is killed (SIGKILL, logged): one stuck where its own exit timer never starts (inside a
+    blocking call of a distributed backend whose peer is gone) would otherwise keep this process waiting for
+    ever. While the ranks serve, nothing is asked and this waits as long as they serve."""
+    deadline = None
+    while True:
+        alive = [p for p in procs if p.is_alive()]
+        if not alive:
+            return
+        if stopping.is_set() and deadline is None:
+            deadline = time.monotonic() + kill_after_s
+        if deadline is not None and time.monotonic() >= deadline:
+            for p in alive:
+                logger.error("fastload: rank process %d did not exit within %.0f s of the stop; killing it", p.pid,
+                             kill_after_s)
+                p.kill()
+            for p in alive:
+                p.join()
+            return
+        alive[0].join(timeout=0.5)

@@ -6,7 +6,6 @@ import argparse
 import json
 import os
 import sys
-from typing import Any
 
 from . import __version__
 
@@ -17,21 +16,11 @@ def console() -> int:
     ``EXIT_GRACE_S`` of the daemon's return, with the daemon's status
     (:func:`vllm_fastload.ipc.daemon.main.exit_within`), whether it returned, raised or called ``sys.exit``. Only
     here: a caller of :func:`main` in its own process (a wrapper, a test) is never ended by a timer."""
-    code: Any = 1  # an unexpected exception propagates (its traceback printed) and the process exits 1
-    try:
-        code = main()
-        return code
-    except SystemExit as e:  # argparse and the daemon's short usage errors
-        code = e.code
-        raise
-    except KeyboardInterrupt:
-        code = 130
-        raise
-    finally:
-        if sys.argv[1:2] == ["preload"]:
-            from .ipc.daemon.main import EXIT_GRACE_S, exit_status, exit_within
+    if sys.argv[1:2] != ["preload"]:
+        return main()
+    from .ipc.daemon.main import EXIT_GRACE_S, ending_within
 
-            exit_within(EXIT_GRACE_S, exit_status(code))
+    return ending_within(EXIT_GRACE_S, main)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -121,7 +110,6 @@ def _preload(rest: list[str]) -> int:
     except FastloadError as e:
         print(f"vllm-fastload preload: error: {e}", file=sys.stderr)
         return 2
-
 
 
 def _inspect(args: argparse.Namespace, engine_args: list[str]) -> int:

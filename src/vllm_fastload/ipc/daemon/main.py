@@ -93,23 +93,34 @@ def serve_rank(vllm_config: Any, local_rank: int, rank: int, world_size: int, in
 
 
 def _rank_main(args: tuple) -> None:  # multiprocessing target (spawn)
-    code: Any = 1  # an exception propagates (multiprocessing prints it) and the rank exits 1
-    try:
-        code = serve_rank(*args)
-    except SystemExit as e:
-        code = e.code
-        raise
-    finally:
-        # the parent joins every rank: a rank that cannot end would hold it
-        exit_within(EXIT_GRACE_S, exit_status(code))
-    sys.exit(code)
+    # the parent joins every rank: a rank that cannot end would hold it
+    sys.exit(ending_within(EXIT_GRACE_S, serve_rank, *args))
 
 
 #: Seconds a preload daemon that has stopped serving (or failed to start) may take to exit before it is ended.
 EXIT_GRACE_S = 30.0
 
 
-def exit_status(code: Any) -> int:
+def ending_within(seconds: float, fn: Any, *args: Any) -> Any:
+    """``fn(*args)``, what it returns or raises passed on; once it returned, raised or called ``sys.exit``, this
+    process is made to end within ``seconds`` (:func:`exit_within`) with the status that outcome gives: the
+    returned code, the ``SystemExit`` code (:func:`_exit_status`), 130 for ``KeyboardInterrupt``, 1 for any other
+    exception (the interpreter prints it first)."""
+    code: Any = 1
+    try:
+        code = fn(*args)
+        return code
+    except SystemExit as e:  # argparse's and the daemon's short usage errors
+        code = e.code
+        raise
+    except KeyboardInterrupt:
+        code = 130
+        raise
+    finally:
+        exit_within(seconds, _exit_status(code))
+
+
+def _exit_status(code: Any) -> int:
     """The status a process exits with for ``SystemExit(code)``: 0 for None, the number for an int, 1 for anything
     else (a message), as the interpreter does (Python docs, ``SystemExit``)."""
     if code is None:

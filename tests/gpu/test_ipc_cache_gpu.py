@@ -33,6 +33,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 from tests.conftest import Engine, one_shot  # noqa: E402
 from tests.gpu.zoo_cuda import zoo  # noqa: E402
+from vllm_fastload.ipc.daemon.export import pack  # noqa: E402
 from vllm_fastload.ipc.memory.cuda_vmm import CudaVmmTransport  # noqa: E402
 from vllm_fastload.ipc.memory.layout import sample_checksums, view_at  # noqa: E402
 from vllm_fastload.ipc.wire.client import status_of  # noqa: E402
@@ -63,6 +64,22 @@ def test_checksums_of_a_cuda_buffer_equal_the_host_copy_s():
                               "b": TensorRow("uint8", [77], [1], 5 * 4096 + 256, 77, 0, "param"),
                               "c": TensorRow("uint8", [300], [1], 1000, 300, 0, "param")})
     assert sample_checksums(buf.cuda(), entries).tolist() == sample_checksums(buf, entries).tolist()
+
+
+def test_many_checksum_windows_of_a_cuda_buffer_are_gathered_and_equal_the_host_copy_s():
+    """Past GATHER_MIN_WINDOWS the CUDA transport gathers the windows with one kernel; the tensors at the buffer's
+    end (windows that would run past it) still come by driver copies: the checksums equal the host path's."""
+    from vllm_fastload.ipc.memory.cuda_vmm import GATHER_MIN_WINDOWS
+
+    g = torch.Generator().manual_seed(6)
+    ts = {f"t{i}": torch.randn(int(torch.randint(1, 3000, (1,), generator=g)), generator=g)
+          for i in range(GATHER_MIN_WINDOWS + 500)}
+    # 12-byte tensors read as 16-byte windows, enough of them to be gathered; the last one's window would run past
+    # the buffer's end (cut just after it below), so it comes by a driver copy
+    ts.update({f"s{i}": torch.randn(3, generator=g) for i in range(GATHER_MIN_WINDOWS + 10)})
+    seg, table = pack(ts)
+    buf = seg.buf[:table.offset[-1] + table.nbytes[-1]].clone()
+    assert sample_checksums(buf.cuda(), table).tolist() == sample_checksums(buf, table).tolist()
 
 
 @pytest.mark.parametrize("expandable", [False, True], ids=["default-allocator", "expandable_segments"])

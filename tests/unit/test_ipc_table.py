@@ -11,12 +11,13 @@ np = pytest.importorskip("numpy")
 from vllm_fastload.ipc.daemon.export import pack  # noqa: E402
 from vllm_fastload.ipc.memory import layout  # noqa: E402
 from vllm_fastload.ipc.memory.memfd import MemfdTransport  # noqa: E402
+from vllm_fastload.ipc.wire import protocol  # noqa: E402
 from vllm_fastload.ipc.wire.messages import MessageError, TensorRow, TensorTable, parse_reply  # noqa: E402
 
 
 def manifest_frame(table: dict) -> dict:
-    return {"type": "manifest", "version": 4, "fingerprint": {}, "segment": {"size": 4096, "transport": "memfd"},
-            "tensors": table}
+    return {"type": "manifest", "version": protocol.PROTOCOL_VERSION, "fingerprint": {},
+            "segment": {"size": 4096, "transport": "memfd"}, "tensors": table}
 
 
 def good() -> dict:
@@ -49,7 +50,7 @@ def test_an_inconsistent_table_is_refused_naming_the_column(change, names):
 
 
 def test_window_sums_equal_the_row_by_row_definition_for_every_length_class():
-    """Spans of 1..600 bytes, around the powers of two and :data:`layout.SAMPLE`, at odd offsets: the sums of
+    """Spans of 1 byte to :data:`layout.SAMPLE`, around the powers of two, at odd offsets: the sums of
     windows read in power-of-two widths equal one window padded to SAMPLE with its last byte."""
     g = torch.Generator().manual_seed(11)
     buf = torch.randint(0, 256, (40000,), dtype=torch.uint8, generator=g)
@@ -60,7 +61,8 @@ def test_window_sums_equal_the_row_by_row_definition_for_every_length_class():
         w = raw[s:s + m] + raw[s + m - 1:s + m] * (layout.SAMPLE - m)
         return sum(int.from_bytes(w[8 * j:8 * j + 8], "little") * x for j, x in enumerate(weights)) % 2**64
 
-    lens = [*range(1, 70), 127, 128, 129, 255, 256, 257, 600, 2047, 2048, 2049, 4095, 4096]
+    lens = [m for m in [*range(1, 70), 127, 128, 129, 255, 256, 257, 600, 2047, 2048, 2049, 4095, 4096]
+            if m < layout.SAMPLE] + [layout.SAMPLE - 1, layout.SAMPLE]
     starts = [(7919 * i) % (40000 - 4096) for i in range(len(lens))] + [40000 - 5]  # the last one at the end
     lens.append(5)
     got = layout._window_sums(buf, np.array(starts), np.array(lens), MemfdTransport())
@@ -73,6 +75,49 @@ def test_windows_at_the_buffers_end_are_read_without_running_past_it():
     assert rows[0, :8].tolist() == list(range(8))
     assert rows[1, :10].tolist() == list(range(90, 100))
     assert rows[2, :4].tolist() == [96, 97, 98, 99]
+
+
+def test_gathered_windows_are_the_buffers_bytes_and_a_window_past_its_end_is_refused():
+    """The one-gather read a GPU engine uses for many checksum windows (``transport.gather_windows``), here on a
+    host buffer: each row is the bytes at its start, also the last window that fits exactly."""
+    from vllm_fastload.ipc.memory.transport import gather_windows
+
+    g = torch.Generator().manual_seed(4)
+    a = torch.randint(0, 256, (10000,), dtype=torch.uint8, generator=g)
+    starts = [0, 1, 17, 4096, 9999 - 255, 10000 - 256, 5]
+    rows = gather_windows(a, starts, 256)
+    assert rows.shape == (7, 256) and rows.dtype == np.uint8
+    raw = a.numpy().tobytes()
+    assert [r.tobytes() for r in rows] == [raw[s:s + 256] for s in starts]
+    assert gather_windows(a, [], 256).shape == (0, 256)
+    with pytest.raises(IndexError, match="10000-byte buffer"):
+        gather_windows(a, [0, 10000 - 255], 256)
+    with pytest.raises(IndexError):
+        gather_windows(a, [-1], 256)
+
+
+def test_the_cuda_transport_gathers_many_windows_and_copies_those_at_the_end_giving_the_host_checksums():
+    """``CudaVmmTransport.read_windows``'s split, on a host buffer (its driver copies replaced by the default
+    copies): past GATHER_MIN_WINDOWS the windows inside the buffer are gathered, the one that would run past its
+    end is copied alone, and the checksums are the memfd transport's."""
+    from vllm_fastload.ipc.memory import cuda_vmm
+    from vllm_fastload.ipc.memory.transport import Transport
+
+    copied: list[int] = []
+
+    class HostVmm(cuda_vmm.CudaVmmTransport):
+        def _copied(self, buf, starts, lens, width):
+            copied.extend(starts)
+            return Transport.read_windows(self, buf, starts, lens, width)
+
+    g = torch.Generator().manual_seed(8)
+    n = cuda_vmm.GATHER_MIN_WINDOWS + 10
+    ts = {f"s{i}": torch.randn(3, generator=g) for i in range(n)}  # 12 bytes each: 16-byte windows
+    seg, table = pack(ts)
+    buf = seg.buf[:table.offset[-1] + table.nbytes[-1]]  # the last window would run past this end
+    assert layout.sample_checksums(buf, table, HostVmm()).tolist() == layout.sample_checksums(
+        buf, table, MemfdTransport()).tolist() == table.checksum
+    assert copied == [table.offset[-1]]
 
 
 def test_a_big_table_checks_views_and_checksums_like_row_by_row():

@@ -36,6 +36,9 @@ CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR = 1
 CU_MEM_LOCATION_TYPE_DEVICE = 1
 CU_MEM_ACCESS_FLAGS_PROT_READWRITE = 3
 CU_MEM_ALLOC_GRANULARITY_MINIMUM = 0
+#: From this many checksum windows on, :meth:`CudaVmmTransport.read_windows` gathers them with one kernel instead
+#: of one driver copy each.
+GATHER_MIN_WINDOWS = 1024
 
 
 class CudaVmmError(FastloadError):
@@ -320,8 +323,28 @@ class CudaVmmTransport(Transport):
         torch.cuda.empty_cache()
 
     def read_windows(self, buf: Any, starts: list[int], lens: list[int], width: int) -> Any:
-        """One driver copy per window (:func:`copy_to_host_async`) into one pinned buffer, no kernel launch: in a
-        fresh engine process the first launch of each kernel costs more than these copies."""
+        """Up to :data:`GATHER_MIN_WINDOWS` windows: one driver copy each (:func:`copy_to_host_async`) into one
+        pinned buffer, no kernel launch (in a fresh engine process the first launch of a kernel costs more than a
+        few copies). More: the windows that lie inside ``buf`` with one gather kernel and one copy
+        (:func:`.transport.gather_windows`; a driver call per window costs microseconds each, and a model's
+        checksum windows are tens of thousands), the few at its end by driver copies."""
+        import numpy as np
+
+        from .transport import gather_windows
+
+        if len(starts) < GATHER_MIN_WINDOWS:
+            return self._copied(buf, starts, lens, width)
+        s = np.asarray(starts, dtype=np.int64)
+        inside = s + width <= buf.numel()
+        rows = np.empty((len(s), width), dtype=np.uint8)
+        rows[inside] = gather_windows(buf, s[inside], width)
+        out = np.flatnonzero(~inside)
+        if len(out):
+            rows[out] = self._copied(buf, s[out].tolist(), [lens[i] for i in out.tolist()], width)
+        return rows
+
+    def _copied(self, buf: Any, starts: list[int], lens: list[int], width: int) -> Any:
+        """The windows as rows of a ``(len(starts), width)`` ``numpy.uint8`` array, one driver copy each."""
         import torch
 
         host = torch.empty(len(starts) * width, dtype=torch.uint8, pin_memory=True)

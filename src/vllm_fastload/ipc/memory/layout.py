@@ -24,8 +24,10 @@ from ..wire.messages import TensorRow, TensorTable
 
 #: Byte alignment of every tensor in the buffer (cudaMalloc's guarantee is 256 bytes).
 ALIGN = 256
-#: Bytes per checksum window; each tensor is sampled at its start, middle and end.
-SAMPLE = 4096
+#: Bytes per checksum window; each tensor is sampled at its start, middle and end. Small, because the engine
+#: reads every tensor's windows on its start-up path (on CPU each read window is also a page fault of its fresh
+#: mapping); three windows at fixed places still catch a segment or tensor that moved or was overwritten there.
+SAMPLE = 512
 
 DTYPES = {str(d).removeprefix("torch."): d for d in (
     torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16, torch.int8,

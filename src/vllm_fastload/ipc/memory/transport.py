@@ -109,3 +109,29 @@ class Transport:
         for i, (s, m) in enumerate(zip(starts, lens)):
             host[i * width:i * width + m].copy_(buf[s:s + m])
         return host.numpy().reshape(len(starts), width)
+
+
+def gather_windows(buf: torch.Tensor, starts: Any, width: int) -> Any:
+    """The ``width``-byte windows ``buf[s:s + width]`` of the flat ``torch.uint8`` ``buf`` (any device) as rows of
+    a ``(len(starts), width)`` ``numpy.uint8`` array, read with one gather on ``buf``'s device and one copy to the
+    host: a device buffer's windows cost one kernel and one transfer instead of a driver copy each. Every window
+    must lie inside ``buf`` (``0 <= s`` and ``s + width <= buf.numel()``), else ``IndexError`` (``RuntimeError``
+    on a GPU). ``starts``: int64 byte offsets (a sequence or ``numpy`` array)."""
+    import numpy as np
+
+    s = np.asarray(starts, dtype=np.int64)
+    if not len(s):
+        return np.empty((0, width), dtype=np.uint8)
+    if s.min() < 0 or s.max() + width > buf.numel():
+        raise IndexError(f"a {width}-byte window at {int(s.min())}..{int(s.max())} lies outside the "
+                         f"{buf.numel()}-byte buffer")
+    # every window of the buffer as a (numel - width + 1, width) view (strides 1, 1: no copy), then the rows wanted
+    idx = torch.from_numpy(s).to(buf.device)
+    rows = buf.unfold(0, width, 1).index_select(0, idx)
+    if rows.device.type == "cpu":
+        return rows.numpy()
+    host = torch.empty(rows.shape, dtype=torch.uint8, pin_memory=True)
+    host.copy_(rows, non_blocking=True)
+    torch.cuda.current_stream(buf.device).synchronize()
+    return host.numpy()
+

@@ -484,3 +484,33 @@ def test_an_installed_buffer_keeps_the_persistence_the_model_gave_it():
     install(m, {"cache": ("buffer", cache), "kept": ("buffer", kept)}, {}, [])
     assert m.cache is cache and m.kept is kept
     assert list(m.state_dict()) == ["kept"]
+
+
+def test_installed_parameters_carry_the_skeletons_attributes_but_never_over_the_classes_own():
+    """vLLM hangs ``weight_loader``, ``input_dim``, ``output_dim`` on each parameter (``set_weight_attrs``); the
+    installed parameter has them, as the same objects. A parameter class of vLLM's kind defines ``weight_loader``
+    as a property: a re-processed module's parameter keeps that class and its property, and still gets the
+    skeleton's other attributes."""
+    class WithProperty(nn.Parameter):
+        @property
+        def weight_loader(self):
+            return "the class's"
+
+    def loader(p, w):
+        p.copy_(w)
+
+    m = nn.Module()
+    m.plain = nn.Module()
+    m.plain.weight = nn.Parameter(torch.empty(2, 3, device="meta"), requires_grad=False)
+    vars(m.plain.weight).update(weight_loader=loader, input_dim=1, output_dim=0)
+    m.typed = nn.Module()
+    m.typed.weight = WithProperty(torch.empty(3, device="meta"), requires_grad=False)
+    vars(m.typed.weight).update(weight_loader=loader, output_dim=0)  # as a subclass built before the property
+    m.typed.quant_method = Scaling()
+    a, b = torch.ones(2, 3), torch.arange(3.0)
+    install(m, {"plain.weight": ("param", a), "typed.weight": ("param", b)}, {}, ["typed"])
+    p, q = m.plain.weight, m.typed.weight
+    assert type(p) is nn.Parameter and p.device.type == "cpu" and torch.equal(p, a) and not p.requires_grad
+    assert vars(p) == {"weight_loader": loader, "input_dim": 1, "output_dim": 0}
+    assert type(q) is WithProperty and torch.equal(q, b)
+    assert q.weight_loader == "the class's" and q.output_dim == 0 and "weight_loader" not in vars(q)

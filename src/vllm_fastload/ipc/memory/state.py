@@ -579,7 +579,8 @@ def install(model: nn.Module, tensors: dict[str, tuple[str, torch.Tensor]], alia
     """
     walked = walk_modules(model)
     modules = unique_modules(walked)
-    units = processing_units(model, modules)
+    # nothing to re-process (a GPU engine of a dense model): no unit to check or own, so no walk for them
+    units = processing_units(model, modules) if reprocess else set()
     again = _checked_reprocess(reprocess, units)
     placer = _Placer(dict(walked), units, again)
     placer.put_tensors(tensors)
@@ -697,15 +698,19 @@ def _as_parameter(t: torch.Tensor, old: torch.Tensor | None, owned: bool) -> nn.
     attrs = getattr(old, "__dict__", None)
     if attrs:
         mine = vars(p)
-        for k, v in attrs.items():
-            if k not in mine and not _class_has(type(p), k):
-                setattr(p, k, v)
+        if not mine and attrs.keys().isdisjoint(_class_names(type(p))):
+            # the common case (a fresh parameter, no attribute of old's named like one of the class): what the
+            # setattr loop below would do, in one call; this runs for every installed parameter
+            mine.update(attrs)
+        else:
+            for k, v in attrs.items():
+                if k not in mine and not _class_has(type(p), k):
+                    setattr(p, k, v)
     return p
 
 
 def _class_has(cls: type, name: str) -> bool:
-    """``hasattr(cls, name)``, remembered per class and name (a new parameter's attributes are its class's; this
-    runs for every attribute of every installed parameter)."""
+    """``hasattr(cls, name)``, remembered per class and name (a new parameter's attributes are its class's)."""
     key = (cls, name)
     got = _CLASS_HAS.get(key)
     if got is None:
@@ -713,7 +718,17 @@ def _class_has(cls: type, name: str) -> bool:
     return got
 
 
+def _class_names(cls: type) -> frozenset[str]:
+    """Every name ``hasattr(cls, name)`` may find (``dir`` of the class and of its metaclass), remembered per
+    class: a superset, so a name outside it is surely not the class's."""
+    got = _CLASS_NAMES.get(cls)
+    if got is None:
+        got = _CLASS_NAMES[cls] = frozenset(dir(cls)) | frozenset(dir(type(cls)))
+    return got
+
+
 _CLASS_HAS: dict[tuple[type, str], bool] = {}
+_CLASS_NAMES: dict[type, frozenset[str]] = {}
 
 
 def _drop_meta(modules: list[tuple[str, nn.Module]], owned: set[str]) -> None:

@@ -39,8 +39,14 @@ def tensors(n: int, nbytes: int) -> dict[str, torch.Tensor]:
     return {f"model.layers.{i // 8}.m{i % 8}.weight": torch.randn(nbytes // 4, generator=g) for i in range(n)}
 
 
+def _weight_loader(param: torch.Tensor, loaded: torch.Tensor) -> None:
+    param.copy_(loaded)
+
+
 class Skeleton(nn.Module):
-    """One submodule per layer, each with its parameters on the meta device (what the engine builds)."""
+    """One submodule per layer, each with its parameters on the meta device (what the engine builds), each
+    parameter with the attributes vLLM's linear layers set on theirs (``set_weight_attrs``: ``input_dim``,
+    ``output_dim``, ``weight_loader``), which install carries over."""
 
     def __init__(self, names: list[str], numel: int):
         super().__init__()
@@ -48,7 +54,9 @@ class Skeleton(nn.Module):
         for name in names:
             _, _, i, sub, leaf = name.split(".")
             mod = nn.Module()
-            mod.register_parameter(leaf, nn.Parameter(torch.empty(numel, device="meta"), requires_grad=False))
+            p = nn.Parameter(torch.empty(numel, device="meta"), requires_grad=False)
+            vars(p).update(input_dim=1, output_dim=0, weight_loader=_weight_loader)
+            mod.register_parameter(leaf, p)
             layers.setdefault(i, nn.Module()).add_module(sub, mod)
         self.model = nn.Module()
         self.model.layers = nn.ModuleDict(layers)

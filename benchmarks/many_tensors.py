@@ -86,10 +86,11 @@ def run(n: int, nbytes: int, device: torch.device | None = None) -> dict[str, fl
     """Seconds of each phase for ``n`` tensors of ``nbytes`` bytes exported on ``device`` (default CPU: memfd; CUDA:
     the VMM transport, engine and daemon in this one process)."""
     from tests.conftest import make_fingerprint
+    from vllm_fastload.heap import gc_paused
     from vllm_fastload.ipc.daemon.export import pack
     from vllm_fastload.ipc.daemon.rank import RankState
     from vllm_fastload.ipc.daemon.server import RankServer, acquire
-    from vllm_fastload.ipc.engine.mapping import _gc_paused, _verify, _view_tensors, fetch
+    from vllm_fastload.ipc.engine.mapping import _verify, _view_tensors, fetch
     from vllm_fastload.ipc.memory.backends import get_transport
     from vllm_fastload.ipc.memory.state import install
     from vllm_fastload.ipc.wire import protocol
@@ -122,7 +123,7 @@ def run(n: int, nbytes: int, device: torch.device | None = None) -> dict[str, fl
     th = threading.Thread(target=srv.serve_forever, daemon=True)
     th.start()
     try:
-        with _gc_paused():  # as map_model runs the engine's phases
+        with gc_paused():  # as map_model runs the engine's phases
             t = time.perf_counter()
             fd = fp.to_dict()
             out["fingerprint"] = time.perf_counter() - t

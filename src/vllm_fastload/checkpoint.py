@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from .errors import CheckpointError
+from .heap import gc_paused
 from .storage import FileIdentity, file_identity, is_object_uri, list_safetensors, read_range
 
 #: Bytes per element of each safetensors dtype ("F4" packs two values per byte: 0.5).
@@ -121,21 +122,22 @@ def parse_header(path: str, raw: bytes, header_len: int, file_size: Optional[int
     not match shape x dtype, a hole or overlap between tensors (a zero-element tensor inside another tensor's
     range included: runai-model-streamer refuses those), a truncated file or trailing bytes.
     """
-    obj = _header_object(path, raw)
-    metadata = _header_metadata(path, obj)
-    tensors = {name: _tensor_info(path, name, spec) for name, spec in obj.items()}
-    header = SafetensorsHeader(
-        path=path,
-        header_len=header_len,
-        header_sha256=hashlib.sha256(raw).hexdigest(),
-        tensors=tensors,
-        metadata=metadata,
-        data_bytes=_covered_bytes(path, tensors),
-        file_size=file_size,
-        identity=identity,
-    )
-    if file_size is not None:
-        _check_file_size(header, file_size)
+    with gc_paused():  # a few objects per tensor, and a sort of them: no collection walks the heap meanwhile
+        obj = _header_object(path, raw)
+        metadata = _header_metadata(path, obj)
+        tensors = {name: _tensor_info(path, name, spec) for name, spec in obj.items()}
+        header = SafetensorsHeader(
+            path=path,
+            header_len=header_len,
+            header_sha256=hashlib.sha256(raw).hexdigest(),
+            tensors=tensors,
+            metadata=metadata,
+            data_bytes=_covered_bytes(path, tensors),
+            file_size=file_size,
+            identity=identity,
+        )
+        if file_size is not None:
+            _check_file_size(header, file_size)
     return header
 
 
@@ -168,6 +170,20 @@ def _header_metadata(path: str, obj: dict[str, Any]) -> Optional[dict[str, str]]
 def _tensor_info(path: str, name: str, spec: Any) -> TensorInfo:
     """Tensor ``name``'s header entry ``spec`` validated: a known dtype, a shape, data offsets spanning exactly
     shape x dtype bytes. Raises :class:`CheckpointError` naming the file and the tensor."""
+    # the common case in a few C-level checks (JSON gives exact ints and lists; a bool is not of type int); any
+    # doubt goes through the checks below, which name what is wrong
+    if type(spec) is dict:
+        dtype, shape, offs = spec.get("dtype"), spec.get("shape"), spec.get("data_offsets")
+        if (dtype in DTYPE_BYTES and type(shape) is list and type(offs) is list and len(offs) == 2
+                and type(offs[0]) is int and type(offs[1]) is int and 0 <= offs[0] <= offs[1]
+                and all(type(d) is int and 0 <= d < 2**63 for d in shape)
+                and offs[1] - offs[0] == math.ceil(math.prod(shape) * DTYPE_BYTES[dtype])):
+            return TensorInfo(name, dtype, tuple(shape), offs[0], offs[1])
+    return _checked_tensor_info(path, name, spec)
+
+
+def _checked_tensor_info(path: str, name: str, spec: Any) -> TensorInfo:
+    """:func:`_tensor_info` one check at a time: raises :class:`CheckpointError` for the first that fails."""
     if not isinstance(spec, dict):
         raise CheckpointError(f"{path}: tensor {name!r}: entry must be an object, got {spec!r}")
     dtype = spec.get("dtype")
@@ -482,6 +498,11 @@ def resolve_duplicates(plan: ShardPlan, headers: list[SafetensorsHeader]) -> Che
     tensor and every file holding it when there is no index, or the index does not assign the name to one of
     those files: loading them all would let the last copy read win, which depends on read order.
     """
+    names: set[str] = set()
+    for h in headers:
+        names.update(h.tensors)
+    if len(names) == sum(len(h.tensors) for h in headers):  # no name twice (the common case), without a list per name
+        return Checkpoint(plan, tuple(headers))
     holders: dict[str, list[int]] = {}
     for i, h in enumerate(headers):
         for name in h.tensors:

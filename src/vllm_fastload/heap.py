@@ -23,7 +23,9 @@ collections around the load, so there is nothing to gain.
 
 from __future__ import annotations
 
+import contextlib
 import gc
+from collections.abc import Iterator
 
 from .log import logger
 
@@ -53,3 +55,19 @@ def freeze_for_load(enabled: bool) -> bool:
     _frozen_by_a_load = True
     logger.debug("fastload: froze the garbage collector's heap for the load (freeze_gc)")
     return True
+
+
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector off for the block (restored after, also on errors), for work that makes
+    one object or more per tensor (parsing a safetensors header, mapping a model): enough new objects trigger
+    collections, and a full collection walks the whole heap, in an engine process that imported vLLM more than
+    the work itself costs, so a header of 100k tensors paid its collections again and again."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+

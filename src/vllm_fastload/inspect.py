@@ -30,6 +30,7 @@ from .checkpoint import (
 )
 from .content import checkpoint_digest
 from .errors import CheckpointError, FastloadError
+from .heap import gc_paused
 from .storage import is_object_uri
 
 
@@ -130,6 +131,13 @@ def inspect(source: str, engine_args: Optional[list[str]] = None, with_fingerpri
     ``content_digest_s`` (seconds). Raises :class:`~vllm_fastload.errors.StorageError` when ``source`` cannot
     be listed and :class:`~vllm_fastload.errors.CheckpointError` for an index naming a missing shard or (with
     ``content_digest``) an object-storage source."""
+    with gc_paused():  # objects per tensor (headers, the duplicate check): no collection walks them meanwhile
+        return _inspect(source, engine_args, with_fingerprint, content_digest)
+
+
+def _inspect(source: str, engine_args: Optional[list[str]], with_fingerprint: bool,
+             content_digest: bool) -> dict[str, Any]:
+    """:func:`inspect`'s report."""
     plan = select_shards(source)
     read = [_shard(f) for f in plan.files]
     shards = [s for s, _ in read]

@@ -393,3 +393,52 @@ def test_an_index_entry_that_is_no_shard_file_name_is_refused_naming_it(tmp_path
     (m / SAFE_INDEX).write_text(json.dumps({"weight_map": {"w": value}}))
     with pytest.raises(CheckpointError, match=re.escape(f"{m / SAFE_INDEX}: {said}")):
         select_shards(str(m))
+
+
+@pytest.mark.parametrize("spec", [
+    {"dtype": "F32", "shape": [2, 3], "data_offsets": [8, 32]},
+    {"dtype": "F4", "shape": [3], "data_offsets": [0, 2]},
+    {"dtype": "BF16", "shape": [], "data_offsets": [4, 6]},
+    {"dtype": "F32", "shape": [0, 5], "data_offsets": [7, 7]},
+    {"dtype": "F32", "shape": [True, 3], "data_offsets": [0, 12]},  # a bool is no dimension
+    {"dtype": "F32", "shape": [2.0], "data_offsets": [0, 8]},
+    {"dtype": "F32", "shape": [-1], "data_offsets": [0, 0]},
+    {"dtype": "F32", "shape": [2**63], "data_offsets": [0, 0]},
+    {"dtype": "F32", "shape": [2], "data_offsets": [8, 0]},
+    {"dtype": "F32", "shape": [2], "data_offsets": [-8, 0]},
+    {"dtype": "F32", "shape": [2], "data_offsets": [0, 8, 16]},
+    {"dtype": "F32", "shape": [2], "data_offsets": [0, False]},
+    {"dtype": "F32", "shape": [2], "data_offsets": [0, 12]},
+    {"dtype": "F32", "shape": (2,), "data_offsets": [0, 8]},
+    {"dtype": "X9", "shape": [2], "data_offsets": [0, 8]},
+    {"shape": [2], "data_offsets": [0, 8]},
+    [1, 2],
+])
+def test_a_header_entry_is_judged_the_same_by_the_fast_path_and_the_checks_one_by_one(spec):
+    """``_tensor_info`` takes valid entries through a few C-level checks; whatever it accepts, the full checks
+    accept with the same result, and whatever they refuse it refuses with their message."""
+    from vllm_fastload.checkpoint import _checked_tensor_info, _tensor_info
+
+    try:
+        want = _checked_tensor_info("f.safetensors", "t", spec)
+    except CheckpointError as e:
+        with pytest.raises(CheckpointError, match=re.escape(str(e))):
+            _tensor_info("f.safetensors", "t", spec)
+    else:
+        assert _tensor_info("f.safetensors", "t", spec) == want
+
+
+def test_header_parsing_runs_without_the_garbage_collector_and_restores_it(tmp_path, monkeypatch):
+    """A header of 100k tensors makes a few objects each; collections during the parse walked them again and
+    again (half of `inspect`'s time at 100k tensors)."""
+    import gc
+
+    from vllm_fastload import checkpoint
+
+    seen = []
+    covered = checkpoint._covered_bytes
+    monkeypatch.setattr(checkpoint, "_covered_bytes", lambda *a: seen.append(gc.isenabled()) or covered(*a))
+    p = write_safetensors(tmp_path / "a.safetensors", {"w": torch.ones(3)})
+    assert gc.isenabled()
+    read_header(str(p))
+    assert seen == [False] and gc.isenabled()

@@ -184,17 +184,17 @@ def test_bad_manifest_entries_are_named():
 
 
 def test_mapping_pauses_the_garbage_collector_and_restores_it():
-    from vllm_fastload.ipc.engine.mapping import _gc_paused
+    from vllm_fastload.heap import gc_paused
 
     assert gc.isenabled()
     with pytest.raises(RuntimeError):
-        with _gc_paused():
+        with gc_paused():
             assert not gc.isenabled()
             raise RuntimeError("mapping failed")
     assert gc.isenabled()
     gc.disable()
     try:
-        with _gc_paused():
+        with gc_paused():
             pass
         assert not gc.isenabled()  # a caller that had it off keeps it off
     finally:

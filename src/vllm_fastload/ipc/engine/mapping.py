@@ -18,7 +18,6 @@ skeleton registered process-wide, so the fallback loader can build the model aga
 from __future__ import annotations
 
 import contextlib
-import gc
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -26,6 +25,7 @@ from typing import Any, Optional
 
 from ...config import IpcCacheConfig
 from ...errors import CacheUnavailable
+from ...heap import gc_paused
 from ...log import logger
 from ...report import LoadReport
 from ..memory.backends import get_transport
@@ -115,20 +115,6 @@ class _Phases(dict):
         return round(time.thread_time() - self._cpu0, 4)
 
 
-@contextlib.contextmanager
-def _gc_paused() -> Iterator[None]:
-    """Python's cyclic garbage collector off for the block (restored after, also on errors): mapping creates a
-    few thousand objects, enough to trigger collections, and a full collection walks the whole heap of an engine
-    process that imported vLLM, which costs more than the mapping itself."""
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was:
-            gc.enable()
-
-
 def engine_device(vllm_config: Any, load_config: Any) -> tuple[Any, Transport]:
     """The ``torch.device`` this engine loads onto (``load_config.device`` or vLLM's device config), made
     concrete by its transport, and that transport. Raises :class:`.transport.NoTransport` for a device without
@@ -149,7 +135,7 @@ def map_model(vllm_config: Any, model_config: Any, prefix: str, path: str, confi
     :class:`.client.FingerprintMismatch`, :class:`.state.InstallError`, :class:`~vllm_fastload.errors.ManifestError`,
     :class:`.transport.NoTransport`), :class:`~vllm_fastload.errors.CheckpointError` from the fingerprint, and the
     other :class:`~vllm_fastload.errors.FastloadError` of the socket directory and the transport."""
-    with _gc_paused():
+    with gc_paused():  # mapping makes objects per tensor: no collection walks the heap meanwhile
         device, transport = engine_device(vllm_config, load_config)
         phases = _Phases()
         plan, fp = _fingerprint(vllm_config, model_config)

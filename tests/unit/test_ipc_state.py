@@ -354,33 +354,77 @@ def test_daemon_finishes_online_quantization_like_vllms_loader(monkeypatch):
 
 
 def test_checksum_windows_match_an_independent_computation():
-    """The windows (start, middle, end; short spans padded with their last byte) summed as weighted little-endian
-    words, recomputed here in plain Python from the bytes. The GPU test compares a CUDA buffer with this path."""
+    """The windows (start, middle, end; consecutive windows for a span shorter than three; short spans padded with
+    their last byte) summed as weighted little-endian words, recomputed here in plain Python from the bytes. The GPU
+    test compares a CUDA buffer with this path."""
     from vllm_fastload.ipc.memory import layout
 
+    S = layout.SAMPLE
     g = torch.Generator().manual_seed(3)
-    buf = torch.randint(0, 256, (3 * layout.SAMPLE + 777,), dtype=torch.uint8, generator=g)
+    buf = torch.randint(0, 256, (8 * S,), dtype=torch.uint8, generator=g)
     raw = buf.numpy().tobytes()
     def at(o, n):
         return TensorRow("uint8", [n], [1], o, n, 0, "param")
 
-    entries = TensorTable.of({"long": at(0, 3 * layout.SAMPLE), "short": at(3 * layout.SAMPLE + 5, 9),
-                              "none": at(0, 0)})
+    spans = {"long": (0, 3 * S), "short": (3 * S + 5, 9), "none": (0, 0), "two": (4 * S, S + 40),
+             "three": (5 * S + 8, 2 * S + 100), "longer": (S, 5 * S + 3)}
+    entries = TensorTable.of({k: at(*v) for k, v in spans.items()})
+
+    def window(s, n):
+        w = raw[s:s + n] if n > 0 else b""
+        if not w:
+            return 0
+        w = w + w[-1:] * (S - len(w))
+        return sum(int.from_bytes(w[8 * j:8 * j + 8], "little") * x for j, x in enumerate(layout._word_weights()))
 
     def ref(o, n):
+        if n == 0:
+            return 0
+        if n <= S:
+            parts = [(o, n)] * 3
+        elif n < 3 * S:
+            parts = [(o, S), (o + S, min(n - S, S)), (o + 2 * S, n - 2 * S)]
+        else:
+            last = o + n - S
+            parts = [(o, S), (min(max(o + n // 2 - S // 2, o), last), S), (last, S)]
         h = 0
-        last = o + max(0, n - layout.SAMPLE)
-        for s in (o, o + n // 2 - layout.SAMPLE // 2, last):
-            s = min(max(s, o), last)
-            w = raw[s:min(s + layout.SAMPLE, o + n)]
-            w = w + w[-1:] * (layout.SAMPLE - len(w))
-            v = sum(int.from_bytes(w[8 * j:8 * j + 8], "little") * x for j, x in enumerate(layout._word_weights()))
-            h = (h * 0x100000001B3 + v % 2**64) % 2**64
+        for s, m in parts:
+            h = (h * 0x100000001B3 + window(s, m) % 2**64) % 2**64
         return h
 
     got = layout.sample_checksums(buf, entries).tolist()
-    assert got == [ref(0, 3 * layout.SAMPLE), ref(3 * layout.SAMPLE + 5, 9), 0]
-    assert len(set(got)) == 3
+    assert got == [ref(*v) for v in spans.values()]
+    assert len(set(got)) == len(spans)
+
+
+@pytest.mark.parametrize("size", [1, 8, 9, 512, 513, 544, 608, 768, 1024, 1535, 1536])
+def test_a_changed_byte_anywhere_in_a_span_of_up_to_three_windows_changes_its_checksum(size):
+    """Overlapping windows gave a byte two odd weights, an even sum: flipping its top bit (an fp32/bf16 sign) went
+    unseen in some spans between one and three windows (a 544-byte norm of 136 fp32 values). Consecutive windows
+    sum every byte once."""
+    from vllm_fastload.ipc.memory import layout
+
+    g = torch.Generator().manual_seed(size)
+    seg, table = pack({"w": torch.randint(0, 256, (size,), dtype=torch.uint8, generator=g)})
+    before = layout.sample_checksums(seg.buf, table).tolist()
+    missed = []
+    for b in range(size):
+        for bit in (0x80, 0x01):
+            seg.buf[b] ^= bit
+            if layout.sample_checksums(seg.buf, table).tolist() == before:
+                missed.append((b, bit))
+            seg.buf[b] ^= bit
+    assert not missed
+
+
+def test_a_span_beyond_int64_is_named_by_the_checksum_check():
+    from vllm_fastload.errors import ManifestError
+    from vllm_fastload.ipc.memory import layout
+
+    tb = TensorTable.of({"ok": TensorRow("uint8", [4], [1], 0, 4, 0, "param"),
+                         "bad": TensorRow("uint8", [4], [1], 0, 2**64, 0, "param")})
+    with pytest.raises(ManifestError, match="'bad' spans"):
+        layout.sample_checksums(torch.zeros(1000, dtype=torch.uint8), tb)
 
 
 @pytest.mark.parametrize("leaf", ["forward", "training_step_property", "lin", "__class__"])
@@ -514,3 +558,34 @@ def test_installed_parameters_carry_the_skeletons_attributes_but_never_over_the_
     assert vars(p) == {"weight_loader": loader, "input_dim": 1, "output_dim": 0}
     assert type(q) is WithProperty and torch.equal(q, b)
     assert q.weight_loader == "the class's" and q.output_dim == 0 and "weight_loader" not in vars(q)
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+@pytest.mark.parametrize("held", [False, True], ids=["no-holder", "a-list-holds-one"])
+def test_install_walks_for_stale_references_only_when_a_replaced_tensor_is_still_referred_to(monkeypatch, held,
+                                                                                             tied):
+    """A model whose skeleton tensors nothing else refers to (tied parameters included) needs no walk for stale
+    references; one that a module's list still holds does, and the reference ends up on the installed tensor."""
+    from vllm_fastload.ipc.memory import state
+
+    walks = []
+    real = state.repoint_stale
+    monkeypatch.setattr(state, "repoint_stale", lambda *a, **k: walks.append(1) or real(*a, **k))
+    m = nn.Module()
+    m.a, m.b = nn.Linear(2, 2, device="meta"), nn.Linear(2, 2, device="meta")
+    m.a.quant_method = m.b.quant_method = Scaling()
+    if tied:
+        m.b.weight = m.a.weight
+    if held:
+        vars(m.b)["kept"] = [m.a.bias]
+    ts = {f"{x}.{y}": ("param", torch.full((2, 2) if y == "weight" else (2,), float(i)))
+          for i, (x, y) in enumerate((x, y) for x in "ab" for y in ("weight", "bias"))}
+    aliases = {}
+    if tied:
+        del ts["b.weight"]
+        aliases = {"b.weight": "a.weight"}
+    install(m, ts, aliases, ["a", "b"])
+    assert walks == ([1] if held else [])
+    assert m.b.weight is m.a.weight if tied else not torch.equal(m.b.weight, m.a.weight)
+    if held:
+        assert m.b.kept[0] is m.a.bias and m.a.bias.device.type == "cpu"

@@ -3,9 +3,9 @@
 :func:`engine_device` (which device and transport, resolved once for the load) -> :func:`_fingerprint` (what this engine
 would load) -> :func:`fetch` (connect, hello, the validated manifest; the segment mapped by that transport) ->
 :func:`_verify` (each tensor's checksum sample, before anything is built) -> :func:`_build_model` (the skeleton on the
-meta device) -> :func:`_view_tensors` (views into the segment, or clones in ``copy`` mode) -> :func:`_apply_entries`
-(install tensors, aliases and attributes) -> :func:`_record_restore_device` (the real device for vLLM's
-``reload_weights``) -> :func:`_reprocess` (post-processing of the modules the daemon marked) -> attach ->
+meta device) -> :func:`_record_restore_device` (the real device for vLLM's ``reload_weights``) ->
+:func:`_view_tensors` (views into the segment, or clones in ``copy`` mode) -> :func:`_apply_entries` (install
+tensors, aliases and attributes) -> :func:`_reprocess` (post-processing of the modules the daemon marked) -> attach ->
 :func:`_send_release` (``copy``: the daemon may free its memory) or :func:`_keep_lease` (``zero_copy``: the connection
 lives as long as the process) -> :func:`_report`.
 
@@ -150,11 +150,13 @@ def map_model(vllm_config: Any, model_config: Any, prefix: str, path: str, confi
             with phases.part("skeleton_s", outside=True):  # not part of the weights phase
                 registered = _skeleton_registrations(vllm_config)
                 model = _build_model(vllm_config, model_config, prefix)
+                # the fix of what vLLM recorded per module while building it, so the skeleton's, as that recording
+                # is part of vLLM's own model construction (outside "Loading weights took" for `auto`)
+                _record_restore_device(model, device)
             with phases.part("views_s"):
                 tensors = _view_tensors(lease, config.mode)
             with phases.part("install_s"):
                 replaced = _apply_entries(model, tensors, lease.manifest)
-                _record_restore_device(model, device)
             del tensors  # copy mode: the model holds the clones; nothing else may view the mapping
             phases.lap("map_verify_install_s")
             _reprocess(model, lease.manifest, model_config, transport, device, replaced)

@@ -235,11 +235,14 @@ def _window_sums(buf: torch.Tensor, starts: Any, lens: Any, transport: Any) -> A
 
 def sample_checksums(buf: torch.Tensor, table: TensorTable, transport: Any = None) -> Any:
     """A 64-bit checksum (``numpy.uint64``, one per row of ``table``, in row order; 0 for an empty tensor) of each
-    tensor's three :data:`SAMPLE`-byte windows (start, middle, end of its span).
+    tensor's three :data:`SAMPLE`-byte windows: start, middle and end of its span, or, for a span shorter than
+    three windows, its consecutive windows (the last one shorter, a missing one summing to 0), so that no byte is
+    summed twice: a byte in two windows would get the sum of two odd weights, an even one, and a change of a high
+    power of two in it would cancel.
 
     Each window is read as little-endian 8-byte words and summed with position-dependent odd weights, modulo
     2**64 (integer arithmetic, so the result does not depend on the reduction order); the three window sums are
-    combined as ``((s0 * P + s1) * P + s2) mod 2**64``. A span shorter than :data:`SAMPLE` is one window, padded
+    combined as ``((s0 * P + s1) * P + s2) mod 2**64``. A span of at most :data:`SAMPLE` bytes is one window, padded
     with its last byte, used three times. The windows of a GPU buffer are copied to the host first, so one numpy
     computation serves both. This detects changed or moved bytes in the sampled windows; it is not a
     cryptographic hash. ``transport``: the :class:`.transport.Transport` that made ``buf`` (the daemon's and the
@@ -252,14 +255,15 @@ def sample_checksums(buf: torch.Tensor, table: TensorTable, transport: Any = Non
     out = np.zeros(n, dtype=np.uint64)
     if not n:
         return out
+    size = buf.numel()
     try:
         off, nb, _ = _columns(table)
-    except OverflowError:
-        off = nb = None
-    size = buf.numel()
-    outside = None if off is None else np.flatnonzero((off < 0) | (nb < 0) | (off > size - nb))
-    if outside is None or len(outside):
-        i = 0 if outside is None else int(outside[0])
+        outside = np.flatnonzero((off < 0) | (nb < 0) | (off > size - nb))
+    except OverflowError:  # a value beyond int64: find the row in Python
+        outside = [next((i for i, (o, m) in enumerate(zip(table.offset, table.nbytes))
+                         if not 0 <= o <= size - m or m < 0), 0)]
+    if len(outside):
+        i = int(outside[0])
         o, m = table.offset[i], table.nbytes[i]
         raise ManifestError(f"manifest entry {table.names[i]!r} spans [{o}, {o + m}), outside the {size}-byte "
                             f"buffer")
@@ -267,24 +271,24 @@ def sample_checksums(buf: torch.Tensor, table: TensorTable, transport: Any = Non
     if not len(rows):
         return out
     o, m = off[rows], nb[rows]
-    long = m > SAMPLE
+    short = m <= SAMPLE
+    chunked = (m > SAMPLE) & (m < 3 * SAMPLE)
     last = o + m - SAMPLE
-    mid = np.clip(o + m // 2 - SAMPLE // 2, o, last)
-    # windows: one per short span, three per long one (start, middle, end)
-    starts = np.where(long[:, None], np.stack([o, mid, last], axis=1), o[:, None]).reshape(-1)
-    lens = np.repeat(np.minimum(m, SAMPLE), 3)
+    mid = np.clip(o + m // 2 - SAMPLE // 2, o, last)  # from 3 windows on, [mid, mid + SAMPLE) lies between the others
+    starts = np.stack([o, np.where(chunked, o + SAMPLE, mid), np.where(chunked, o + 2 * SAMPLE, last)], axis=1)
+    lens = np.stack([np.minimum(m, SAMPLE), np.where(chunked, np.minimum(m - SAMPLE, SAMPLE), SAMPLE),
+                     np.where(chunked, m - 2 * SAMPLE, SAMPLE)], axis=1)
+    keep = lens > 0
+    keep[short, 1:] = False  # a short span is read once
     if transport is None:
         from .backends import get_transport
 
         transport = get_transport(buf.device)
-    keep = np.ones(len(starts), dtype=bool)
-    keep.reshape(-1, 3)[~long, 1:] = False  # a short span is read once
-    sums = np.zeros(len(starts), dtype=np.uint64)
+    sums = np.zeros(starts.shape, dtype=np.uint64)
     sums[keep] = _window_sums(buf, starts[keep], lens[keep], transport)
-    s = sums.reshape(-1, 3)
-    s[~long, 1] = s[~long, 0]
-    s[~long, 2] = s[~long, 0]
+    sums[short, 1] = sums[short, 0]
+    sums[short, 2] = sums[short, 0]
     p = np.uint64(0x100000001B3)
     with np.errstate(over="ignore"):
-        out[rows] = (s[:, 0] * p + s[:, 1]) * p + s[:, 2]
+        out[rows] = (sums[:, 0] * p + sums[:, 1]) * p + sums[:, 2]
     return out

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -588,8 +589,9 @@ def install(model: nn.Module, tensors: dict[str, tuple[str, torch.Tensor]], alia
     _drop_meta(modules, placer.owned)
     _set_attrs(placer.modules, attrs or {})
     _set_object_attrs(placer.modules, object_attrs or {})
-    holders = modules if "" in again else [(name, m) for name, m in modules if name in placer.owned]
-    repoint_stale(model, placer.replaced, holders)
+    if placer.held_elsewhere():
+        holders = modules if "" in again else [(name, m) for name, m in modules if name in placer.owned]
+        repoint_stale(model, placer.replaced, holders)
     return placer.replaced
 
 
@@ -616,6 +618,20 @@ class _Placer:
         self.owned = {name for name in by_name if owner_unit(name, units) in again} if again else set()
         self.installed: dict[str, torch.Tensor] = {}
         self.replaced: dict[int, torch.Tensor] = {}
+        # the replaced skeleton tensors by id (a tied parameter replaced under two names once), alive until
+        # held_elsewhere() was asked
+        self._olds: dict[int, torch.Tensor] = {}
+
+    def held_elsewhere(self) -> bool:
+        """Whether anything besides this placer still refers to a replaced skeleton tensor: a module or object that
+        kept a reference at construction (what :func:`repoint_stale` points at the installed tensor). Every such
+        reference is a Python reference, counted in the tensor's reference count (CPython ``sys.getrefcount``), so
+        when no count is above what this placer's own dict gives, no walk of the model can find one (a count
+        above it for another reason only costs the walk). Frees the dict."""
+        olds, self._olds = self._olds, {}
+        probe = {0: torch.empty(0, device="meta")}
+        base = max(sys.getrefcount(t) for t in probe.values())  # the dict, the loop's name, the call's argument
+        return any(sys.getrefcount(t) > base for t in olds.values())
 
     def put_tensors(self, tensors: dict[str, tuple[str, torch.Tensor]]) -> None:
         """Install every ``name -> (kind, tensor)``. Raises :class:`InstallError` naming the first that cannot be."""
@@ -680,6 +696,7 @@ class _Placer:
                 self.installed[full] = t
         if old is not None:
             self.replaced[id(old)] = self.installed[full]
+            self._olds[id(old)] = old
 
 
 def _as_parameter(t: torch.Tensor, old: torch.Tensor | None, owned: bool) -> nn.Parameter:

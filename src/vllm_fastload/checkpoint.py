@@ -12,7 +12,6 @@ import dataclasses
 import errno
 import hashlib
 import json
-import math
 import os
 import re
 import stat
@@ -33,6 +32,10 @@ DTYPE_BYTES: dict[str, float] = {
     "I64": 8, "U64": 8, "F64": 8, "C64": 8,
     "F4": 0.5,
 }
+#: Twice :data:`DTYPE_BYTES`, as integers: byte counts are computed exactly, never through a float.
+_HALF_BYTES = {k: int(2 * v) for k, v in DTYPE_BYTES.items()}
+#: Above this many bytes no tensor is real (safetensors offsets are u64): the product of a shape stops there.
+_MAX_TENSOR_BYTES = 2**64
 #: Largest header accepted (bytes); the safetensors library and runai-model-streamer use 100 MB too.
 MAX_HEADER_BYTES = 100 * 1024 * 1024
 SAFE_INDEX = "model.safetensors.index.json"
@@ -147,11 +150,21 @@ def _header_object(path: str, raw: bytes) -> dict[str, Any]:
         obj = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates(path))
     except CheckpointError:
         raise
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (ValueError, RecursionError) as e:  # bad UTF-8 or JSON, an integer of thousands of digits, deep nesting
         raise CheckpointError(f"{path}: safetensors header is not valid JSON ({e})") from None
     if not isinstance(obj, dict):
         raise CheckpointError(f"{path}: safetensors header must be a JSON object, got {type(obj).__name__}")
+    if _SURROGATE_ESCAPE.search(raw):  # JSON may escape a lone UTF-16 surrogate, which no UTF-8 text can hold
+        for name in obj:
+            try:
+                name.encode("utf-8")
+            except UnicodeEncodeError:
+                raise CheckpointError(f"{path}: tensor name {name!r} holds a lone UTF-16 surrogate (not Unicode text; "
+                                      f"the safetensors library refuses it): re-export the checkpoint") from None
     return obj
+
+
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 
 def _header_metadata(path: str, obj: dict[str, Any]) -> Optional[dict[str, str]]:
@@ -174,12 +187,26 @@ def _tensor_info(path: str, name: str, spec: Any) -> TensorInfo:
     # doubt goes through the checks below, which name what is wrong
     if type(spec) is dict:
         dtype, shape, offs = spec.get("dtype"), spec.get("shape"), spec.get("data_offsets")
-        if (dtype in DTYPE_BYTES and type(shape) is list and type(offs) is list and len(offs) == 2
-                and type(offs[0]) is int and type(offs[1]) is int and 0 <= offs[0] <= offs[1]
+        if (type(dtype) is str and dtype in DTYPE_BYTES and type(shape) is list and type(offs) is list
+                and len(offs) == 2 and type(offs[0]) is int and type(offs[1]) is int and 0 <= offs[0] <= offs[1]
                 and all(type(d) is int and 0 <= d < 2**63 for d in shape)
-                and offs[1] - offs[0] == math.ceil(math.prod(shape) * DTYPE_BYTES[dtype])):
+                and offs[1] - offs[0] == _shape_bytes(shape, dtype)):
             return TensorInfo(name, dtype, tuple(shape), offs[0], offs[1])
     return _checked_tensor_info(path, name, spec)
+
+
+def _shape_bytes(shape: list[int], dtype: str) -> Optional[int]:
+    """Bytes of a tensor of ``shape`` (non-negative ints) and safetensors ``dtype``, rounded up to whole bytes
+    (F4: two elements per byte), in exact integers; None above :data:`_MAX_TENSOR_BYTES`. The product stops there,
+    so a header of thousands of huge dimensions costs no big-integer work."""
+    if 0 in shape:
+        return 0
+    n = _HALF_BYTES[dtype]
+    for d in shape:
+        n *= d
+        if n > 2 * _MAX_TENSOR_BYTES:
+            return None
+    return -(-n // 2)
 
 
 def _checked_tensor_info(path: str, name: str, spec: Any) -> TensorInfo:
@@ -187,7 +214,7 @@ def _checked_tensor_info(path: str, name: str, spec: Any) -> TensorInfo:
     if not isinstance(spec, dict):
         raise CheckpointError(f"{path}: tensor {name!r}: entry must be an object, got {spec!r}")
     dtype = spec.get("dtype")
-    if dtype not in DTYPE_BYTES:
+    if not isinstance(dtype, str) or dtype not in DTYPE_BYTES:
         raise CheckpointError(
             f"{path}: tensor {name!r} has unknown dtype {dtype!r}; known: {', '.join(sorted(DTYPE_BYTES))}"
         )
@@ -203,10 +230,12 @@ def _checked_tensor_info(path: str, name: str, spec: Any) -> TensorInfo:
         or offs[1] < offs[0]
     ):
         raise CheckpointError(f"{path}: tensor {name!r} has invalid data_offsets {offs!r}")
-    expect = math.ceil(math.prod(shape) * DTYPE_BYTES[dtype])
+    expect = _shape_bytes(shape, dtype)
     if offs[1] - offs[0] != expect:
+        shown = shape if len(shape) <= 8 else f"{shape[:8]}... of {len(shape)} dimensions"
         raise CheckpointError(
-            f"{path}: tensor {name!r} ({dtype}, shape {shape}) needs {expect} bytes but data_offsets "
+            f"{path}: tensor {name!r} ({dtype}, shape {shown}) needs "
+            f"{expect if expect is not None else 'more than 2**64'} bytes but data_offsets "
             f"{offs} span {offs[1] - offs[0]}"
         )
     return TensorInfo(name, dtype, tuple(shape), offs[0], offs[1])

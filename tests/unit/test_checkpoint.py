@@ -442,3 +442,38 @@ def test_header_parsing_runs_without_the_garbage_collector_and_restores_it(tmp_p
     assert gc.isenabled()
     read_header(str(p))
     assert seen == [False] and gc.isenabled()
+
+
+def _raw_header(path, header_json: str, data: bytes = b"\0"):
+    import struct
+
+    raw = header_json.encode()
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + data)
+    return path
+
+
+@pytest.mark.parametrize("header, expect", [
+    ('{"w":{"dtype":["F32"],"shape":[1],"data_offsets":[0,4]}}', "unknown dtype ['F32']"),
+    ('{"w":{"dtype":"U8","shape":[1],"data_offsets":[0,' + "1" * 5000 + "]}}", "not valid JSON (Exceeds the limit"),
+    ('{"w":' + "[" * 100000 + "]" * 100000 + "}", "not valid JSON (maximum recursion depth"),
+    ('{"w":{"dtype":"F4","shape":[' + ",".join([str(2**62)] * 20) + '],"data_offsets":[0,1]}}',
+     "needs more than 2**64 bytes"),
+    ('{"w":{"dtype":"U8","shape":[' + ",".join([str(2**63 - 1)] * 100000) + '],"data_offsets":[0,1]}}',
+     "of 100000 dimensions) needs more than 2**64 bytes"),
+    ('{"\\ud800":{"dtype":"U8","shape":[1],"data_offsets":[0,1]}}', "lone UTF-16 surrogate"),
+    ('{"w":{"dtype":"F4","shape":[9007199254740993],"data_offsets":[0,4503599627370496]}}', "needs 4503599627370497"),
+], ids=["dtype-not-a-string", "5000-digit-offset", "nesting", "f4-overflow", "100k-huge-dims", "lone-surrogate",
+        "f4-past-float-precision"])
+def test_hostile_headers_get_a_checkpoint_error_naming_the_file(tmp_path, header, expect):
+    """Headers that crashed the parser with TypeError, ValueError, RecursionError or OverflowError, took a minute
+    of big-integer products (100k dimensions of 2**63 - 1), or were accepted through float rounding (an F4 count
+    past 2**53), each refused with a message naming the file."""
+    p = _raw_header(tmp_path / "x.safetensors", header)
+    with pytest.raises(CheckpointError) as e:
+        read_header(str(p))
+    assert str(p) in str(e.value) and expect in str(e.value)
+
+
+def test_an_escaped_name_that_is_unicode_reads(tmp_path):
+    p = _raw_header(tmp_path / "x.safetensors", '{"\\u00e9":{"dtype":"U8","shape":[1],"data_offsets":[0,1]}}')
+    assert list(read_header(str(p)).tensors) == ["é"]

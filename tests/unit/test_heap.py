@@ -13,6 +13,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
+from torch import nn  # noqa: E402
 from vllm.config.load import LoadConfig  # noqa: E402
 from vllm.model_executor.model_loader.base_loader import BaseModelLoader  # noqa: E402
 
@@ -94,7 +95,7 @@ def test_a_failed_mapping_frees_its_skeleton_and_clones_before_the_fallback_load
     srv, model_config, vllm_config = setup
     refs = {}
 
-    class Skeleton:
+    class Skeleton(nn.Module):  # an empty model: the restore-device record walks its modules in the skeleton phase
         pass
 
     def build(*a):

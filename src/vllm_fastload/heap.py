@@ -70,4 +70,3 @@ def gc_paused() -> Iterator[None]:
     finally:
         if was:
             gc.enable()
-

@@ -115,8 +115,8 @@ def gather_windows(buf: torch.Tensor, starts: Any, width: int) -> Any:
     """The ``width``-byte windows ``buf[s:s + width]`` of the flat ``torch.uint8`` ``buf`` (any device) as rows of
     a ``(len(starts), width)`` ``numpy.uint8`` array, read with one gather on ``buf``'s device and one copy to the
     host: a device buffer's windows cost one kernel and one transfer instead of a driver copy each. Every window
-    must lie inside ``buf`` (``0 <= s`` and ``s + width <= buf.numel()``), else ``IndexError`` (``RuntimeError``
-    on a GPU). ``starts``: int64 byte offsets (a sequence or ``numpy`` array)."""
+    must lie inside ``buf`` (``0 <= s`` and ``s + width <= buf.numel()``), else ``IndexError``, checked before
+    anything is read on any device. ``starts``: int64 byte offsets (a sequence or ``numpy`` array)."""
     import numpy as np
 
     s = np.asarray(starts, dtype=np.int64)
@@ -134,4 +134,3 @@ def gather_windows(buf: torch.Tensor, starts: Any, width: int) -> Any:
     host.copy_(rows, non_blocking=True)
     torch.cuda.current_stream(buf.device).synchronize()
     return host.numpy()
-

@@ -40,6 +40,13 @@ LOADERS = {
     "runai_fastload_runai32": ("runai_streamer", {}),
     # ours with the H2D copies issued by a thread of the load (`issue_thread: true`)
     "runai_fastload_issue": ("runai_streamer", {}),
+    # ours with this package's io_uring reader (`fs_strategy: uring_buffered`) instead of the pread threads
+    "runai_fastload_uring": ("runai_streamer", {}),
+    # the same with other read request sizes (FASTLOAD_URING_PART_BYTES) and requests in flight (`concurrency`)
+    "runai_fastload_uring8m16": ("runai_streamer", {"FASTLOAD_URING_PART_BYTES": str(8 << 20)}),
+    "runai_fastload_uring2m32": ("runai_streamer", {"FASTLOAD_URING_PART_BYTES": str(2 << 20)}),
+    "runai_fastload_uring1m48": ("runai_streamer", {"FASTLOAD_URING_PART_BYTES": str(1 << 20)}),
+    "runai_fastload_uring24": ("runai_streamer", {}),  # 24 slots, all in flight
     # ipc_cache needs a `vllm-fastload preload` daemon for the same model/TP; started by main() when asked for.
     # ipc_copy releases the daemon's memory, so it must come last.
     "ipc_zero_copy": ("ipc_cache", {}),
@@ -123,6 +130,13 @@ def run_one(name: str, model: str, tp: int, gmu: float, report: Path, extra: dic
         ex["pinned_slot_bytes"] = 32 * 2**20
     if name == "runai_fastload_issue":
         ex["issue_thread"] = True
+    if name.startswith("runai_fastload_uring"):
+        ex["fs_strategy"] = "uring_buffered"
+        depth = {"8m16": 16, "2m32": 32, "1m48": 48, "24": 24}.get(name[len("runai_fastload_uring"):])
+        if depth:
+            ex["concurrency"] = depth
+        if name == "runai_fastload_uring24":
+            ex["pinned_slots"] = 24
     if name.startswith("ipc_"):
         ex = {"socket_dir": SOCKET_DIR[0], "mode": name[4:], "report_path": str(report), "fallback": False}
     args = {"model": model, "load_format": fmt, "tp": tp, "gmu": gmu, "extra": ex, "dtype": dtype}

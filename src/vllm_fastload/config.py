@@ -172,8 +172,8 @@ class _LoaderConfig(BaseModel):
 #: How an ``ipc_cache`` engine uses the daemon's memory (``mode``; also the wire's ``attach`` mode).
 Mode = Literal["zero_copy", "copy"]
 #: How runai reads local files (``fs_strategy``).
-FsStrategy = Literal["auto", "runai", "pread_buffered", "io_uring_direct", "io_uring_buffered", "libaio_direct",
-                     "sync_buffered"]
+FsStrategy = Literal["auto", "runai", "pread_buffered", "uring_buffered", "io_uring_direct", "io_uring_buffered",
+                     "libaio_direct", "sync_buffered"]
 
 
 class StreamerConfig(_LoaderConfig):
@@ -188,7 +188,7 @@ class StreamerConfig(_LoaderConfig):
         None, gt=0, le=4096,
         allowed="an integer from 1 to 4096 (JSON number, not a string), e.g. 16",
         description="Reader threads: of the runai-model-streamer pool (RUNAI_STREAMER_CONCURRENCY) or of the "
-        "pread_buffered reader.",
+        "pread_buffered reader; reads in flight of the uring_buffered reader.",
     )
     memory_limit: Optional[Union[int, str]] = key(
         None,
@@ -219,13 +219,18 @@ class StreamerConfig(_LoaderConfig):
     )
     fs_strategy: FsStrategy = key(
         "auto",
-        allowed="one of auto, runai, pread_buffered, io_uring_direct, io_uring_buffered, libaio_direct, sync_buffered",
+        allowed="one of auto, runai, pread_buffered, uring_buffered, io_uring_direct, io_uring_buffered, "
+        "libaio_direct, sync_buffered",
         description="How local files are read. auto: when >= 90% of the shards are in the page cache (a restart), "
-        "pread_buffered on the direct GPU path, else runai's sync_buffered with one reader per CPU (up to 32), split "
+        "uring_buffered on the direct GPU path (pread_buffered where io_uring is not available), else runai's "
+        "sync_buffered with one reader per CPU (up to 32), split "
         "among this host's ranks, unless concurrency is set; otherwise runai's O_DIRECT default. pread_buffered: this "
         "package's reader (os.preadv threads, 3/4 of the CPUs split among this host's ranks unless concurrency is "
-        "set, into pinned_slots slots of pinned_slot_bytes; local files, direct GPU path only). runai: always "
-        "runai's default. The other values are runai's strategies (RUNAI_STREAMER_FS_STRATEGY).",
+        "set, into pinned_slots slots of pinned_slot_bytes; local files, direct GPU path only). uring_buffered: this "
+        "package's io_uring reader (the loading thread keeps concurrency reads in flight, default pinned_slots, and "
+        "the kernel's workers copy; "
+        "needs the liburing package and a kernel and seccomp profile allowing io_uring, else pread_buffered, said at "
+        "INFO). runai: always runai's default. The other values are runai's strategies (RUNAI_STREAMER_FS_STRATEGY).",
     )
     pinned_slot_bytes: Union[int, str] = key(
         8 * 2**20,

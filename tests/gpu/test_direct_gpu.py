@@ -21,9 +21,13 @@ from vllm_fastload.streaming.timing import StageTimes  # noqa: E402
 
 
 @pytest.mark.parametrize("issue_thread", [False, True], ids=["consumer-issues", "issue-thread"])
-@pytest.mark.parametrize("threads", [None, 4], ids=["runai", "pread"])
+@pytest.mark.parametrize("threads, uring", [(None, False), (4, False), (4, True)], ids=["runai", "pread", "uring"])
 @pytest.mark.parametrize("piece", [4096, 5000, 2**20])
-def test_zoo_bit_exact_through_a_registered_arena_made_on_a_thread(tmp_path, piece, threads, issue_thread):
+def test_zoo_bit_exact_through_a_registered_arena_made_on_a_thread(tmp_path, piece, threads, uring, issue_thread):
+    from vllm_fastload.streaming.uring import unavailable
+
+    if uring and unavailable():
+        pytest.skip(f"no io_uring here: {unavailable()}")
     expected = write_zoo(tmp_path / "model.safetensors")
     future = direct.ArenaFuture(piece, 2, torch.cuda.current_device())
     arena, _ = future.result()
@@ -31,7 +35,8 @@ def test_zoo_bit_exact_through_a_registered_arena_made_on_a_thread(tmp_path, pie
     times, stats, got = StageTimes(), {}, {}
     for name, t in direct.stream_to_device([read_header(str(tmp_path / "model.safetensors"))],
                                            torch.device("cuda", torch.cuda.current_device()),
-                                           direct.Ring(piece, 2, threads, issue_thread), times, arena, stats):
+                                           direct.Ring(piece, 2, threads, issue_thread, uring), times, arena,
+                                           stats):
         got[name] = t
         torch.cuda._sleep(1000)  # a slow consumer: a slot must not be refilled before its copies finished
     arena = None

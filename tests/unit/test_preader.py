@@ -224,16 +224,28 @@ def _strategy(monkeypatch, extra, frac=1.0, direct=True, files=("/m/model.safete
     return env, threads, r.extra
 
 
-def test_auto_on_a_warm_cache_reads_with_ours_on_the_direct_path_and_with_runai_elsewhere(monkeypatch):
-    env, threads, extra = _strategy(monkeypatch, {})
-    assert (env, threads) == ({}, 12) and extra["fs_strategy"] == "pread_buffered" and extra["concurrency"] == 12
-    env, threads, extra = _strategy(monkeypatch, {}, direct=False)  # CPU, or pinned_reader false
-    assert threads is None and env == {"RUNAI_STREAMER_FS_STRATEGY": "sync_buffered",
-                                       "RUNAI_STREAMER_CONCURRENCY": "16"}
-    env, threads, extra = _strategy(monkeypatch, {}, frac=0.5)  # cold: runai's O_DIRECT default
-    assert (env, threads) == ({}, None) and extra["fs_strategy"] == "runai default"
-    _, threads, extra = _strategy(monkeypatch, {"concurrency": 5})
-    assert threads == 5 and extra["concurrency"] == 5
+def test_auto_on_a_warm_cache_reads_with_ours_on_the_direct_path_and_with_runai_elsewhere(monkeypatch, caplog):
+    from vllm_fastload.streaming import uring
+
+    monkeypatch.setattr(uring, "unavailable", lambda: None)
+    env, reader, extra = _strategy(monkeypatch, {})  # io_uring: every slot's read in flight
+    assert (env, reader) == ({}, (16, True))
+    assert extra["fs_strategy"] == "uring_buffered" and extra["concurrency"] == 16
+    env, reader, extra = _strategy(monkeypatch, {}, direct=False)  # CPU, or pinned_reader false
+    assert reader is None and env == {"RUNAI_STREAMER_FS_STRATEGY": "sync_buffered",
+                                      "RUNAI_STREAMER_CONCURRENCY": "16"}
+    env, reader, extra = _strategy(monkeypatch, {}, frac=0.5)  # cold: runai's O_DIRECT default
+    assert (env, reader) == ({}, None) and extra["fs_strategy"] == "runai default"
+    _, reader, extra = _strategy(monkeypatch, {"concurrency": 5})
+    assert reader == (5, True) and extra["concurrency"] == 5
+    # without io_uring (no liburing, an old kernel, seccomp): the pread threads, said at INFO
+    monkeypatch.setattr(uring, "unavailable", lambda: "io_uring_setup failed (OSError: [Errno 38] ENOSYS)")
+    with caplog.at_level("INFO", logger="vllm.fastload"):
+        env, reader, extra = _strategy(monkeypatch, {})
+    assert (env, reader) == ({}, (12, False))
+    assert extra["fs_strategy"] == "pread_buffered" and extra["concurrency"] == 12
+    assert "fs_strategy uring_buffered: io_uring_setup failed (OSError: [Errno 38] ENOSYS); this load reads with " \
+           "pread_buffered" in caplog.text
 
 
 def test_explicit_pread_outside_the_direct_path_says_so_and_reads_buffered(monkeypatch, caplog):
@@ -242,7 +254,7 @@ def test_explicit_pread_outside_the_direct_path_says_so_and_reads_buffered(monke
     assert threads is None and env == {"RUNAI_STREAMER_FS_STRATEGY": "sync_buffered"}
     assert "fs_strategy pread_buffered reads on the direct GPU path only" in caplog.text
     env, threads, _ = _strategy(monkeypatch, {"fs_strategy": "pread_buffered"}, frac=0.0)  # cold but asked for
-    assert (env, threads) == ({}, 12)
+    assert (env, threads) == ({}, (12, False))
 
 
 def test_explicit_pread_on_object_storage_is_refused_naming_the_key(monkeypatch):

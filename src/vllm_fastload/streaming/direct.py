@@ -378,15 +378,16 @@ class ArenaFuture:
 class Ring(NamedTuple):
     """The shape of a direct read: ``slot_bytes`` (bytes per read range and ring slot, > 0), ``slots`` (ring
     slots, >= 1), ``threads`` (None: runai-model-streamer reads, its ring recycled through :class:`PinnedSlots`; a
-    number: this package's reader, :class:`.preader.PreadRing`, local files only, with that many threads) and
-    ``issue_thread`` (pinned path only: the copies are issued by a thread of the load, :class:`_IssueThread`, at
-    most :data:`AHEAD_SPANS` ring spans of finished tensors ahead of the consumer; False: by the consumer's thread
-    between the tensors it takes)."""
+    number: this package's reader, local files only: :class:`.preader.PreadRing` with that many threads, or with
+    ``uring`` :class:`.uring.UringRing` with that many reads in flight) and ``issue_thread`` (pinned path only:
+    the copies are issued by a thread of the load, :class:`_IssueThread`, at most :data:`AHEAD_SPANS` ring spans of
+    finished tensors ahead of the consumer; False: by the consumer's thread between the tensors it takes)."""
 
     slot_bytes: int
     slots: int
     threads: Optional[int] = None
     issue_thread: bool = False
+    uring: bool = False
 
 
 def stream_to_device(headers: list[SafetensorsHeader], device: torch.device, ring: Ring, times: StageTimes,
@@ -661,6 +662,7 @@ def _pread_pieces(chunks: list, arena: Optional[torch.Tensor], ring: Ring, copy_
     stops the reader threads; the slots are dropped after ``copy_stream`` (None on CPU) finished
     (``times.slot_wait_s``: seconds the threads waited for copies, summed over threads)."""
     from .preader import PreadRing
+    from .uring import UringRing
 
     n = ring.slot_bytes
     if arena is not None:
@@ -668,7 +670,7 @@ def _pread_pieces(chunks: list, arena: Optional[torch.Tensor], ring: Ring, copy_
     else:
         slots = [torch.empty(n, dtype=torch.uint8) for _ in range(ring.slots)]
     arena = None
-    reader = PreadRing(chunks, slots, ring.threads)
+    reader = (UringRing if ring.uring else PreadRing)(chunks, slots, ring.threads)
     try:
         for p in reader:
             yield p.file_id, p.range_index, p.data, lambda ev, slot=p.slot: reader.recycle(slot, ev)

@@ -57,12 +57,20 @@ def _model_device(model: Any) -> Any:
 class _Load:
     """What the steps of one ``load_weights`` / ``get_all_weights`` call share (nothing is kept on the loader
     between its steps): the shards, their validated checkpoint, the report being filled, and the read settings
-    the strategy chose (``threads``: this package's page-cache reader, None = runai)."""
+    the strategy chose (``reader``: this package's page-cache reader, None = runai)."""
 
     plan: ShardPlan
     checkpoint: Checkpoint
     report: LoadReport
-    threads: int | None = None
+    reader: runai_env.LocalReader | None = None
+
+    def ring(self, config: Any) -> Any:
+        """The direct read's :class:`.direct.Ring` for this load under ``config`` (a StreamerConfig)."""
+        from .direct import Ring
+
+        r = self.reader
+        return Ring(config.pinned_slot_bytes, config.pinned_slots, r.threads if r else None, config.issue_thread,
+                    bool(r and r.uring))
 
     @property
     def headers(self) -> list:
@@ -258,7 +266,7 @@ class RunaiStreamerLoader(BaseModelLoader):
                 f"memory_limit >= {largest.nbytes}, 0 (= the largest tensor) or -1 (unlimited)."
             )
         self.config.warn_if_above_cgroup()
-        env, load.threads = runai_env.load_env(self.config, plan.files, report, direct=why_not_direct is None)
+        env, load.reader = runai_env.load_env(self.config, plan.files, report, direct=why_not_direct is None)
         fingerprint = from_vllm(model_config, headers)
         report.fingerprint, report.shards = fingerprint.short(), len(plan.files)
         if plan.ignored:
@@ -289,10 +297,10 @@ class RunaiStreamerLoader(BaseModelLoader):
     def _gpu_tensors(self, load: _Load, device: Any, why_not_direct: str | None) -> Iterator[tuple[str, Any]]:
         """GPU path. ``why_not_direct`` is None (:meth:`_reads_into_pinned`): tensor pieces are read straight into a
         recycled pinned arena and the GPU copies them out (``streaming.direct``; read by this package's page-cache
-        reader with ``load.threads`` threads, or by runai when None); else runai reads into pageable memory and each
+        reader ``load.reader``, or by runai when None); else runai reads into pageable memory and each
         tensor is copied through a pinned ring (``streaming.pipeline``), logged with the reason when
         ``pinned_reader`` asked for the former. Both: async H2D on a side stream."""
-        from .direct import Ring, release_pinned_cache, stream_to_device
+        from .direct import release_pinned_cache, stream_to_device
         from .pipeline import H2DPipeline
         from .timing import StageTimes
 
@@ -300,7 +308,7 @@ class RunaiStreamerLoader(BaseModelLoader):
         if why_not_direct is None:
             arena = self._take_arena(device, report)
             t, stats = StageTimes(), {}
-            ring = Ring(cfg.pinned_slot_bytes, cfg.pinned_slots, load.threads, cfg.issue_thread)
+            ring = load.ring(cfg)
             it = stream_to_device(load.headers, device, ring, t, arena, stats)
             arena = None  # the stream owns it now
             try:
@@ -351,9 +359,9 @@ class RunaiStreamerLoader(BaseModelLoader):
 
     def _fanned_out_tensors(self, load: _Load, device: Any, fan: Any) -> Iterator[tuple[str, Any]]:
         """This rank reads its share (``streaming.direct.stream_tensors``: pinned direct reads on a GPU, by this
-        package's reader with ``load.threads`` threads or by runai when None; runai's owned slots on CPU) and gets
+        package's reader ``load.reader`` or by runai when None; runai's owned slots on CPU) and gets
         the rest from the other ranks of its host (``streaming.fanout``)."""
-        from .direct import Ring, release_pinned_cache, stream_tensors
+        from .direct import release_pinned_cache, stream_tensors
         from .fanout import entries_of
         from .timing import StageTimes
 
@@ -363,7 +371,7 @@ class RunaiStreamerLoader(BaseModelLoader):
         only = {(f, t.name) for (f, t), o in zip(entries, owner) if o == fan.me}
         arena = self._take_arena(device, report) if device.type == "cuda" else None
         t, stats = StageTimes(), {}
-        ring = Ring(cfg.pinned_slot_bytes, cfg.pinned_slots, load.threads, cfg.issue_thread)
+        ring = load.ring(cfg)
         local = stream_tensors(headers, device, ring, t, arena, stats, only=only)
         arena = None  # the stream owns it now
         it = fan.run(entries, owner, self._storage_errors(load.plan, local), device)

@@ -70,6 +70,22 @@ def pread_into(fd: int, buf: memoryview, offset: int, path: str) -> None:
         done += got
 
 
+def plan_reads(requests: list[tuple[str, list[int], list[int]]], slots: list[Any], who: str):
+    """What a ring reads (:class:`PreadRing`, :class:`.uring.UringRing`): ``(work, paths, views, room)`` with
+    ``work`` = ``(file id, range index, offset, bytes)`` per range of ``requests`` (``(path, offsets, sizes)`` per
+    file), ``views`` = a writable memoryview per slot (uint8 host tensors), ``room`` = the smallest slot's bytes.
+    Raises ``ValueError`` (naming ``who``) for no slots or a range larger than a slot."""
+    if not slots:
+        raise ValueError(f"{who} needs at least one slot")
+    room = min(s.numel() for s in slots)
+    work = [(fid, r, off, n) for fid, (_, offs, sizes) in enumerate(requests)
+            for r, (off, n) in enumerate(zip(offs, sizes))]
+    big = max((n for *_, n in work), default=0)
+    if big > room:
+        raise ValueError(f"a range of {big} bytes does not fit a slot of {room} bytes")
+    return work, [p for p, _, _ in requests], [memoryview(s.numpy()) for s in slots], room
+
+
 class PreadRing:
     """Reads byte ranges of local files with ``threads`` threads into ``slots`` (uint8 host tensors, each at least
     as large as the largest range), handing them out in completion order.
@@ -82,19 +98,10 @@ class PreadRing:
     """
 
     def __init__(self, requests: list[tuple[str, list[int], list[int]]], slots: list[Any], threads: int):
-        if not slots:
-            raise ValueError("PreadRing needs at least one slot")
         if threads < 1:
             raise ValueError(f"threads must be >= 1, got {threads}")
-        room = min(s.numel() for s in slots)
-        self._work = [(fid, r, off, n) for fid, (_, offs, sizes) in enumerate(requests)
-                      for r, (off, n) in enumerate(zip(offs, sizes))]
-        big = max((n for *_, n in self._work), default=0)
-        if big > room:
-            raise ValueError(f"a range of {big} bytes does not fit a slot of {room} bytes")
-        self._paths = [p for p, _, _ in requests]
+        self._work, self._paths, self._views, _ = plan_reads(requests, slots, "PreadRing")
         self._slots = slots
-        self._views = [memoryview(s.numpy()) for s in slots]
         self._free: queue.SimpleQueue = queue.SimpleQueue()
         for i in range(len(slots)):
             self._free.put((i, None))

@@ -1,0 +1,271 @@
+"""This package's io_uring reader for local files in the page cache: one thread (the consumer's) keeps reads in flight.
+
+:mod:`.preader` reads with a pool of Python threads; each finished read needs the GIL to hand its slot over, and
+the thread that issues the H2D copies (vLLM's loading thread) shares the GIL with all of them. Here the kernel's
+io_uring workers do the page-cache copies (``IOSQE_ASYNC``: every read is handed to an ``io-wq`` worker instead of
+being copied inline by the submitting thread), and the consumer's own thread submits and reaps them between the
+copies it issues: no reader thread, no hand-over (the shape of instanttensor's BUFFERED backend, whose public
+source reads through io_uring from one loader thread).
+
+Data flow (:class:`UringRing`, the same interface as :class:`.preader.PreadRing`)::
+
+    consumer thread, at each next(): slots whose copy finished (event query) -> submit a read of the next range
+    into each (file order, IOSQE_ASYNC) -> wait for one completion -> hand (range, slot) out
+    consumer (:func:`.direct.stream_tensors`): issue the copy out of the slot, then :meth:`UringRing.recycle`
+    with the copy's event
+
+The binding is the ``liburing`` package on PyPI (a wrapper of C liburing; its wait calls keep the GIL, so this
+thread waits only when no piece is ready). :func:`unavailable` says why io_uring cannot be used here (package
+missing, the kernel or a seccomp profile refusing ``io_uring_setup``); the loader then reads with :mod:`.preader`.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import time
+from collections import deque
+from collections.abc import Iterator
+from typing import Any, Optional
+
+from .preader import Piece, plan_reads
+
+#: Bytes per read request: a range longer than this is read as several requests, each copied by its own io-wq
+#: worker. The default is the default slot size (one request per range): smaller requests measured slower on the
+#: H200 host (docs/benchmarks.md). ``FASTLOAD_URING_PART_BYTES`` overrides it, for the benchmarks that compare sizes.
+PART_BYTES = int(os.environ.get("FASTLOAD_URING_PART_BYTES", 8 << 20))
+
+
+@functools.lru_cache(maxsize=1)
+def unavailable() -> Optional[str]:
+    """Why this process cannot read through io_uring (the ``liburing`` package is not installed or fails to import;
+    ``io_uring_setup`` refused, e.g. ENOSYS on an old kernel or EPERM under a seccomp profile; a test read of the
+    Python executable's first bytes failing or differing from ``os.pread``'s), or None. The answer is cached for
+    the process."""
+    try:
+        import liburing  # noqa: F401 - only whether it imports
+    except Exception as e:  # noqa: BLE001 - an import of a compiled module can fail many ways; all mean "no"
+        return f"the liburing package cannot be imported ({type(e).__name__}: {e})"
+    import sys
+
+    import torch
+
+    path = os.path.realpath(sys.executable)
+    slot = torch.zeros(64, dtype=torch.uint8)
+    try:
+        with UringRing([(path, [0], [64])], [slot], 1) as ring:
+            got = [bytes(p.data.numpy()) for p in ring]
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            want = os.pread(fd, 64, 0)
+        finally:
+            os.close(fd)
+    except Exception as e:  # noqa: BLE001 - the binding raises OSError subclasses; any failure means "no"
+        return f"io_uring failed ({type(e).__name__}: {e})"
+    if got != [want]:
+        return f"an io_uring test read of {path} gave other bytes than os.pread"
+    return None
+
+
+class UringRing:
+    """Reads byte ranges of local files through io_uring into ``slots`` (uint8 host tensors, each at least as large
+    as the largest range), at most ``depth`` read requests of at most ``part_bytes`` in flight, handing each range
+    out (in completion order) once all its requests completed.
+
+    Same contract as :class:`.preader.PreadRing`: ``requests`` are ``(path, offsets, sizes)`` per file (absolute
+    byte offsets); iterate once, from one thread; give every :class:`~.preader.Piece` back with :meth:`recycle`
+    (with the event of the copy out of it, or None); :meth:`close` (also on leaving ``with``) waits for the reads
+    still in flight (the kernel writes into the slots until they complete) before it returns, so the slots' memory
+    may be freed after it. The iterator raises ``OSError`` for a failed read (naming the file), ``EOFError`` for a
+    file that ended before a range it promised; ``ValueError`` for no slots, ``depth < 1``, ``part_bytes < 1`` or a
+    range larger than a slot. ``slot_wait_s``: seconds spent waiting for a slot's copy because no read could be
+    submitted.
+    """
+
+    def __init__(self, requests: list[tuple[str, list[int], list[int]]], slots: list[Any], depth: int,
+                 part_bytes: int = PART_BYTES):
+        if depth < 1:
+            raise ValueError(f"depth must be >= 1, got {depth}")
+        if part_bytes < 1:
+            raise ValueError(f"part_bytes must be >= 1, got {part_bytes}")
+        self._work, self._paths, self._views, room = plan_reads(requests, slots, "UringRing")
+        self._slots = slots
+        self._part = part_bytes
+        #: read requests kept in flight (and io-wq workers busy) at most
+        self.threads = max(1, min(depth, len(slots) * -(-room // part_bytes)))
+        self.slot_wait_s = 0.0
+        self._free: deque[int] = deque(range(len(slots)))
+        self._pending: deque[tuple[int, Any]] = deque()  # (slot, event of the copy out of it)
+        # slot being read -> [work index, requests not yet completed, byte offset of the next request to submit]
+        self._filling: dict[int, list] = {}
+        self._open: deque[int] = deque()  # slots with requests still to submit, oldest first
+        # request id -> [slot, first byte in the slot, end byte, bytes read so far, iovec the kernel writes through]
+        self._inflight: dict[int, list] = {}
+        self._ids = 0
+        self._next = 0
+        self._fds: list[int] = []
+        self._ring: Any = None
+        self._lib: Any = None
+
+    def __enter__(self) -> UringRing:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def start(self) -> None:
+        """Open the files and set the ring up (the first ``next()`` does it too). Raises ``OSError`` as
+        ``io_uring_setup`` or ``open`` raised it."""
+        if self._ring is not None:
+            return
+        import liburing
+
+        self._lib = liburing
+        for p in self._paths:
+            self._fds.append(os.open(p, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)))
+        ring = liburing.Ring()
+        entries = 1 << max(1, (self.threads - 1).bit_length())
+        liburing.io_uring_queue_init(entries, ring)
+        self._ring, self._cqe = ring, liburing.Cqe()
+
+    def recycle(self, slot: int, event: Any = None) -> None:
+        """Give ``slot`` back; it is read into again after ``event`` (a CUDA event recorded after the copies out
+        of it; None = free now) completed."""
+        if event is None:
+            self._free.append(slot)
+        else:
+            self._pending.append((slot, event))
+
+    def _reclaim(self) -> None:
+        while self._pending and self._pending[0][1].query():
+            self._free.append(self._pending.popleft()[0])
+
+    def _prep(self, rid: int, req: list) -> None:
+        """Queue request ``rid`` (its unread rest) on the submission ring."""
+        lib = self._lib
+        slot, begin, end, done = req[0], req[1], req[2], req[3]
+        fid, _, off, _ = self._work[self._filling[slot][0]]
+        iov = lib.Iovec([self._views[slot][begin + done:end]])
+        req[4] = iov
+        sqe = lib.io_uring_get_sqe(self._ring)
+        lib.io_uring_prep_readv(sqe, self._fds[fid], iov, off + begin + done)
+        sqe.flags |= lib.IOSQE_ASYNC
+        sqe.user_data = rid
+
+    def _submit(self) -> None:
+        """Queue read requests of the next ranges into free slots, up to ``threads`` in flight, and submit them."""
+        self._reclaim()
+        added = False
+        while len(self._inflight) < self.threads:
+            if not self._open:
+                if not self._free or self._next >= len(self._work):
+                    break
+                slot = self._free.popleft()
+                n = self._work[self._next][3]
+                self._filling[slot] = [self._next, -(-n // self._part), 0]
+                self._next += 1
+                self._open.append(slot)
+            slot = self._open[0]
+            state = self._filling[slot]
+            n = self._work[state[0]][3]
+            begin = state[2]
+            end = min(n, begin + self._part)
+            state[2] = end
+            if end >= n:
+                self._open.popleft()
+            rid = self._ids
+            self._ids += 1
+            req = [slot, begin, end, 0, None]
+            self._inflight[rid] = req
+            self._prep(rid, req)
+            added = True
+        if added:
+            self._lib.io_uring_submit(self._ring)
+
+    def _error(self, req: list, res: int) -> BaseException:
+        fid, _, off, n = self._work[self._filling[req[0]][0]]
+        at = off + req[1] + req[3]
+        if res < 0:
+            return OSError(-res, f"{os.strerror(-res)}: reading {n} bytes at byte {off} of {self._paths[fid]}")
+        return EOFError(f"{self._paths[fid]} ended at byte {at}, {off + n - at} bytes short of the range "
+                        f"[{off}, {off + n}) the header promised")
+
+    def _reap(self, wait: bool) -> list[Piece]:
+        """Ranges whose requests all completed, as pieces (a short read is submitted again for its rest); ``wait``:
+        block for one completion. Every completion seen is taken off the ring before a failed read is raised, so
+        :meth:`close` waits only for requests still in flight."""
+        lib = self._lib
+        if wait:
+            lib.io_uring_wait_cqe(self._ring, self._cqe)
+        out: list[Piece] = []
+        again, error, ready = False, None, 0
+        # CqeIter follows the completion ring's wrap-around (indexing Cqe past [0] does not)
+        for _ in lib.CqeIter(self._ring, self._cqe):
+            ready += 1
+            c = self._cqe[0]
+            rid = c.user_data
+            try:
+                res = c.res  # the binding raises OSError for a negative result (-errno)
+            except OSError as e:
+                res = -(e.errno or 5)
+            req = self._inflight[rid]
+            if res > 0:
+                req[3] += res
+                if req[1] + req[3] < req[2] and error is None:
+                    self._prep(rid, req)
+                    again = True
+                    continue
+            if (res <= 0 or req[1] + req[3] < req[2]) and error is None:
+                error = self._error(req, res)
+            del self._inflight[rid]
+            slot = req[0]
+            state = self._filling[slot]
+            state[1] -= 1
+            if state[1] == 0 and state[2] >= self._work[state[0]][3]:
+                del self._filling[slot]
+                if error is None:
+                    fid, r, _, n = self._work[state[0]]
+                    out.append(Piece(fid, r, self._slots[slot][:n], slot))
+        if ready:
+            lib.io_uring_cq_advance(self._ring, ready)
+        if again:
+            lib.io_uring_submit(self._ring)
+        if error is not None:
+            raise error
+        return out
+
+    def __iter__(self) -> Iterator[Piece]:
+        self.start()
+        left = len(self._work)
+        while left:
+            self._submit()
+            if not self._inflight:
+                # every slot waits for its copy: wait for the oldest, then read into it
+                slot, event = self._pending.popleft()
+                t = time.perf_counter()
+                event.synchronize()
+                self.slot_wait_s += time.perf_counter() - t
+                self._free.append(slot)
+                continue
+            pieces = self._reap(wait=True)
+            for p in pieces:
+                left -= 1
+                yield p
+                self._submit()  # keep the kernel reading while the consumer copies the next piece
+
+    def close(self) -> None:
+        """Wait for the reads in flight, tear the ring down, close the files. Idempotent."""
+        if self._ring is not None:
+            lib = self._lib
+            while self._inflight:
+                lib.io_uring_wait_cqe(self._ring, self._cqe)
+                ready = 0
+                for _ in lib.CqeIter(self._ring, self._cqe):
+                    ready += 1
+                    self._inflight.pop(self._cqe[0].user_data, None)
+                lib.io_uring_cq_advance(self._ring, ready)
+            lib.io_uring_queue_exit(self._ring)
+            self._ring = None
+        for fd in self._fds:
+            os.close(fd)
+        self._fds = []

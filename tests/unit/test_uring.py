@@ -1,0 +1,171 @@
+"""This package's io_uring reader (streaming/uring.py) alone, inside the direct path, and how a load chooses it.
+
+On CPU: the bytes handed out equal the file's, a slot is read into again only after its copy's event, a shard cut
+short and a failed read are errors naming the file, closing early waits for the reads in flight, and where
+io_uring cannot be used the load reads with the pread reader and says so. The reader tests skip (with the reason)
+where this kernel or the liburing package gives no io_uring; the CUDA copies run in tests/gpu on the device.
+"""
+
+import pytest
+import torch
+
+from tests.conftest import assert_zoo_bit_exact, write_zoo
+from tests.unit.test_direct_reader import device_buffers, fake_cuda  # noqa: F401 - fixture
+from tests.unit.test_preader import SlowEvent, _file, _ranges, _strategy
+from vllm_fastload.checkpoint import read_header
+from vllm_fastload.streaming import direct, uring
+from vllm_fastload.streaming.timing import StageTimes
+
+needs_uring = pytest.mark.skipif(uring.unavailable() is not None, reason=f"no io_uring here: {uring.unavailable()}")
+
+
+def _slots(n, size=4096):
+    return [torch.empty(size, dtype=torch.uint8) for _ in range(n)]
+
+
+@needs_uring
+@pytest.mark.parametrize("part", [1000, 4096, 2**21], ids=["parts", "one-part", "default"])
+@pytest.mark.parametrize("depth, slots", [(1, 1), (3, 2), (8, 16)])
+def test_every_range_comes_back_with_the_files_bytes(tmp_path, depth, slots, part):
+    """Each range read as requests of ``part`` bytes (a 4096-byte range in five of 1000: four full, one short)."""
+    (a, da), (b, db) = _file(tmp_path, 100_000, "a.bin"), _file(tmp_path, 33_333, "b.bin")
+    requests = [(str(a), *_ranges(len(da), 4096)), (str(b), *_ranges(len(db), 1000))]
+    got = {}
+    with uring.UringRing(requests, _slots(slots), depth, part) as ring:
+        for p in ring:
+            got[(p.file_id, p.range_index)] = bytes(p.data.numpy())
+            ring.recycle(p.slot)
+    assert ring.threads == min(depth, slots * -(-4096 // part))
+    for fid, data in ((0, da), (1, db)):
+        offs, sizes = requests[fid][1:]
+        assert [got[(fid, r)] for r in range(len(offs))] == [data[o:o + n] for o, n in zip(offs, sizes)]
+
+
+@needs_uring
+def test_a_slot_is_read_into_again_only_after_its_copy_event(tmp_path):
+    p, data = _file(tmp_path, 10 * 4096)
+    log, seen = [], []
+    with uring.UringRing([(str(p), *_ranges(len(data), 4096))], _slots(1), 4) as ring:
+        for piece in ring:
+            seen.append(bytes(piece.data.numpy()))
+            ring.recycle(piece.slot, SlowEvent(log))
+    assert seen == [data[o:o + 4096] for o in range(0, len(data), 4096)]  # one slot, never overwritten early
+    assert log == ["waited"] * 9  # every reuse of the slot waited for the copy out of it
+
+
+@needs_uring
+def test_a_shard_cut_short_names_the_file_and_the_range(tmp_path):
+    p, data = _file(tmp_path, 8192)
+    ring = uring.UringRing([(str(p), [0, 8192], [8192, 4096])], _slots(2, 8192), 2)
+    with pytest.raises(EOFError, match=f"{p} ended at byte 8192, 4096 bytes short of the range \\[8192, 12288\\)"):
+        with ring:
+            for piece in ring:
+                ring.recycle(piece.slot)
+
+
+@needs_uring
+def test_a_failed_read_names_the_file(tmp_path):
+    d = tmp_path / "dir.safetensors"
+    d.mkdir()  # reading a directory fails with EISDIR
+    with pytest.raises(OSError, match=f"reading 4096 bytes at byte 0 of {d}"):
+        with uring.UringRing([(str(d), [0], [4096])], _slots(1), 1) as ring:
+            list(ring)
+
+
+@needs_uring
+def test_closing_early_waits_for_the_reads_in_flight(tmp_path):
+    p, data = _file(tmp_path, 64 * 4096)
+    ring = uring.UringRing([(str(p), *_ranges(len(data), 4096))], _slots(4), 4)
+    it = iter(ring)
+    first = next(it)  # the consumer keeps this slot and stops with reads in flight
+    assert bytes(first.data.numpy()) == data[first.range_index * 4096:(first.range_index + 1) * 4096]
+    ring.close()
+    assert ring._inflight == {} and ring._fds == []
+    ring.close()  # idempotent
+
+
+def test_bad_arguments_are_refused(tmp_path):
+    p, _ = _file(tmp_path, 8192)
+    with pytest.raises(ValueError, match="at least one slot"):
+        uring.UringRing([(str(p), [0], [8192])], [], 1)
+    with pytest.raises(ValueError, match="range of 8192 bytes does not fit a slot of 4096 bytes"):
+        uring.UringRing([(str(p), [0], [8192])], _slots(1), 1)
+    with pytest.raises(ValueError, match="depth must be >= 1"):
+        uring.UringRing([(str(p), [0], [8192])], _slots(1, 8192), 0)
+
+
+@needs_uring
+@pytest.mark.parametrize("piece, depth, threads", [(4096, 2, 1), (5000, 3, 4), (2**20, 16, 12)])
+def test_direct_path_with_the_uring_reader_is_bit_exact(tmp_path, fake_cuda, piece, depth, threads):  # noqa: F811
+    consumer, extra = fake_cuda
+    expected = write_zoo(tmp_path / "model.safetensors")
+    headers = [read_header(str(tmp_path / "model.safetensors"))]
+    times, stats = StageTimes(), {}
+    arena = torch.empty(direct.arena_bytes(piece, depth), dtype=torch.uint8)
+    ring = direct.Ring(piece, depth, threads, uring=True)
+    got = {n: t.clone() for n, t in direct.stream_to_device(headers, torch.device("cpu"), ring, times, arena, stats)}
+    assert_zoo_bit_exact(got, expected)
+    assert times.bytes == sum(len(raw) for _, _, raw in expected.values()) and times.tensors == len(expected)
+    assert consumer.waited == device_buffers(tmp_path / "model.safetensors", piece)
+    assert extra == [] and stats["reader_threads"] == min(threads, depth)
+
+
+@needs_uring
+def test_unpinned_uring_path_reads_a_share(tmp_path):
+    expected = write_zoo(tmp_path / "model.safetensors")
+    headers = [read_header(str(tmp_path / "model.safetensors"))]
+    names = sorted(n for n, (_, _, raw) in expected.items() if raw)[::2]
+    ring = direct.Ring(4096, 2, 3, uring=True)
+    got = {k[1]: t.clone() for k, t in direct.stream_tensors(headers, torch.device("cpu"), ring, StageTimes(),
+                                                               only={(0, n) for n in names})}
+    assert sorted(got) == names
+    assert_zoo_bit_exact(got, {n: expected[n] for n in names})
+
+
+# --- how a load chooses it (streaming/runai_env.fs_strategy_env) ------------------------------------------------
+def test_asked_for_and_available_it_reads_with_io_uring(monkeypatch):
+    monkeypatch.setattr(uring, "unavailable", lambda: None)
+    env, reader, extra = _strategy(monkeypatch, {"fs_strategy": "uring_buffered"})
+    assert env == {} and reader == (16, True) and extra["fs_strategy"] == "uring_buffered"  # every slot in flight
+    _, reader, _ = _strategy(monkeypatch, {"fs_strategy": "uring_buffered", "concurrency": 5})
+    assert reader == (5, True)
+
+
+def test_without_io_uring_it_reads_with_pread_and_says_why(monkeypatch, caplog):
+    monkeypatch.setattr(uring, "unavailable", lambda: "io_uring_setup failed (PermissionError: seccomp)")
+    with caplog.at_level("INFO", logger="vllm.fastload"):
+        env, reader, extra = _strategy(monkeypatch, {"fs_strategy": "uring_buffered"})
+    assert env == {} and reader == (12, False) and extra["fs_strategy"] == "pread_buffered"
+    assert ("fs_strategy uring_buffered: io_uring_setup failed (PermissionError: seccomp); this load reads with "
+            "pread_buffered") in caplog.text
+
+
+def test_uring_outside_the_direct_path_or_on_object_storage(monkeypatch, caplog):
+    from vllm_fastload.errors import ConfigError
+
+    with caplog.at_level("INFO", logger="vllm.fastload"):
+        env, reader, _ = _strategy(monkeypatch, {"fs_strategy": "uring_buffered"}, direct=False)
+    assert reader is None and env == {"RUNAI_STREAMER_FS_STRATEGY": "sync_buffered"}
+    assert "fs_strategy uring_buffered reads on the direct GPU path only" in caplog.text
+    with pytest.raises(ConfigError, match="fs_strategy 'uring_buffered' reads local files, but s3://b/m/x"):
+        _strategy(monkeypatch, {"fs_strategy": "uring_buffered"}, files=("s3://b/m/x.safetensors",))
+
+
+def test_unavailable_names_a_missing_package(monkeypatch):
+    import builtins
+
+    real = builtins.__import__
+
+    def no_liburing(name, *a, **k):
+        if name == "liburing":
+            raise ImportError("No module named 'liburing'")
+        return real(name, *a, **k)
+
+    uring.unavailable.cache_clear()
+    monkeypatch.setattr(builtins, "__import__", no_liburing)
+    try:
+        assert uring.unavailable() == ("the liburing package cannot be imported (ImportError: No module named "
+                                       "'liburing')")
+    finally:
+        monkeypatch.undo()
+        uring.unavailable.cache_clear()

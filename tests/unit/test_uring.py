@@ -6,6 +6,8 @@ io_uring cannot be used the load reads with the pread reader and says so. The re
 where this kernel or the liburing package gives no io_uring; the CUDA copies run in tests/gpu on the device.
 """
 
+import os
+
 import pytest
 import torch
 
@@ -169,3 +171,89 @@ def test_unavailable_names_a_missing_package(monkeypatch):
     finally:
         monkeypatch.undo()
         uring.unavailable.cache_clear()
+
+
+# --- found by a helper's attack: signals, the GIL, zero-byte ranges, where a short file ended -------------------
+def _fifo_writer(fifo, payload, delay):
+    """A thread that opens ``fifo`` for writing (blocking until the ring opens it) and writes after ``delay`` s:
+    the ring waits meanwhile, and only gets its bytes if its wait lets this Python thread run."""
+    import threading
+    import time
+
+    def write():
+        fd = os.open(fifo, os.O_WRONLY)
+        time.sleep(delay)
+        os.write(fd, payload)
+        os.close(fd)
+
+    th = threading.Thread(target=write, daemon=True)
+    th.start()
+    return th
+
+
+@pytest.fixture
+def alarm():
+    """SIGALRM with a handler that returns, armed by the test: a wait must survive it (PEP 475)."""
+    import signal
+
+    seen = []
+    old = signal.signal(signal.SIGALRM, lambda *a: seen.append(1))
+    yield lambda s: (signal.setitimer(signal.ITIMER_REAL, s), seen)[1]
+    signal.setitimer(signal.ITIMER_REAL, 0)
+    signal.signal(signal.SIGALRM, old)
+
+
+@needs_uring
+def test_the_wait_releases_the_gil_and_survives_a_signal(tmp_path, alarm):
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    payload = os.urandom(4096)
+    th = _fifo_writer(fifo, payload, 0.4)
+    seen = alarm(0.1)
+    with uring.UringRing([(str(fifo), [0], [4096])], _slots(1), 1) as ring:
+        got = [bytes(p.data.numpy()) for p in ring]
+    th.join()
+    assert got == [payload] and seen == [1]
+
+
+@needs_uring
+def test_close_waits_for_a_read_in_flight_through_a_signal(tmp_path, alarm):
+    p, data = _file(tmp_path, 4096)
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    th = _fifo_writer(fifo, os.urandom(4096), 0.4)
+    ring = uring.UringRing([(str(p), [0], [4096]), (str(fifo), [0], [4096])], _slots(2), 2)
+    it = iter(ring)
+    assert bytes(next(it).data.numpy()) == data  # the pipe's read stays in flight
+    seen = alarm(0.1)
+    ring.close()
+    th.join()
+    assert seen == [1] and ring._inflight == {} and ring._ring is None and ring._fds == [] and ring._efd == -1
+
+
+@needs_uring
+def test_a_zero_byte_range_comes_back_empty_as_with_pread(tmp_path):
+    p, data = _file(tmp_path, 8192)
+    with uring.UringRing([(str(p), [0, 100, 4096], [100, 0, 4096])], _slots(2), 2) as ring:
+        got = {}
+        for piece in ring:
+            got[piece.range_index] = bytes(piece.data.numpy())
+            ring.recycle(piece.slot)
+    assert got == {0: data[:100], 1: b"", 2: data[4096:]}
+
+
+@needs_uring
+def test_a_short_file_read_in_parts_names_where_it_ended(tmp_path):
+    p, _ = _file(tmp_path, 10_500)
+    with pytest.raises(EOFError, match=f"{p} ended at byte 10500, 1788 bytes short of the range \\[0, 12288\\)"):
+        with uring.UringRing([(str(p), [0], [12288])], _slots(1, 12288), 4, 1000) as ring:
+            list(ring)
+    assert ring._inflight == {} and ring._fds == []
+
+
+@needs_uring
+def test_a_consumer_keeping_every_slot_gets_an_error_not_a_hang(tmp_path):
+    p, data = _file(tmp_path, 3 * 4096)
+    with pytest.raises(RuntimeError, match="every slot is still held by the consumer; give each piece back"):
+        with uring.UringRing([(str(p), *_ranges(len(data), 4096))], _slots(2), 2) as ring:
+            list(ring)  # never recycles

@@ -14,9 +14,12 @@ Data flow (:class:`UringRing`, the same interface as :class:`.preader.PreadRing`
     consumer (:func:`.direct.stream_tensors`): issue the copy out of the slot, then :meth:`UringRing.recycle`
     with the copy's event
 
-The binding is the ``liburing`` package on PyPI (a wrapper of C liburing; its wait calls keep the GIL, so this
-thread waits only when no piece is ready). :func:`unavailable` says why io_uring cannot be used here (package
-missing, the kernel or a seccomp profile refusing ``io_uring_setup``); the loader then reads with :mod:`.preader`.
+The binding is the ``liburing`` package on PyPI (a wrapper of C liburing). Its wait calls keep the GIL and raise on
+EINTR, so this module never blocks in them: the ring signals completions on an eventfd
+(``io_uring_register_eventfd``) and the thread blocks in ``os.read`` of it, which releases the GIL and retries
+after a signal (PEP 475), then takes the completions without waiting. :func:`unavailable` says why io_uring cannot
+be used here (package missing, the kernel or a seccomp profile refusing ``io_uring_setup``, a test read failing);
+the loader then reads with :mod:`.preader`.
 """
 
 from __future__ import annotations
@@ -30,27 +33,38 @@ from typing import Any, Optional
 
 from .preader import Piece, plan_reads
 
+
 #: Bytes per read request: a range longer than this is read as several requests, each copied by its own io-wq
 #: worker. The default is the default slot size (one request per range): smaller requests measured slower on the
 #: H200 host (docs/benchmarks.md). ``FASTLOAD_URING_PART_BYTES`` overrides it, for the benchmarks that compare sizes.
-PART_BYTES = int(os.environ.get("FASTLOAD_URING_PART_BYTES", 8 << 20))
+def _part_bytes(default: int = 8 << 20) -> int:
+    raw = os.environ.get("FASTLOAD_URING_PART_BYTES", "")
+    try:
+        value = int(raw)
+    except ValueError:
+        return default
+    return value if value > 0 else default
+
+
+PART_BYTES = _part_bytes()
+#: Most read requests in flight: a ring of this many entries (the kernel refuses more than 32768), and what
+#: ``concurrency`` admits.
+MAX_DEPTH = 4096
 
 
 @functools.lru_cache(maxsize=1)
 def unavailable() -> Optional[str]:
     """Why this process cannot read through io_uring (the ``liburing`` package is not installed or fails to import;
-    ``io_uring_setup`` refused, e.g. ENOSYS on an old kernel or EPERM under a seccomp profile; a test read of the
-    Python executable's first bytes failing or differing from ``os.pread``'s), or None. The answer is cached for
-    the process."""
+    ``io_uring_setup`` refused, e.g. ENOSYS on an old kernel or EPERM under a seccomp profile; a test read of this
+    module's source file failing or differing from ``os.pread``'s), or None. The answer is cached for the
+    process."""
     try:
         import liburing  # noqa: F401 - only whether it imports
     except Exception as e:  # noqa: BLE001 - an import of a compiled module can fail many ways; all mean "no"
         return f"the liburing package cannot be imported ({type(e).__name__}: {e})"
-    import sys
-
     import torch
 
-    path = os.path.realpath(sys.executable)
+    path = os.path.realpath(__file__)
     slot = torch.zeros(64, dtype=torch.uint8)
     try:
         with UringRing([(path, [0], [64])], [slot], 1) as ring:
@@ -92,8 +106,9 @@ class UringRing:
         self._slots = slots
         self._part = part_bytes
         #: read requests kept in flight (and io-wq workers busy) at most
-        self.threads = max(1, min(depth, len(slots) * -(-room // part_bytes)))
+        self.threads = max(1, min(depth, MAX_DEPTH, len(slots) * -(-room // part_bytes)))
         self.slot_wait_s = 0.0
+        self._ready: deque[Piece] = deque()  # zero-byte ranges: handed out without a read
         self._free: deque[int] = deque(range(len(slots)))
         self._pending: deque[tuple[int, Any]] = deque()  # (slot, event of the copy out of it)
         # slot being read -> [work index, requests not yet completed, byte offset of the next request to submit]
@@ -106,6 +121,8 @@ class UringRing:
         self._fds: list[int] = []
         self._ring: Any = None
         self._lib: Any = None
+        self._efd = -1
+        self._seen = 0  # completions the last reap took
 
     def __enter__(self) -> UringRing:
         return self
@@ -114,18 +131,27 @@ class UringRing:
         self.close()
 
     def start(self) -> None:
-        """Open the files and set the ring up (the first ``next()`` does it too). Raises ``OSError`` as
-        ``io_uring_setup`` or ``open`` raised it."""
+        """Open the files and set the ring up with its completion eventfd (the first ``next()`` does it too).
+        Raises ``OSError`` as ``open``, ``eventfd`` or ``io_uring_setup`` raised it (nothing left open then)."""
         if self._ring is not None:
             return
         import liburing
 
         self._lib = liburing
-        for p in self._paths:
-            self._fds.append(os.open(p, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)))
-        ring = liburing.Ring()
-        entries = 1 << max(1, (self.threads - 1).bit_length())
-        liburing.io_uring_queue_init(entries, ring)
+        try:
+            for p in self._paths:
+                self._fds.append(os.open(p, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)))
+            self._efd = os.eventfd(0, os.EFD_CLOEXEC)
+            ring = liburing.Ring()
+            liburing.io_uring_queue_init(1 << max(1, (self.threads - 1).bit_length()), ring)
+            try:
+                liburing.io_uring_register_eventfd(ring, self._efd)
+            except BaseException:
+                liburing.io_uring_queue_exit(ring)
+                raise
+        except BaseException:
+            self._close_fds()
+            raise
         self._ring, self._cqe = ring, liburing.Cqe()
 
     def recycle(self, slot: int, event: Any = None) -> None:
@@ -153,7 +179,8 @@ class UringRing:
         sqe.user_data = rid
 
     def _submit(self) -> None:
-        """Queue read requests of the next ranges into free slots, up to ``threads`` in flight, and submit them."""
+        """Queue read requests of the next ranges into free slots, up to ``threads`` in flight, and submit them. A
+        request counts as in flight once it is queued: :meth:`close` submits what is queued before it waits."""
         self._reclaim()
         added = False
         while len(self._inflight) < self.threads:
@@ -161,42 +188,60 @@ class UringRing:
                 if not self._free or self._next >= len(self._work):
                     break
                 slot = self._free.popleft()
-                n = self._work[self._next][3]
-                self._filling[slot] = [self._next, -(-n // self._part), 0]
+                fid, r, _, n = self._work[self._next]
                 self._next += 1
+                if n == 0:
+                    self._ready.append(Piece(fid, r, self._slots[slot][:0], slot))
+                    continue
+                self._filling[slot] = [self._next - 1, -(-n // self._part), 0]
                 self._open.append(slot)
             slot = self._open[0]
             state = self._filling[slot]
             n = self._work[state[0]][3]
             begin = state[2]
             end = min(n, begin + self._part)
+            req = [slot, begin, end, 0, None]
+            rid = self._ids
+            self._prep(rid, req)
+            self._ids += 1
+            self._inflight[rid] = req
             state[2] = end
             if end >= n:
                 self._open.popleft()
-            rid = self._ids
-            self._ids += 1
-            req = [slot, begin, end, 0, None]
-            self._inflight[rid] = req
-            self._prep(rid, req)
             added = True
         if added:
-            self._lib.io_uring_submit(self._ring)
+            self._flush()
+
+    def _flush(self) -> None:
+        """Submit the queued requests, again after a signal interrupted the system call."""
+        while True:
+            try:
+                self._lib.io_uring_submit(self._ring)
+                return
+            except InterruptedError:
+                continue
+
+    def _wait(self) -> None:
+        """Block until the ring posted a completion: ``os.read`` of its eventfd releases the GIL while it waits
+        and is retried after a signal whose handler returns."""
+        os.read(self._efd, 8)
 
     def _error(self, req: list, res: int) -> BaseException:
         fid, _, off, n = self._work[self._filling[req[0]][0]]
-        at = off + req[1] + req[3]
         if res < 0:
             return OSError(-res, f"{os.strerror(-res)}: reading {n} bytes at byte {off} of {self._paths[fid]}")
+        try:
+            at = min(off + n, max(off, os.fstat(self._fds[fid]).st_size))
+        except OSError:
+            at = off + req[1] + req[3]
         return EOFError(f"{self._paths[fid]} ended at byte {at}, {off + n - at} bytes short of the range "
                         f"[{off}, {off + n}) the header promised")
 
-    def _reap(self, wait: bool) -> list[Piece]:
-        """Ranges whose requests all completed, as pieces (a short read is submitted again for its rest); ``wait``:
-        block for one completion. Every completion seen is taken off the ring before a failed read is raised, so
-        :meth:`close` waits only for requests still in flight."""
+    def _reap(self) -> list[Piece]:
+        """Ranges whose requests all completed, as pieces (a short read is submitted again for its rest); never
+        blocks. Every completion seen is taken off the ring before a failed read is raised, so :meth:`close` waits
+        only for requests still in flight."""
         lib = self._lib
-        if wait:
-            lib.io_uring_wait_cqe(self._ring, self._cqe)
         out: list[Piece] = []
         again, error, ready = False, None, 0
         # CqeIter follows the completion ring's wrap-around (indexing Cqe past [0] does not)
@@ -212,7 +257,12 @@ class UringRing:
             if res > 0:
                 req[3] += res
                 if req[1] + req[3] < req[2] and error is None:
+                    # the rest under a new id: ids in flight stay in submission order (close relies on it)
+                    del self._inflight[rid]
+                    rid = self._ids
                     self._prep(rid, req)
+                    self._ids += 1
+                    self._inflight[rid] = req
                     again = True
                     continue
             if (res <= 0 or req[1] + req[3] < req[2]) and error is None:
@@ -226,10 +276,11 @@ class UringRing:
                 if error is None:
                     fid, r, _, n = self._work[state[0]]
                     out.append(Piece(fid, r, self._slots[slot][:n], slot))
+        self._seen = ready
         if ready:
             lib.io_uring_cq_advance(self._ring, ready)
         if again:
-            lib.io_uring_submit(self._ring)
+            self._flush()
         if error is not None:
             raise error
         return out
@@ -239,7 +290,14 @@ class UringRing:
         left = len(self._work)
         while left:
             self._submit()
+            if self._ready:
+                left -= 1
+                yield self._ready.popleft()
+                continue
             if not self._inflight:
+                if not self._pending:
+                    raise RuntimeError("UringRing: every slot is still held by the consumer; give each piece back "
+                                       "with recycle() before taking the next")
                 # every slot waits for its copy: wait for the oldest, then read into it
                 slot, event = self._pending.popleft()
                 t = time.perf_counter()
@@ -247,25 +305,47 @@ class UringRing:
                 self.slot_wait_s += time.perf_counter() - t
                 self._free.append(slot)
                 continue
-            pieces = self._reap(wait=True)
+            pieces = self._reap()
+            if not pieces:
+                if not self._seen:
+                    self._wait()  # nothing completed since the last look: block until the ring posts
+                continue
             for p in pieces:
                 left -= 1
                 yield p
                 self._submit()  # keep the kernel reading while the consumer copies the next piece
 
     def close(self) -> None:
-        """Wait for the reads in flight, tear the ring down, close the files. Idempotent."""
+        """Submit what is queued, wait for every read in flight, tear the ring down, close the files. Idempotent;
+        a signal whose handler returns does not interrupt the wait."""
         if self._ring is not None:
             lib = self._lib
+            try:
+                self._flush()
+            except OSError:
+                # the newest requests, still queued, never reached the kernel: wait only for the others
+                queued = lib.io_uring_sq_ready(self._ring)
+                for rid in sorted(self._inflight)[len(self._inflight) - queued:] if queued else ():
+                    del self._inflight[rid]
             while self._inflight:
-                lib.io_uring_wait_cqe(self._ring, self._cqe)
                 ready = 0
                 for _ in lib.CqeIter(self._ring, self._cqe):
                     ready += 1
                     self._inflight.pop(self._cqe[0].user_data, None)
-                lib.io_uring_cq_advance(self._ring, ready)
+                if ready:
+                    lib.io_uring_cq_advance(self._ring, ready)
+                elif self._inflight:
+                    self._wait()
+            self._inflight.clear()
             lib.io_uring_queue_exit(self._ring)
             self._ring = None
-        for fd in self._fds:
-            os.close(fd)
-        self._fds = []
+        self._close_fds()
+
+    def _close_fds(self) -> None:
+        fds = self._fds + ([self._efd] if self._efd >= 0 else [])
+        self._fds, self._efd = [], -1
+        for fd in fds:
+            try:
+                os.close(fd)
+            except OSError:
+                pass  # already closed underneath us: nothing left to release

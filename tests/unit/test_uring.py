@@ -1,4 +1,5 @@
-"""This package's io_uring reader (streaming/uring.py) alone, inside the direct path, and how a load chooses it.
+"""This package's io_uring reader (streaming/uring.py) alone and how a load chooses it (inside the direct path it
+runs in tests/unit/test_preader.py's direct-path tests, beside the pread reader).
 
 On CPU: the bytes handed out equal the file's, a slot is read into again only after its copy's event, a shard cut
 short and a failed read are errors naming the file, closing early waits for the reads in flight, and where
@@ -11,12 +12,8 @@ import os
 import pytest
 import torch
 
-from tests.conftest import assert_zoo_bit_exact, write_zoo
-from tests.unit.test_direct_reader import device_buffers, fake_cuda  # noqa: F401 - fixture
 from tests.unit.test_preader import SlowEvent, _file, _ranges, _strategy
-from vllm_fastload.checkpoint import read_header
-from vllm_fastload.streaming import direct, uring
-from vllm_fastload.streaming.timing import StageTimes
+from vllm_fastload.streaming import uring
 
 needs_uring = pytest.mark.skipif(uring.unavailable() is not None, reason=f"no io_uring here: {uring.unavailable()}")
 
@@ -94,34 +91,6 @@ def test_bad_arguments_are_refused(tmp_path):
         uring.UringRing([(str(p), [0], [8192])], _slots(1), 1)
     with pytest.raises(ValueError, match="depth must be >= 1"):
         uring.UringRing([(str(p), [0], [8192])], _slots(1, 8192), 0)
-
-
-@needs_uring
-@pytest.mark.parametrize("piece, depth, threads", [(4096, 2, 1), (5000, 3, 4), (2**20, 16, 12)])
-def test_direct_path_with_the_uring_reader_is_bit_exact(tmp_path, fake_cuda, piece, depth, threads):  # noqa: F811
-    consumer, extra = fake_cuda
-    expected = write_zoo(tmp_path / "model.safetensors")
-    headers = [read_header(str(tmp_path / "model.safetensors"))]
-    times, stats = StageTimes(), {}
-    arena = torch.empty(direct.arena_bytes(piece, depth), dtype=torch.uint8)
-    ring = direct.Ring(piece, depth, threads, uring=True)
-    got = {n: t.clone() for n, t in direct.stream_to_device(headers, torch.device("cpu"), ring, times, arena, stats)}
-    assert_zoo_bit_exact(got, expected)
-    assert times.bytes == sum(len(raw) for _, _, raw in expected.values()) and times.tensors == len(expected)
-    assert consumer.waited == device_buffers(tmp_path / "model.safetensors", piece)
-    assert extra == [] and stats["reader_threads"] == min(threads, depth)
-
-
-@needs_uring
-def test_unpinned_uring_path_reads_a_share(tmp_path):
-    expected = write_zoo(tmp_path / "model.safetensors")
-    headers = [read_header(str(tmp_path / "model.safetensors"))]
-    names = sorted(n for n, (_, _, raw) in expected.items() if raw)[::2]
-    ring = direct.Ring(4096, 2, 3, uring=True)
-    got = {k[1]: t.clone() for k, t in direct.stream_tensors(headers, torch.device("cpu"), ring, StageTimes(),
-                                                               only={(0, n) for n in names})}
-    assert sorted(got) == names
-    assert_zoo_bit_exact(got, {n: expected[n] for n in names})
 
 
 # --- how a load chooses it (streaming/runai_env.fs_strategy_env) ------------------------------------------------

@@ -34,10 +34,8 @@ from typing import Any, Optional
 from .preader import Piece, plan_reads
 
 
-#: Bytes per read request: a range longer than this is read as several requests, each copied by its own io-wq
-#: worker. The default is the default slot size (one request per range): smaller requests measured slower on the
-#: H200 host (docs/benchmarks.md). ``FASTLOAD_URING_PART_BYTES`` overrides it, for the benchmarks that compare sizes.
 def _part_bytes(default: int = 8 << 20) -> int:
+    """``FASTLOAD_URING_PART_BYTES`` as a positive int, else ``default`` (unset, not a number, or <= 0)."""
     raw = os.environ.get("FASTLOAD_URING_PART_BYTES", "")
     try:
         value = int(raw)
@@ -46,6 +44,9 @@ def _part_bytes(default: int = 8 << 20) -> int:
     return value if value > 0 else default
 
 
+#: Bytes per read request: a range longer than this is read as several requests, each copied by its own io-wq
+#: worker. The default is the default slot size (one request per range): smaller requests measured slower on the
+#: H200 host (docs/benchmarks.md). ``FASTLOAD_URING_PART_BYTES`` overrides it, for the benchmarks that compare sizes.
 PART_BYTES = _part_bytes()
 #: Most read requests in flight: a ring of this many entries (the kernel refuses more than 32768), and what
 #: ``concurrency`` admits.
@@ -122,7 +123,6 @@ class UringRing:
         self._ring: Any = None
         self._lib: Any = None
         self._efd = -1
-        self._seen = 0  # completions the last reap took
 
     def __enter__(self) -> UringRing:
         return self
@@ -237,10 +237,10 @@ class UringRing:
         return EOFError(f"{self._paths[fid]} ended at byte {at}, {off + n - at} bytes short of the range "
                         f"[{off}, {off + n}) the header promised")
 
-    def _reap(self) -> list[Piece]:
-        """Ranges whose requests all completed, as pieces (a short read is submitted again for its rest); never
-        blocks. Every completion seen is taken off the ring before a failed read is raised, so :meth:`close` waits
-        only for requests still in flight."""
+    def _reap(self) -> tuple[list[Piece], int]:
+        """``(pieces, completions taken)``: the ranges whose requests all completed, as pieces (a short read is
+        submitted again for its rest); never blocks. Every completion seen is taken off the ring before a failed
+        read is raised, so :meth:`close` waits only for requests still in flight."""
         lib = self._lib
         out: list[Piece] = []
         again, error, ready = False, None, 0
@@ -276,14 +276,13 @@ class UringRing:
                 if error is None:
                     fid, r, _, n = self._work[state[0]]
                     out.append(Piece(fid, r, self._slots[slot][:n], slot))
-        self._seen = ready
         if ready:
             lib.io_uring_cq_advance(self._ring, ready)
         if again:
             self._flush()
         if error is not None:
             raise error
-        return out
+        return out, ready
 
     def __iter__(self) -> Iterator[Piece]:
         self.start()
@@ -305,9 +304,9 @@ class UringRing:
                 self.slot_wait_s += time.perf_counter() - t
                 self._free.append(slot)
                 continue
-            pieces = self._reap()
+            pieces, seen = self._reap()
             if not pieces:
-                if not self._seen:
+                if not seen:
                     self._wait()  # nothing completed since the last look: block until the ring posts
                 continue
             for p in pieces:

@@ -525,16 +525,24 @@ def test_an_installed_buffer_keeps_the_persistence_the_model_gave_it():
     m.register_buffer("cache", torch.empty(4, device="meta"), persistent=False)
     m.register_buffer("kept", torch.empty(2, device="meta"))
     cache, kept = torch.arange(4.0), torch.ones(2)
+    memory = cache.data_ptr(), kept.data_ptr()
     install(m, {"cache": ("buffer", cache), "kept": ("buffer", kept)}, {}, [])
-    assert m.cache is cache and m.kept is kept
+    assert (m.cache.data_ptr(), m.kept.data_ptr()) == memory and m.cache.tolist() == [0.0, 1.0, 2.0, 3.0]
     assert list(m.state_dict()) == ["kept"]
 
 
-def test_installed_parameters_carry_the_skeletons_attributes_but_never_over_the_classes_own():
+@pytest.mark.parametrize("take_over", [True, False], ids=["skeleton-object-kept", "new-object"])
+def test_installed_parameters_carry_the_skeletons_attributes_but_never_over_the_classes_own(take_over, monkeypatch):
     """vLLM hangs ``weight_loader``, ``input_dim``, ``output_dim`` on each parameter (``set_weight_attrs``); the
     installed parameter has them, as the same objects. A parameter class of vLLM's kind defines ``weight_loader``
     as a property: a re-processed module's parameter keeps that class and its property, and still gets the
-    skeleton's other attributes."""
+    skeleton's other attributes. Where torch can exchange tensor contents the skeleton's parameter objects
+    themselves hold the mapped memory (their ``__dict__`` as built); without it (``new-object``) new parameters
+    get the skeleton's attributes, none over the class's own."""
+    from vllm_fastload.ipc.memory import state
+
+    if not take_over:
+        monkeypatch.setattr(state, "_SWAP_IMPL", None)
     class WithProperty(nn.Parameter):
         @property
         def weight_loader(self):
@@ -551,23 +559,34 @@ def test_installed_parameters_carry_the_skeletons_attributes_but_never_over_the_
     m.typed.weight = WithProperty(torch.empty(3, device="meta"), requires_grad=False)
     vars(m.typed.weight).update(weight_loader=loader, output_dim=0)  # as a subclass built before the property
     m.typed.quant_method = Scaling()
+    skeleton = m.plain.weight, m.typed.weight
     a, b = torch.ones(2, 3), torch.arange(3.0)
     install(m, {"plain.weight": ("param", a), "typed.weight": ("param", b)}, {}, ["typed"])
     p, q = m.plain.weight, m.typed.weight
     assert type(p) is nn.Parameter and p.device.type == "cpu" and torch.equal(p, a) and not p.requires_grad
+    assert p.data_ptr() == a.data_ptr() and not p._is_view()  # the mapped memory, as nn.Parameter(a) holds it
     assert vars(p) == {"weight_loader": loader, "input_dim": 1, "output_dim": 0}
     assert type(q) is WithProperty and torch.equal(q, b)
-    assert q.weight_loader == "the class's" and q.output_dim == 0 and "weight_loader" not in vars(q)
+    assert q.weight_loader == "the class's" and q.output_dim == 0
+    if take_over:
+        assert p is skeleton[0] and q is skeleton[1]
+    else:
+        assert p is not skeleton[0] and "weight_loader" not in vars(q)
 
 
+@pytest.mark.parametrize("take_over", [True, False], ids=["skeleton-object-kept", "new-object"])
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 @pytest.mark.parametrize("held", [False, True], ids=["no-holder", "a-list-holds-one"])
 def test_install_walks_for_stale_references_only_when_a_replaced_tensor_is_still_referred_to(monkeypatch, held,
-                                                                                             tied):
+                                                                                             tied, take_over):
     """A model whose skeleton tensors nothing else refers to (tied parameters included) needs no walk for stale
-    references; one that a module's list still holds does, and the reference ends up on the installed tensor."""
+    references; one that a module's list still holds does, and the reference ends up on the installed tensor.
+    Where the skeleton's objects take the mapped memory in place (``skeleton-object-kept``) nothing is stale, so
+    there is no walk at all."""
     from vllm_fastload.ipc.memory import state
 
+    if not take_over:
+        monkeypatch.setattr(state, "_SWAP_IMPL", None)
     walks = []
     real = state.repoint_stale
     monkeypatch.setattr(state, "repoint_stale", lambda *a, **k: walks.append(1) or real(*a, **k))
@@ -585,7 +604,7 @@ def test_install_walks_for_stale_references_only_when_a_replaced_tensor_is_still
         del ts["b.weight"]
         aliases = {"b.weight": "a.weight"}
     install(m, ts, aliases, ["a", "b"])
-    assert walks == ([1] if held else [])
+    assert walks == ([1] if held and not take_over else [])
     assert m.b.weight is m.a.weight if tied else not torch.equal(m.b.weight, m.a.weight)
     if held:
         assert m.b.kept[0] is m.a.bias and m.a.bias.device.type == "cpu"

@@ -145,11 +145,21 @@ class Shared(Moe):
         self.side.router = Router(self.gate.e_score_correction_bias)
 
 
-def test_a_reference_outside_re_processed_units_is_pointed_by_the_audits_walk():
-    """Install points references only inside re-processed units (whose re-processing may read them) and leaves the
-    rest to the audit, which walks the whole model anyway: one walk instead of two. Without the replaced tensors
-    the audit names the reference it cannot restore."""
+def test_a_reference_outside_re_processed_units_is_pointed_by_the_audits_walk(monkeypatch):
+    """Where install gives the skeleton's tensor objects new contents (the default) a reference any object took at
+    construction is already the installed tensor. Where it cannot (replaced by new objects, as here), install
+    points references only inside re-processed units (whose re-processing may read them) and leaves the rest to
+    the audit, which walks the whole model anyway: one walk instead of two. Without the replaced tensors the audit
+    names the reference it cannot restore."""
+    from vllm_fastload.ipc.memory import state
+
     m, exp = daemon(Shared)
+    eng = built(Shared, "meta")
+    install(eng, dict(exp.tensors), exp.aliases, exp.reprocess, exp.attrs, exp.object_attrs)
+    assert eng.side.router.e_score_correction_bias is eng.gate.e_score_correction_bias
+    assert torch.equal(eng.side.router.e_score_correction_bias, m.gate.e_score_correction_bias)
+
+    monkeypatch.setattr(state, "_SWAP_IMPL", None)
     eng = built(Shared, "meta")
     replaced = install(eng, dict(exp.tensors), exp.aliases, exp.reprocess, exp.attrs, exp.object_attrs)
     assert eng.experts.router.e_score_correction_bias is eng.gate.e_score_correction_bias  # re-processed unit

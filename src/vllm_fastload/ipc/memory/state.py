@@ -378,8 +378,22 @@ _QUANT_TYPES: dict[type, bool] = {}
 
 
 def _is_deferred_attention(m: nn.Module) -> bool:
+    """vLLM's ``is_deferred_attention_layer(m)``: in vLLM 0.26 and 0.32 an isinstance test on the class and a
+    callable ``process_weights_after_loading``, so the answer is remembered per class unless the module carries
+    that name itself (this runs once per module of the model)."""
     check = _deferred_attention_check()
-    return check is not None and bool(check(m))
+    if check is None:
+        return False
+    if "process_weights_after_loading" in m.__dict__:
+        return bool(check(m))
+    known = _DEFERRED_TYPES.get(type(m))
+    if known is None:
+        known = _DEFERRED_TYPES[type(m)] = bool(check(m))
+    return known
+
+
+#: Whether a class is a deferred attention layer (:func:`_is_deferred_attention`'s cache).
+_DEFERRED_TYPES: dict[type, bool] = {}
 
 
 def walk_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -433,6 +447,20 @@ def processing_units(model: nn.Module, modules: list[tuple[str, nn.Module]] | No
     if hasattr(model, "process_weights_after_loading"):
         units.add("")
     return units
+
+
+def owned_by(walked: list[tuple[str, nn.Module]], units: set[str], again: set[str]) -> set[str]:
+    """The names in ``walked`` (:func:`walk_modules`' pre-order list) whose :func:`owner_unit` is in ``again``: one
+    pass, each module taking its parent's owner unless it is a unit itself (the parent comes first in pre-order)."""
+    owner: dict[str, str | None] = {}
+    for name, _ in walked:
+        if name in units:
+            owner[name] = name
+        elif name:
+            owner[name] = owner.get(name.rpartition(".")[0])
+        else:
+            owner[name] = None
+    return {name for name, unit in owner.items() if unit is not None and unit in again}
 
 
 def owner_unit(name: str, units: set[str]) -> str | None:
@@ -578,20 +606,23 @@ def install(model: nn.Module, tensors: dict[str, tuple[str, torch.Tensor]], alia
     comes anyway, so the model is walked once instead of twice. Returns what :func:`audit` needs for that: id of
     each replaced skeleton tensor -> what replaced it. Raises :class:`InstallError`.
     """
-    walked = walk_modules(model)
-    modules = unique_modules(walked)
-    # nothing to re-process (a GPU engine of a dense model): no unit to check or own, so no walk for them
-    units = processing_units(model, modules) if reprocess else set()
-    again = _checked_reprocess(reprocess, units)
-    placer = _Placer(dict(walked), units, again)
-    placer.put_tensors(tensors)
-    placer.put_aliases(aliases)
-    _drop_meta(modules, placer.owned)
-    _set_attrs(placer.modules, attrs or {})
-    _set_object_attrs(placer.modules, object_attrs or {})
-    if placer.held_elsewhere():
-        holders = modules if "" in again else [(name, m) for name, m in modules if name in placer.owned]
-        repoint_stale(model, placer.replaced, holders)
+    # vLLM's parameter classes define __torch_function__, which every .shape, .dtype and .is_meta of theirs would
+    # enter from here: install only reads tensor metadata and moves tensors, so subclass dispatch is off
+    with torch._C.DisableTorchFunctionSubclass():
+        walked = walk_modules(model)
+        modules = unique_modules(walked)
+        # nothing to re-process (a GPU engine of a dense model): no unit to check or own, so no walk for them
+        units = processing_units(model, modules) if reprocess else set()
+        again = _checked_reprocess(reprocess, units)
+        placer = _Placer(walked, units, again)
+        placer.put_tensors(tensors)
+        placer.put_aliases(aliases)
+        _drop_meta(modules, placer.owned)
+        _set_attrs(placer.modules, attrs or {})
+        _set_object_attrs(placer.modules, object_attrs or {})
+        if placer.held_elsewhere():
+            holders = modules if "" in again else [(name, m) for name, m in modules if name in placer.owned]
+            repoint_stale(model, placer.replaced, holders)
     return placer.replaced
 
 
@@ -611,11 +642,12 @@ def _checked_reprocess(reprocess: list[str], units: set[str]) -> set[str]:
 class _Placer:
     """Puts cached tensors into the skeleton ``model``: ``modules`` by name, ``owned`` the modules of re-processed
     units (their tensors must match the skeleton's), ``installed`` name -> what was put, ``replaced`` id of a
-    skeleton tensor -> what took its place."""
+    skeleton tensor -> what took its place (the skeleton tensors that kept their identity, :func:`_take_over`,
+    are not in it: nothing refers to a stale object there)."""
 
-    def __init__(self, by_name: dict[str, nn.Module], units: set[str], again: set[str]):
-        self.modules = by_name
-        self.owned = {name for name in by_name if owner_unit(name, units) in again} if again else set()
+    def __init__(self, walked: list[tuple[str, nn.Module]], units: set[str], again: set[str]):
+        self.modules = dict(walked)
+        self.owned = owned_by(walked, units, again) if again else set()
         self.installed: dict[str, torch.Tensor] = {}
         self.replaced: dict[int, torch.Tensor] = {}
         # the replaced skeleton tensors by id (a tied parameter replaced under two names once), alive until
@@ -674,6 +706,9 @@ class _Placer:
         if owned and old is not None and (old.shape != t.shape or old.dtype != t.dtype):
             raise InstallError(f"cached tensor {full!r} is {t.dtype} {tuple(t.shape)}, the model expects "
                                f"{old.dtype} {tuple(old.shape)}")
+        if old is not None and (old is t or _take_over(old, t, kind, owned, m, leaf)):
+            self.installed[full] = old  # (``old is t``: an alias of a tensor that kept its skeleton object)
+            return
         if kind == "param" and old is not None:
             # the skeleton's parameter of this name: register_parameter's name checks passed when it was built
             p = m._parameters[leaf] = _as_parameter(t, old, owned)
@@ -697,6 +732,41 @@ class _Placer:
         if old is not None:
             self.replaced[id(old)] = self.installed[full]
             self._olds[id(old)] = old
+
+
+#: torch's exchange of two tensor objects' contents (``torch.utils.swap_tensors`` ends with it; PyTorch 2.3 on);
+#: None where this torch lacks it, and then every tensor is installed as a new object
+_SWAP_IMPL = getattr(torch._C, "_swap_tensor_impl", None)
+
+
+def _take_over(old: torch.Tensor, t: torch.Tensor, kind: str, owned: bool, m: nn.Module, leaf: str) -> bool:
+    """Make the skeleton's meta tensor ``old`` (``m``'s ``leaf`` of ``kind``) the mapped tensor ``t`` in place,
+    keeping the Python object: its class and its attributes (``weight_loader``...) are what a new object would be
+    given anyway, and every reference vLLM's objects took to it at construction now sees the mapped memory, so no
+    walk has to find and repoint them. True when done; False where a new object is the right result (the
+    caller's path): ``old`` not on the meta device (already installed under another name), a parameter class
+    other than the one :func:`_as_parameter` would give, a buffer or tensor attribute of a tensor subclass, a
+    tensor attribute that is not a plain attribute of ``m``, or another tensor sharing either one's storage
+    object (a view of it: PyTorch's ``swap_tensors`` refuses those too).
+
+    The exchange is ``torch.utils.swap_tensors`` without its class, ``__dict__`` and slot exchange (``old`` keeps
+    its own) and with its use-count check (a count of 1, no autograd node: these tensors need no grad). ``old``
+    takes a detached alias of ``t`` (``t`` is a view of the daemon's segment; ``nn.Parameter(t)`` holds such an
+    alias too), so ``t`` itself is left as it was."""
+    if _SWAP_IMPL is None or not old.is_meta or type(t) is not torch.Tensor:
+        return False
+    if kind == "param":
+        if not (type(old) is nn.Parameter or (owned and isinstance(old, nn.Parameter))):
+            return False
+    elif type(old) is not torch.Tensor:
+        return False
+    elif kind == "attr" and m.__dict__.get(leaf) is not old:
+        return False  # a buffer the daemon exported as a plain attribute: the other path moves it
+    if old._use_count() != 1:
+        return False
+    # a new object over the same memory takes the meta contents, so the caller's ``t`` stays what it was
+    _SWAP_IMPL(old, t.detach())
+    return True
 
 
 def _as_parameter(t: torch.Tensor, old: torch.Tensor | None, owned: bool) -> nn.Parameter:

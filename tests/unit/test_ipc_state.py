@@ -608,3 +608,44 @@ def test_install_walks_for_stale_references_only_when_a_replaced_tensor_is_still
     assert m.b.weight is m.a.weight if tied else not torch.equal(m.b.weight, m.a.weight)
     if held:
         assert m.b.kept[0] is m.a.bias and m.a.bias.device.type == "cpu"
+
+
+def test_a_parameter_class_with_its_own_torch_dispatch_is_installed_as_a_new_object_that_dispatches():
+    """A re-processed module's parameter class that defines ``__torch_dispatch__`` needs the Python dispatch key
+    that ``_make_subclass`` turns on; the skeleton object given plain contents in place would skip its hook, so
+    install makes a new parameter of that class instead, and operations on it reach the hook."""
+    class Dispatching(nn.Parameter):
+        calls = 0
+
+        @classmethod
+        def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+            Dispatching.calls += 1
+            with torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(torch._C.DispatchKey.Python)):
+                return func(*args, **(kwargs or {}))
+
+    m = nn.Module()
+    m.a = nn.Module()
+    m.a.weight = Dispatching(torch.empty(3, device="meta"), requires_grad=False)
+    m.a.quant_method = Scaling()
+    skeleton = m.a.weight
+    install(m, {"a.weight": ("param", torch.arange(3.0))}, {}, ["a"])
+    w = m.a.weight
+    assert type(w) is Dispatching and w is not skeleton
+    Dispatching.calls = 0
+    assert (w + 1).tolist() == [1.0, 2.0, 3.0] and Dispatching.calls >= 1
+
+
+def test_a_failed_install_leaves_the_skeletons_objects_on_the_meta_device():
+    """An install that fails on a later tensor gives back what it exchanged: a reference to a skeleton tensor that
+    outlives the failed mapping (the fallback loader builds another model) must not point into the daemon's
+    segment, which the failed mapping unmaps."""
+    m = nn.Module()
+    m.a = nn.Linear(3, 2, bias=False, device="meta")
+    m.register_buffer("b", torch.empty(2, device="meta"))
+    kept = [m.a.weight, m.b]
+    segment = torch.arange(8.0)
+    with pytest.raises(InstallError, match=r"cached tensor 'nope\.x' has no module 'nope'"):
+        install(m, {"a.weight": ("param", segment[:6].view(2, 3)), "b": ("buffer", segment[6:]),
+                    "nope.x": ("param", segment[:1])}, {}, [])
+    assert [t.device.type for t in kept] == ["meta", "meta"] and m.a.weight is kept[0]
+    assert [tuple(t.shape) for t in kept] == [(2, 3), (2,)]

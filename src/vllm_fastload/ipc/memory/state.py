@@ -615,11 +615,18 @@ def install(model: nn.Module, tensors: dict[str, tuple[str, torch.Tensor]], alia
         units = processing_units(model, modules) if reprocess else set()
         again = _checked_reprocess(reprocess, units)
         placer = _Placer(walked, units, again)
-        placer.put_tensors(tensors)
-        placer.put_aliases(aliases)
-        _drop_meta(modules, placer.owned)
-        _set_attrs(placer.modules, attrs or {})
-        _set_object_attrs(placer.modules, object_attrs or {})
+        try:
+            placer.put_tensors(tensors)
+            placer.put_aliases(aliases)
+            _drop_meta(modules, placer.owned)
+            _set_attrs(placer.modules, attrs or {})
+            _set_object_attrs(placer.modules, object_attrs or {})
+        except BaseException:
+            # the skeleton's objects go back to the meta device: a reference to one that outlives this model (the
+            # fallback loader builds another) must not point into a segment the failed mapping is about to unmap
+            placer.give_back()
+            raise
+        placer.taken.clear()
         if placer.held_elsewhere():
             holders = modules if "" in again else [(name, m) for name, m in modules if name in placer.owned]
             repoint_stale(model, placer.replaced, holders)
@@ -653,6 +660,15 @@ class _Placer:
         # the replaced skeleton tensors by id (a tied parameter replaced under two names once), alive until
         # held_elsewhere() was asked
         self._olds: dict[int, torch.Tensor] = {}
+        # (skeleton object, the object now holding its meta contents) of each exchange, until install is done
+        self.taken: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def give_back(self) -> None:
+        """Undo every exchange :func:`_take_over` made (newest first): the skeleton's objects hold their meta
+        contents again."""
+        while self.taken:
+            old, meta = self.taken.pop()
+            _SWAP_IMPL(old, meta)
 
     def held_elsewhere(self) -> bool:
         """Whether anything besides this placer still refers to a replaced skeleton tensor: a module or object that
@@ -706,9 +722,15 @@ class _Placer:
         if owned and old is not None and (old.shape != t.shape or old.dtype != t.dtype):
             raise InstallError(f"cached tensor {full!r} is {t.dtype} {tuple(t.shape)}, the model expects "
                                f"{old.dtype} {tuple(old.shape)}")
-        if old is not None and (old is t or _take_over(old, t, kind, owned, m, leaf)):
-            self.installed[full] = old  # (``old is t``: an alias of a tensor that kept its skeleton object)
+        if old is not None and old is t:  # an alias of a tensor that kept its skeleton object
+            self.installed[full] = old
             return
+        if old is not None:
+            meta = _take_over(old, t, kind, owned, m, leaf)
+            if meta is not None:
+                self.taken.append((old, meta))
+                self.installed[full] = old
+                return
         if kind == "param" and old is not None:
             # the skeleton's parameter of this name: register_parameter's name checks passed when it was built
             p = m._parameters[leaf] = _as_parameter(t, old, owned)
@@ -739,34 +761,55 @@ class _Placer:
 _SWAP_IMPL = getattr(torch._C, "_swap_tensor_impl", None)
 
 
-def _take_over(old: torch.Tensor, t: torch.Tensor, kind: str, owned: bool, m: nn.Module, leaf: str) -> bool:
+def _take_over(old: torch.Tensor, t: torch.Tensor, kind: str, owned: bool, m: nn.Module,
+               leaf: str) -> torch.Tensor | None:
     """Make the skeleton's meta tensor ``old`` (``m``'s ``leaf`` of ``kind``) the mapped tensor ``t`` in place,
     keeping the Python object: its class and its attributes (``weight_loader``...) are what a new object would be
     given anyway, and every reference vLLM's objects took to it at construction now sees the mapped memory, so no
-    walk has to find and repoint them. True when done; False where a new object is the right result (the
-    caller's path): ``old`` not on the meta device (already installed under another name), a parameter class
-    other than the one :func:`_as_parameter` would give, a buffer or tensor attribute of a tensor subclass, a
-    tensor attribute that is not a plain attribute of ``m``, or another tensor sharing either one's storage
-    object (a view of it: PyTorch's ``swap_tensors`` refuses those too).
+    walk has to find and repoint them. Returns the object that now holds ``old``'s meta contents (what undoing it
+    exchanges back); None where a new object is the right result (the caller's path): ``old`` not on the meta
+    device (already installed under another name), a parameter class other than the one :func:`_as_parameter`
+    would give, a class with its own ``__torch_dispatch__`` (``_make_subclass`` turns on the Python dispatch key
+    such a class needs; the exchanged contents would not have it), a buffer or tensor attribute of a tensor
+    subclass, a tensor attribute that is not a plain attribute of ``m``, or another tensor sharing ``old``'s
+    contents (a view of it: PyTorch's ``swap_tensors`` refuses those too).
+
+    Unlike a new object, the kept one keeps every instance attribute the skeleton gave it, also one named like an
+    attribute of its class, which then reads as the skeleton's value: as the same object reads when vLLM's own
+    loader fills it.
 
     The exchange is ``torch.utils.swap_tensors`` without its class, ``__dict__`` and slot exchange (``old`` keeps
     its own) and with its use-count check (a count of 1, no autograd node: these tensors need no grad). ``old``
     takes a detached alias of ``t`` (``t`` is a view of the daemon's segment; ``nn.Parameter(t)`` holds such an
     alias too), so ``t`` itself is left as it was."""
     if _SWAP_IMPL is None or not old.is_meta or type(t) is not torch.Tensor:
-        return False
+        return None
     if kind == "param":
         if not (type(old) is nn.Parameter or (owned and isinstance(old, nn.Parameter))):
-            return False
+            return None
+        if type(old) is not nn.Parameter and not _plain_dispatch(type(old)):
+            return None
     elif type(old) is not torch.Tensor:
-        return False
+        return None
     elif kind == "attr" and m.__dict__.get(leaf) is not old:
-        return False  # a buffer the daemon exported as a plain attribute: the other path moves it
+        return None  # a buffer the daemon exported as a plain attribute: the other path moves it
     if old._use_count() != 1:
-        return False
+        return None
     # a new object over the same memory takes the meta contents, so the caller's ``t`` stays what it was
-    _SWAP_IMPL(old, t.detach())
-    return True
+    meta = t.detach()
+    _SWAP_IMPL(old, meta)
+    return meta
+
+
+def _plain_dispatch(cls: type) -> bool:
+    """Whether ``cls`` keeps ``torch.Tensor``'s (disabled) ``__torch_dispatch__``, remembered per class."""
+    got = _PLAIN_DISPATCH.get(cls)
+    if got is None:
+        got = _PLAIN_DISPATCH[cls] = getattr(cls, "__torch_dispatch__", None) is torch.Tensor.__torch_dispatch__
+    return got
+
+
+_PLAIN_DISPATCH: dict[type, bool] = {}
 
 
 def _as_parameter(t: torch.Tensor, old: torch.Tensor | None, owned: bool) -> nn.Parameter:

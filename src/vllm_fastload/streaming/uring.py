@@ -335,7 +335,6 @@ class UringRing:
                     lib.io_uring_cq_advance(self._ring, ready)
                 elif self._inflight:
                     self._wait()
-            self._inflight.clear()
             lib.io_uring_queue_exit(self._ring)
             self._ring = None
         self._close_fds()

@@ -722,7 +722,7 @@ class _Placer:
         if owned and old is not None and (old.shape != t.shape or old.dtype != t.dtype):
             raise InstallError(f"cached tensor {full!r} is {t.dtype} {tuple(t.shape)}, the model expects "
                                f"{old.dtype} {tuple(old.shape)}")
-        if old is not None and old is t:  # an alias of a tensor that kept its skeleton object
+        if old is t:  # an alias of a tensor that kept its skeleton object
             self.installed[full] = old
             return
         if old is not None:
@@ -801,15 +801,10 @@ def _take_over(old: torch.Tensor, t: torch.Tensor, kind: str, owned: bool, m: nn
     return meta
 
 
+@functools.cache
 def _plain_dispatch(cls: type) -> bool:
     """Whether ``cls`` keeps ``torch.Tensor``'s (disabled) ``__torch_dispatch__``, remembered per class."""
-    got = _PLAIN_DISPATCH.get(cls)
-    if got is None:
-        got = _PLAIN_DISPATCH[cls] = getattr(cls, "__torch_dispatch__", None) is torch.Tensor.__torch_dispatch__
-    return got
-
-
-_PLAIN_DISPATCH: dict[type, bool] = {}
+    return getattr(cls, "__torch_dispatch__", None) is torch.Tensor.__torch_dispatch__
 
 
 def _as_parameter(t: torch.Tensor, old: torch.Tensor | None, owned: bool) -> nn.Parameter:

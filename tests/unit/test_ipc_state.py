@@ -127,6 +127,55 @@ def test_shape_mismatch_of_a_reprocessed_module_names_the_tensor():
         install(eng, bad, exp.aliases, exp.reprocess)
 
 
+class Dropping(Scaling):
+    """Post-processing that rescales and deletes a parameter the engine's skeleton still builds."""
+
+    def process_weights_after_loading(self, layer):
+        super().process_weights_after_loading(layer)
+        del layer.zero_point
+
+
+def test_a_tensor_post_processing_removed_leaves_with_the_audit_and_a_reprocessed_ones_missing_is_refused():
+    """A skeleton parameter the daemon's post-processing deleted (not in the cache) of a module that is not
+    re-processed stays on the meta device through install and is gone after :func:`audit`, the walk that removes
+    such tensors; one of a re-processed module is refused by install itself, naming it (re-processing would run on
+    a meta tensor)."""
+    from vllm_fastload.ipc.memory.state import audit
+
+    def build(device=None):
+        m = Toy(device)
+        m.sc.quant_method = Dropping()
+        m.sc.zero_point = nn.Parameter(torch.zeros(2, device=device), requires_grad=False)
+        return m
+
+    torch.manual_seed(0)
+    m = build()
+    m.lin.weight.data.normal_()
+    m.sc.weight.data.normal_()
+    snap = snapshot(m)
+    for mod in (m.lin, m.sc):
+        mod.quant_method.process_weights_after_loading(mod)
+    exp = collect(m, snap)
+    assert exp.reprocess == ["lin"] and "sc.zero_point" not in exp.tensors
+    seg, mm, tensors = transported(exp)
+    with torch.device("meta"):
+        eng = build()
+    replaced = install(eng, tensors, exp.aliases, exp.reprocess)
+    assert eng.sc.zero_point.is_meta  # left for the audit's walk
+    reprocess_modules(eng, exp.reprocess, model_config=None)
+    audit(eng, exp.objects, replaced)
+    assert "zero_point" not in eng.sc._parameters
+    assert not any(t.is_meta for t in eng.parameters()) and not any(t.is_meta for t in eng.buffers())
+    assert torch.equal(eng.sc.weight, m.sc.weight)
+    with torch.device("meta"):
+        eng = build()
+    missing = {k: v for k, v in tensors.items() if k != "lin.weight"}
+    with pytest.raises(InstallError, match=r"lin\.weight was not in the cache \(its module is re-processed here\)"):
+        install(eng, missing, exp.aliases, exp.reprocess)
+    del mm
+    seg.close()
+
+
 def test_strided_and_odd_tensors_keep_layout_and_bytes():
     """FP8 post-processing keeps ``weight.t()``: the export must keep strides, not make it contiguous."""
     base = torch.randn(64, 48)
@@ -443,18 +492,23 @@ def test_cached_attributes_never_replace_methods_properties_or_submodules(leaf):
 
 
 def test_the_one_walk_of_install_lists_what_named_modules_lists():
-    """:func:`state.walk_modules` and :func:`state.unique_modules` replace four ``named_modules`` walks of
-    ``install``: same names, same order, a module shared under two names (tied) listed under both, then once."""
-    from vllm_fastload.ipc.memory.state import unique_modules, walk_modules
+    """:func:`state.survey` replaces the ``named_modules`` walks of ``install``: same names, same order, a module
+    shared under two names (tied) listed under both, then once; the processing units as
+    :func:`state.processing_units` finds them, only when asked for."""
+    from vllm_fastload.ipc.memory.state import processing_units, survey
 
     shared = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU())
     model = torch.nn.Module()
     model.a = torch.nn.ModuleList([torch.nn.Linear(2, 2), shared])
     model.b = torch.nn.ModuleDict({"x": shared, "y": torch.nn.Sequential(torch.nn.Identity())})
     model.register_module("gone", None)  # a child slot set to None: skipped by both
-    walked = walk_modules(model)
-    assert [(n, id(m)) for n, m in walked] == [(n, id(m)) for n, m in model.named_modules(remove_duplicate=False)]
-    assert [(n, id(m)) for n, m in unique_modules(walked)] == [(n, id(m)) for n, m in model.named_modules()]
+    model.q = Toy()  # lin and sc have quant methods: processing units
+    names, first, units = survey(model, True)
+    assert [(n, id(m)) for n, m in names.items()] == [(n, id(m)) for n, m in
+                                                     model.named_modules(remove_duplicate=False)]
+    assert [(n, id(m)) for n, m in first] == [(n, id(m)) for n, m in model.named_modules()]
+    assert units == processing_units(model) == {"q.lin", "q.sc"}
+    assert survey(model, False)[2] == set()
 
 
 def test_member_lookup_finds_what_getattr_finds():

@@ -1,13 +1,14 @@
 """The engine side of an ``ipc_cache`` load, as a row of named steps (:func:`map_model`).
 
-:func:`engine_device` (which device and transport, resolved once for the load) -> :func:`_fingerprint` (what this engine
-would load) -> :func:`fetch` (connect, hello, the validated manifest; the segment mapped by that transport) ->
-:func:`_verify` (each tensor's checksum sample, before anything is built) -> :func:`_build_model` (the skeleton on the
-meta device) -> :func:`_record_restore_device` (the real device for vLLM's ``reload_weights``) ->
-:func:`_view_tensors` (views into the segment, or clones in ``copy`` mode) -> :func:`_apply_entries` (install
-tensors, aliases and attributes) -> :func:`_reprocess` (post-processing of the modules the daemon marked) -> attach ->
-:func:`_send_release` (``copy``: the daemon may free its memory) or :func:`_keep_lease` (``zero_copy``: the connection
-lives as long as the process) -> :func:`_report`.
+:func:`engine_device` (which device and transport, resolved once for the load) -> :func:`_fingerprint` (what this
+engine would load) -> :func:`fetch` (connect, hello, the validated manifest; the segment mapped by that transport) ->
+:func:`_verify` (each tensor's checksum sample; for a device segment in a thread beside :func:`_build_model`, the
+skeleton on the meta device, else before it; always before any tensor is installed) ->
+:func:`_record_restore_device` (the real device for vLLM's ``reload_weights``) -> :func:`_view_tensors` (views into
+the segment, or clones in ``copy`` mode) -> :func:`_apply_entries` (install tensors, aliases and attributes) ->
+:func:`_reprocess` (post-processing of the modules the daemon marked) -> attach -> :func:`_send_release` (``copy``:
+the daemon may free its memory) or :func:`_keep_lease` (``zero_copy``: the connection lives as long as the process)
+-> :func:`_report`.
 
 Every step raises a :class:`~vllm_fastload.errors.CacheUnavailable` (or another
 :class:`~vllm_fastload.errors.FastloadError`) when the cache cannot serve the load; the loader turns that into
@@ -18,6 +19,7 @@ skeleton registered process-wide, so the fallback loader can build the model aga
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -145,14 +147,27 @@ def map_model(vllm_config: Any, model_config: Any, prefix: str, path: str, confi
         registered: list = []
         try:
             _check_content(lease, path, config.expected_content_digest)
-            with phases.part("verify_s"):
-                _verify(lease, path)
-            with phases.part("skeleton_s", outside=True):  # not part of the weights phase
-                registered = _skeleton_registrations(vllm_config)
-                model = _build_model(vllm_config, model_config, prefix)
-                # the fix of what vLLM recorded per module while building it, so the skeleton's, as that recording
-                # is part of vLLM's own model construction (outside "Loading weights took" for `auto`)
-                _record_restore_device(model, device)
+            verifying = _Verifying(lease, path, device) if _verify_beside_build(lease.transport) else None
+            if verifying is None:
+                with phases.part("verify_s"):
+                    _verify(lease, path)
+            try:
+                with phases.part("skeleton_s", outside=True):  # not part of the weights phase
+                    registered = _skeleton_registrations(vllm_config)
+                    model = _build_model(vllm_config, model_config, prefix)
+                    # the fix of what vLLM recorded per module while building it, so the skeleton's, as that
+                    # recording is part of vLLM's own model construction (outside "Loading weights took" for `auto`)
+                    _record_restore_device(model, device)
+            except BaseException:
+                if verifying is not None:
+                    # the check reads the mapping, which lease.close() below unmaps; what it found comes first, as
+                    # when it runs before the build (a corrupt daemon is the fallback's case whatever the build did)
+                    verifying.wait()
+                raise
+            if verifying is not None:
+                with phases.part("verify_s"):  # the wait left after the build
+                    verifying.wait()
+                phases["verify_thread_s"] = verifying.seconds
             with phases.part("views_s"):
                 tensors = _view_tensors(lease, config.mode)
             with phases.part("install_s"):
@@ -202,8 +217,9 @@ def _check_content(lease: MappedLease, path: str, expected: Optional[str]) -> No
 
 
 def _verify(lease: MappedLease, path: str) -> None:
-    """Check every tensor's checksum sample in the mapped segment against the manifest, before anything is built
-    (a corrupt daemon must not leave a half-built model behind). Raises :class:`ChecksumMismatch` naming the
+    """Check every tensor's checksum sample in the mapped segment against the manifest, before any tensor is
+    installed (a corrupt daemon must not leave a half-built model behind: :func:`map_model` removes the skeleton's
+    registrations when this fails). Raises :class:`ChecksumMismatch` naming the
     first tensor that differs, :class:`~vllm_fastload.errors.ManifestError` for an entry outside the segment."""
     import numpy as np
 
@@ -216,6 +232,50 @@ def _verify(lease: MappedLease, path: str) -> None:
         raise ChecksumMismatch(f"tensor {table.names[bad[0]]!r} in the daemon's memory does not match its checksum "
                                f"sample ({len(bad)} tensor(s) differ); the daemon at {path} serves corrupt memory: "
                                f"restart it")
+
+
+def _verify_beside_build(transport: Transport) -> bool:
+    """Whether :func:`_verify` runs in a thread beside the skeleton's construction (:class:`_Verifying`): for a
+    device segment (CUDA VMM), where the check is a gather on the device and a copy, which wait with the GIL
+    released; not for the CPU memfd, whose check is page faults and numpy under the GIL of a host with few cores,
+    where the thread slowed the construction by what it saved (docs/benchmarks.md)."""
+    return bool(transport.device_memory)
+
+
+class _Verifying:
+    """:func:`_verify` of ``lease`` in a thread of its own, started at construction; :meth:`wait` joins it and
+    raises what it raised. ``seconds``: how long the check itself took (seconds, set once it ended). CUDA: the
+    thread works with ``device`` current, as the load's thread does (the current device is per thread)."""
+
+    def __init__(self, lease: MappedLease, path: str, device: Any):
+        self.seconds = 0.0
+        self._error: Optional[BaseException] = None
+        self._thread = threading.Thread(target=self._run, args=(lease, path, device), name="fastload-verify",
+                                        daemon=True)
+        self._thread.start()
+
+    def _run(self, lease: MappedLease, path: str, device: Any) -> None:
+        t = time.perf_counter()
+        try:
+            if getattr(device, "type", None) == "cuda":
+                import torch
+
+                with torch.cuda.device(device):
+                    _verify(lease, path)
+            else:
+                _verify(lease, path)
+        except BaseException as e:  # noqa: BLE001 - handed to the load's thread, which raises it
+            self._error = e
+        finally:
+            self.seconds = round(time.perf_counter() - t, 4)
+
+    def wait(self) -> None:
+        """Block until the check ended; raise what it raised (:class:`ChecksumMismatch`,
+        :class:`~vllm_fastload.errors.ManifestError`)."""
+        self._thread.join()
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
 
 
 def _build_model(vllm_config: Any, model_config: Any, prefix: str) -> Any:

@@ -39,7 +39,7 @@ from __future__ import annotations
 import functools
 import inspect
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -396,32 +396,6 @@ def _is_deferred_attention(m: nn.Module) -> bool:
 _DEFERRED_TYPES: dict[type, bool] = {}
 
 
-def walk_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """Every ``(name, module)`` of ``model`` in ``named_modules(remove_duplicate=False)``'s order (pre-order, a
-    module reachable under two names listed under both), walked once without nested generators: a model of
-    thousands of layers is walked in a fraction of the time, and :func:`install` needs the walk four times."""
-    out: list[tuple[str, nn.Module]] = []
-    stack: list[tuple[str, nn.Module]] = [("", model)]
-    while stack:
-        name, m = stack.pop()
-        out.append((name, m))
-        children = m._modules
-        if children:
-            stack.extend(reversed([(f"{name}.{k}" if name else k, c) for k, c in children.items() if c is not None]))
-    return out
-
-
-def unique_modules(walked: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
-    """The first name of each module of :func:`walk_modules`' list: what ``named_modules()`` yields."""
-    seen: set[int] = set()
-    out = []
-    for name, m in walked:
-        if id(m) not in seen:
-            seen.add(id(m))
-            out.append((name, m))
-    return out
-
-
 def _member(m: nn.Module, name: str) -> Any:
     """``getattr(m, name, None)`` without ``nn.Module.__getattr__``'s exception for a module that has no such
     attribute (most modules, when asked for ``quant_method``: thousands of exceptions per model)."""
@@ -437,23 +411,53 @@ def processing_units(model: nn.Module, modules: list[tuple[str, nn.Module]] | No
     """Names of the modules vLLM's ``process_weights_after_loading`` (``model_loader/utils.py``, vLLM 0.26 and
     0.32) runs something for: a module whose ``quant_method`` is a quant method (not a quant method itself), a
     deferred attention layer, and the model (``""``) when it has a ``process_weights_after_loading`` hook.
-    ``modules``: ``model.named_modules()`` when already walked (:func:`unique_modules`)."""
-    units = set()
-    for name, m in modules if modules is not None else model.named_modules():
-        if _is_quant_method(m):
-            continue
-        if _is_quant_method(_member(m, "quant_method")) or _is_deferred_attention(m):
-            units.add(name)
+    ``modules``: ``model.named_modules()`` when already walked."""
+    units = {name for name, m in (modules if modules is not None else model.named_modules()) if _is_unit(m)}
     if hasattr(model, "process_weights_after_loading"):
         units.add("")
     return units
 
 
-def owned_by(walked: list[tuple[str, nn.Module]], units: set[str], again: set[str]) -> set[str]:
-    """The names in ``walked`` (:func:`walk_modules`' pre-order list) whose :func:`owner_unit` is in ``again``: one
-    pass, each module taking its parent's owner unless it is a unit itself (the parent comes first in pre-order)."""
+def _is_unit(m: nn.Module) -> bool:
+    """Whether vLLM's post-processing runs something for module ``m`` itself (:func:`processing_units`' test)."""
+    if _is_quant_method(m):
+        return False
+    return _is_quant_method(_member(m, "quant_method")) or _is_deferred_attention(m)
+
+
+def survey(model: nn.Module, units: bool) -> tuple[dict[str, nn.Module], list[tuple[str, nn.Module]], set[str]]:
+    """One walk of ``model`` for :func:`install`: ``(every name -> module`` in
+    ``named_modules(remove_duplicate=False)``'s order and names (pre-order; a module reachable under two names is
+    listed under both), ``the first name of each module`` (what ``named_modules()`` yields), ``the processing
+    units`` (with ``units``, :func:`processing_units`; else empty)). Three walks in one, without nested
+    generators: a model of thousands of layers is walked on the engine's load path."""
+    names: dict[str, nn.Module] = {}
+    first: list[tuple[str, nn.Module]] = []
+    found: set[str] = set()
+    seen: set[int] = set()
+    stack: list[tuple[str, nn.Module]] = [("", model)]
+    while stack:
+        name, m = stack.pop()
+        names[name] = m
+        if id(m) not in seen:
+            seen.add(id(m))
+            first.append((name, m))
+            if units and _is_unit(m):
+                found.add(name)
+        children = m._modules
+        if children:
+            stack.extend(reversed([(f"{name}.{k}" if name else k, c) for k, c in children.items() if c is not None]))
+    if units and hasattr(model, "process_weights_after_loading"):
+        found.add("")
+    return names, first, found
+
+
+def owned_by(names: Iterable[str], units: set[str], again: set[str]) -> set[str]:
+    """The module names of ``names`` (in :func:`survey`'s pre-order) whose :func:`owner_unit` is in ``again``:
+    one pass, each module taking its parent's owner unless it is a unit itself (the parent comes first in
+    pre-order)."""
     owner: dict[str, str | None] = {}
-    for name, _ in walked:
+    for name in names:
         if name in units:
             owner[name] = name
         elif name:
@@ -595,11 +599,13 @@ def install(model: nn.Module, tensors: dict[str, tuple[str, torch.Tensor]], alia
 
     Parameters keep the Python attributes of the skeleton's parameter (``weight_loader``, ``output_dim``...).
     For reprocess modules each tensor must match the skeleton's shape and dtype (it is pre-post-processing
-    state). Skeleton tensors of processed modules that the daemon did not export were removed by
-    post-processing and are removed here too. Plain attributes of processed modules (``attrs``, JSON as made by
-    :func:`plain_attrs`) are set on the skeleton; they never replace a method, property or submodule, nor a
-    skeleton tensor unless the value is ``None`` (post-processing removed it). ``object_attrs`` (dotted paths from
-    :func:`collect`) are set on the skeleton's vLLM objects along the same path, with the same limits.
+    state), and every parameter and buffer must be in the cache. Skeleton tensors of other modules that the
+    daemon did not export were removed by post-processing; they stay on the meta device until :func:`audit`,
+    which must run before the model is used, removes them. Plain attributes of processed modules (``attrs``,
+    JSON as made by :func:`plain_attrs`) are set on the skeleton; they never replace a method, property or
+    submodule, nor a skeleton tensor unless the value is ``None`` (post-processing removed it). ``object_attrs``
+    (dotted paths from :func:`collect`) are set on the skeleton's vLLM objects along the same path, with the same
+    limits.
     References other objects hold to replaced skeleton tensors (:func:`repoint_stale`) are pointed at the installed
     ones here only inside the modules of re-processed units, whose re-processing may read them (all modules when
     the model-level hook is re-processed); the others are left to :func:`audit`, whose walk of the whole model
@@ -609,16 +615,14 @@ def install(model: nn.Module, tensors: dict[str, tuple[str, torch.Tensor]], alia
     # vLLM's parameter classes define __torch_function__, which every .shape, .dtype and .is_meta of theirs would
     # enter from here: install only reads tensor metadata and moves tensors, so subclass dispatch is off
     with torch._C.DisableTorchFunctionSubclass():
-        walked = walk_modules(model)
-        modules = unique_modules(walked)
-        # nothing to re-process (a GPU engine of a dense model): no unit to check or own, so no walk for them
-        units = processing_units(model, modules) if reprocess else set()
+        # nothing to re-process (a GPU engine of a dense model): no unit to check or own
+        names, modules, units = survey(model, bool(reprocess))
         again = _checked_reprocess(reprocess, units)
-        placer = _Placer(walked, units, again)
+        placer = _Placer(names, units, again)
         try:
             placer.put_tensors(tensors)
             placer.put_aliases(aliases)
-            _drop_meta(modules, placer.owned)
+            _check_owned(modules, placer.owned)
             _set_attrs(placer.modules, attrs or {})
             _set_object_attrs(placer.modules, object_attrs or {})
         except BaseException:
@@ -652,9 +656,9 @@ class _Placer:
     skeleton tensor -> what took its place (the skeleton tensors that kept their identity, :func:`_take_over`,
     are not in it: nothing refers to a stale object there)."""
 
-    def __init__(self, walked: list[tuple[str, nn.Module]], units: set[str], again: set[str]):
-        self.modules = dict(walked)
-        self.owned = owned_by(walked, units, again) if again else set()
+    def __init__(self, modules: dict[str, nn.Module], units: set[str], again: set[str]):
+        self.modules = modules
+        self.owned = owned_by(modules, units, again) if again else set()
         self.installed: dict[str, torch.Tensor] = {}
         self.replaced: dict[int, torch.Tensor] = {}
         # the replaced skeleton tensors by id (a tied parameter replaced under two names once), alive until
@@ -682,8 +686,37 @@ class _Placer:
         return any(sys.getrefcount(t) > base for t in olds.values())
 
     def put_tensors(self, tensors: dict[str, tuple[str, torch.Tensor]]) -> None:
-        """Install every ``name -> (kind, tensor)``. Raises :class:`InstallError` naming the first that cannot be."""
+        """Install every ``name -> (kind, tensor)``. Raises :class:`InstallError` naming the first that cannot be.
+
+        The common case, a plain tensor taking the place of the skeleton's meta parameter or plain tensor in place
+        (:func:`_take_over`), is :meth:`put` and :func:`_take_over` inline, with their tests: it runs once per
+        tensor of the model, and the two calls cost as much as the work. Anything else goes through :meth:`put`."""
+        modules, owned, installed, taken, swap = self.modules, self.owned, self.installed, self.taken, _SWAP_IMPL
+        plain, param = torch.Tensor, nn.Parameter
         for full, (kind, t) in tensors.items():
+            if swap is not None and type(t) is plain:
+                mod_name, _, leaf = full.rpartition(".")
+                m = modules.get(mod_name)
+                if m is not None:
+                    mine = mod_name in owned
+                    if kind == "param":
+                        old = m._parameters.get(leaf)
+                        cls = type(old)
+                        fits = cls is param or (mine and issubclass(cls, param) and _plain_dispatch(cls))
+                    else:
+                        old = m._buffers.get(leaf)
+                        if old is None and kind == "attr":
+                            old = m.__dict__.get(leaf)
+                            fits = type(old) is plain
+                        else:
+                            fits = type(old) is plain and kind == "buffer"
+                    if (fits and old.is_meta and old._use_count() == 1
+                            and not (mine and (old.shape != t.shape or old.dtype != t.dtype))):
+                        meta = t.detach()
+                        swap(old, meta)
+                        taken.append((old, meta))
+                        installed[full] = old
+                        continue
             try:
                 self.put(full, kind, t)
             except (KeyError, TypeError) as e:  # torch refuses the name (a plain attribute of that name exists)
@@ -856,17 +889,19 @@ _CLASS_HAS: dict[tuple[type, str], bool] = {}
 _CLASS_NAMES: dict[type, frozenset[str]] = {}
 
 
-def _drop_meta(modules: list[tuple[str, nn.Module]], owned: set[str]) -> None:
-    """Remove the skeleton tensors still on the meta device (``modules``: the model's, :func:`unique_modules`):
-    post-processing removed them in the daemon. Raises :class:`InstallError` for one of an ``owned``
-    (re-processed) module, which must have come from the cache."""
+def _check_owned(modules: list[tuple[str, nn.Module]], owned: set[str]) -> None:
+    """Every parameter and buffer of an ``owned`` (re-processed) module of ``modules`` (the model's, each once:
+    :func:`survey`) came from the cache: re-processing must not run on a meta tensor. Raises
+    :class:`InstallError` naming the first still on the meta device. (Those of other modules were removed by
+    post-processing in the daemon; :func:`audit`'s walk removes them here.)"""
+    if not owned:
+        return
     for name, m in modules:
-        for store in (m._parameters, m._buffers):
-            for leaf, t in list(store.items()) if store else ():
-                if t is not None and t.is_meta:
-                    if name in owned:
+        if name in owned:
+            for store in (m._parameters, m._buffers):
+                for leaf, t in store.items() if store else ():
+                    if t is not None and t.is_meta:
                         raise InstallError(f"{name}.{leaf} was not in the cache (its module is re-processed here)")
-                    del store[leaf]
 
 
 def _set_attrs(modules: dict[str, nn.Module], attrs: dict[str, dict[str, Any]]) -> None:
@@ -981,17 +1016,20 @@ def audit(model: nn.Module, objects: dict[str, list[str]] | None = None,
           replaced: dict[int, torch.Tensor] | None = None) -> None:
     """After install and re-processing, before the engine uses the model: no parameter, buffer or tensor that a
     module or its vLLM objects reach is on the meta device, and every object post-processing bound in the daemon
-    (``objects``: module -> dotted paths, the manifest's) is bound again. ``replaced`` (what :func:`install`
-    returned): a reference to a replaced skeleton tensor is pointed at what replaced it on the way (the references
-    install left for this walk) instead of being refused. Raises :class:`InstallError` naming the first tensor or
-    object that is missing."""
+    (``objects``: module -> dotted paths, the manifest's) is bound again. A parameter or buffer still on the meta
+    device was not in the cache: post-processing removed it in the daemon (:func:`install` refused one of a
+    re-processed module), so it is removed here, on the walk that comes anyway. ``replaced`` (what
+    :func:`install` returned): a reference to a replaced skeleton tensor is pointed at what replaced it on the way
+    (the references install left for this walk) instead of being refused. Raises :class:`InstallError` naming the
+    first tensor or object that is missing."""
     modules = dict(model.named_modules(remove_duplicate=False))
     replaced = replaced or {}
     seen: dict[int, int] = {}
     for name, m in modules.items():
-        for leaf, t in [*m._parameters.items(), *m._buffers.items()]:
-            if t is not None and t.device.type == "meta":
-                raise InstallError(f"{name}.{leaf} is still on the meta device after the mapping (not in the cache)")
+        for store in (m._parameters, m._buffers):
+            for leaf, t in list(store.items()) if store else ():
+                if t is not None and t.device.type == "meta":
+                    del store[leaf]  # post-processing removed it in the daemon (install checked re-processed ones)
         for path, holder, key, t in list(_tensor_refs(m, seen)):
             if t.device.type == "meta":
                 new = replaced.get(id(t))

@@ -1,0 +1,157 @@
+"""The checksum check of an ``ipc_cache`` load of a device segment (CUDA VMM) runs in a thread beside the
+skeleton's construction (``mapping._Verifying``); of a CPU memfd, before it. Beside, it must really run at the same
+time, a mismatch it finds must still reach the fallback policy before any tensor is installed, and the skeleton
+built meanwhile must not stay registered.
+
+Drives the real pieces in one process, as test_ipc_tp_mismatch does: a RankServer serving a packed segment, the
+client's fetch, ``IpcCacheLoader.load_model`` with its fallback policy; only the skeleton build, the install and the
+disk load are stand-ins. The segment here is a memfd; the ``beside`` fixture makes the load treat it as a device
+segment would be treated (this machine has no GPU; the GPU benchmark runs the CUDA path).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from torch import nn
+
+pytest.importorskip("vllm")
+
+from tests.unit.test_ipc_tp_mismatch import ipc_loader, parallel, setup  # noqa: E402,F401
+from vllm_fastload.errors import FallbackRefused  # noqa: E402
+from vllm_fastload.ipc.engine import mapping  # noqa: E402
+from vllm_fastload.ipc.memory.state import InstallError  # noqa: E402
+
+
+@pytest.fixture
+def beside(monkeypatch):
+    """The check runs beside the build, as for a CUDA VMM segment."""
+    monkeypatch.setattr(mapping, "_verify_beside_build", lambda transport: True)
+
+
+def _disk(monkeypatch):
+    """The fallback's disk load (our runai_streamer) answers "disk"."""
+    monkeypatch.setattr("vllm_fastload.streaming.loader.RunaiStreamerLoader.load_model", lambda self, **kw: "disk")
+
+
+def test_the_checksum_check_runs_while_the_skeleton_is_built(setup, monkeypatch, beside):
+    srv, model_config, vllm_config = setup
+    checking, building, seen = threading.Event(), threading.Event(), {}
+    verify = mapping._verify
+
+    def watched_verify(lease, path):
+        checking.set()
+        # a check that ran before the build (not beside it) would wait here in vain
+        seen["build started during the check"] = building.wait(timeout=5)
+        verify(lease, path)
+
+    def build(*a):
+        building.set()
+        seen["check started before the build ended"] = checking.wait(timeout=30)
+        return nn.Module()
+
+    def apply(model, tensors, manifest):
+        seen["install after the check"] = True
+        raise InstallError("stop here")
+
+    monkeypatch.setattr(mapping, "_verify", watched_verify)
+    monkeypatch.setattr(mapping, "_build_model", build)
+    monkeypatch.setattr(mapping, "_apply_entries", apply)
+    _disk(monkeypatch)
+    parallel(monkeypatch, 1, 0)
+    assert ipc_loader(srv.path).load_model(vllm_config, model_config) == "disk"
+    assert seen == {"build started during the check": True, "check started before the build ended": True,
+                    "install after the check": True}
+
+
+def test_a_mismatch_found_beside_the_build_refuses_the_load_and_forgets_the_skeleton(setup, monkeypatch, beside):
+    """Corrupt the daemon's memory of ``w``: the load refuses (``fallback: false``) with the checksum's reason, the
+    install never runs, and what the skeleton registered is removed; with the fallback, the disk load runs."""
+    srv, model_config, vllm_config = setup
+    forgotten, installed, built = [], [], []
+    forget = mapping._forget_skeleton
+    monkeypatch.setattr(mapping, "_build_model", lambda *a: built.append(1) or nn.Module())
+    monkeypatch.setattr(mapping, "_apply_entries", lambda *a: installed.append(a))
+    monkeypatch.setattr(mapping, "_forget_skeleton", lambda before: (forgotten.append(before), forget(before)))
+    _disk(monkeypatch)
+    parallel(monkeypatch, 1, 0)
+    e = srv.state.manifest.tensors["w"]
+    srv.state.segment.buf[e.offset + 8] ^= 0xFF  # inside the first checksum window
+    with pytest.raises(FallbackRefused, match=r"tensor 'w' in the daemon's memory does not match its checksum sample"):
+        ipc_loader(srv.path, fallback=False).load_model(vllm_config, model_config)
+    assert installed == [] and len(built) == len(forgotten) == 1  # built beside the check, then forgotten
+    assert ipc_loader(srv.path).load_model(vllm_config, model_config) == "disk"
+    assert installed == [] and len(built) == len(forgotten) == 2
+
+
+def test_a_failed_build_waits_for_the_check_before_the_mapping_is_closed(setup, monkeypatch, beside):
+    """The check reads the mapping; a build that fails must not let ``lease.close()`` unmap it under the check."""
+    srv, model_config, vllm_config = setup
+    release, order = threading.Event(), []
+    verify = mapping._verify
+
+    def held_verify(lease, path):
+        release.wait(timeout=30)
+        verify(lease, path)
+        order.append("check done")
+
+    def build(*a):
+        release.set()
+        raise InstallError("the build failed")
+
+    closing = mapping.MappedLease.close
+
+    def close(self):
+        order.append("close")
+        closing(self)
+
+    monkeypatch.setattr(mapping, "_verify", held_verify)
+    monkeypatch.setattr(mapping, "_build_model", build)
+    monkeypatch.setattr(mapping.MappedLease, "close", close)
+    _disk(monkeypatch)
+    parallel(monkeypatch, 1, 0)
+    assert ipc_loader(srv.path).load_model(vllm_config, model_config) == "disk"
+    assert order[:2] == ["check done", "close"]
+
+
+def test_the_report_gives_the_check_and_the_wait_left_after_the_build(setup, monkeypatch, beside):
+    srv, model_config, vllm_config = setup
+    seen = {}
+
+    def apply(model, tensors, manifest):
+        return {}
+
+    monkeypatch.setattr(mapping, "_build_model", lambda *a: nn.Module())
+    monkeypatch.setattr(mapping, "_apply_entries", apply)
+    monkeypatch.setattr(mapping, "_reprocess", lambda *a: None)
+    real_report = mapping._report
+
+    def report(*a):
+        r = real_report(*a)
+        seen.update(r.extra)
+        return r
+
+    monkeypatch.setattr(mapping, "_report", report)
+    parallel(monkeypatch, 1, 0)
+    model = ipc_loader(srv.path, fallback=False, mode="copy").load_model(vllm_config, model_config)
+    assert isinstance(model, nn.Module)
+    assert seen["verify_thread_s"] > 0 and 0 <= seen["verify_s"] <= seen["verify_thread_s"] + 0.05
+
+
+def test_a_cpu_segment_is_checked_before_the_skeleton_is_built(setup, monkeypatch):
+    """The memfd transport (no ``beside``): a corrupt segment is refused before any skeleton is built, and the
+    report has no thread time."""
+    srv, model_config, vllm_config = setup
+    import torch
+
+    assert mapping._verify_beside_build(mapping.get_transport(torch.device("cpu"))) is False
+    built = []
+    monkeypatch.setattr(mapping, "_build_model", lambda *a: built.append(1) or nn.Module())
+    _disk(monkeypatch)
+    parallel(monkeypatch, 1, 0)
+    e = srv.state.manifest.tensors["w"]
+    srv.state.segment.buf[e.offset + 8] ^= 0xFF
+    with pytest.raises(FallbackRefused, match=r"tensor 'w' in the daemon's memory does not match its checksum sample"):
+        ipc_loader(srv.path, fallback=False).load_model(vllm_config, model_config)
+    assert built == []

@@ -135,11 +135,10 @@ class Dropping(Scaling):
         del layer.zero_point
 
 
-def test_a_tensor_post_processing_removed_leaves_with_the_audit_and_a_reprocessed_ones_missing_is_refused():
+def test_a_tensor_post_processing_removed_is_removed_by_install_and_a_reprocessed_ones_missing_is_refused():
     """A skeleton parameter the daemon's post-processing deleted (not in the cache) of a module that is not
-    re-processed stays on the meta device through install and is gone after :func:`audit`, the walk that removes
-    such tensors; one of a re-processed module is refused by install itself, naming it (re-processing would run on
-    a meta tensor)."""
+    re-processed is removed by install, before any re-processing could see it; one of a re-processed module is
+    refused by install, naming it (re-processing would run on a meta tensor)."""
     from vllm_fastload.ipc.memory.state import audit
 
     def build(device=None):
@@ -161,10 +160,9 @@ def test_a_tensor_post_processing_removed_leaves_with_the_audit_and_a_reprocesse
     with torch.device("meta"):
         eng = build()
     replaced = install(eng, tensors, exp.aliases, exp.reprocess)
-    assert eng.sc.zero_point.is_meta  # left for the audit's walk
+    assert "zero_point" not in eng.sc._parameters
     reprocess_modules(eng, exp.reprocess, model_config=None)
     audit(eng, exp.objects, replaced)
-    assert "zero_point" not in eng.sc._parameters
     assert not any(t.is_meta for t in eng.parameters()) and not any(t.is_meta for t in eng.buffers())
     assert torch.equal(eng.sc.weight, m.sc.weight)
     with torch.device("meta"):
@@ -174,6 +172,106 @@ def test_a_tensor_post_processing_removed_leaves_with_the_audit_and_a_reprocesse
         install(eng, missing, exp.aliases, exp.reprocess)
     del mm
     seg.close()
+
+
+class FoldingScale(Scaling):
+    """Folds a scale parameter into the weight and deletes it, then rescales."""
+
+    def process_weights_after_loading(self, layer):
+        layer.weight = nn.Parameter(layer.weight * layer.scale_inv, requires_grad=False)
+        del layer.scale_inv
+        super().process_weights_after_loading(layer)
+
+
+class Hooked(nn.Module):
+    """A model-level hook that picks its path by whether ``proj.scale_inv`` exists (as vLLM's
+    ``get_attribute_fallback`` does) and binds a closure, so the daemon marks ``""`` for re-processing."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Module()
+        self.proj.weight = nn.Parameter(torch.empty(2, 3), requires_grad=False)
+        self.proj.scale_inv = nn.Parameter(torch.empty(2, 1), requires_grad=False)
+        self.proj.quant_method = FoldingScale()
+
+    def process_weights_after_loading(self):
+        w = self.proj.weight * self.proj.scale_inv if hasattr(self.proj, "scale_inv") else self.proj.weight
+        s = self.proj.scale
+        self.fn = lambda x: (x @ w.t()) * s
+
+
+def test_re_processing_never_sees_a_tensor_post_processing_removed_from_a_processed_unit():
+    """From a helper's attack on a375540, which left such tensors on the meta device until the audit: the
+    model-level hook (re-processed, after every quant method as in vLLM) then found ``proj.scale_inv`` and failed
+    on a meta tensor."""
+    torch.manual_seed(0)
+    m = Hooked()
+    m.proj.weight.data.normal_()
+    m.proj.scale_inv.data.uniform_(0.5, 2)
+    snap = snapshot(m)
+    m.proj.quant_method.process_weights_after_loading(m.proj)
+    m.process_weights_after_loading()
+    x = torch.randn(4, 3)
+    want = m.fn(x)
+    exp = collect(m, snap)
+    assert exp.reprocess == [""] and "proj.scale_inv" not in exp.tensors
+    seg, mm, tensors = transported(exp)
+    with torch.device("meta"):
+        eng = Hooked()
+    from vllm_fastload.ipc.memory.state import audit
+
+    replaced = install(eng, tensors, exp.aliases, exp.reprocess, exp.attrs, exp.object_attrs)
+    reprocess_modules(eng, exp.reprocess, model_config=None)
+    audit(eng, exp.objects, replaced)
+    got = eng.fn(x)
+    assert got.device.type == "cpu" and torch.allclose(got, want)
+    del mm
+    seg.close()
+
+
+class Growing(Scaling):
+    """Re-processing that makes a parameter on the device the layer recorded at construction (meta in a skeleton)."""
+
+    def apply(self, layer, x, bias=None):
+        return layer.run(x)
+
+    def process_weights_after_loading(self, layer):
+        layer.offset = nn.Parameter(torch.ones(layer.weight.shape[0], device=layer.built_on), requires_grad=False)
+        w, o = layer.weight, layer.offset
+        layer.run = lambda x: x @ w.t() + o
+
+
+class Grows(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Module()
+        self.lin.weight = nn.Parameter(torch.empty(2, 3), requires_grad=False)
+        self.lin.built_on = self.lin.weight.device
+        self.lin.quant_method = Growing()
+
+
+def test_the_audit_refuses_a_parameter_re_processing_left_on_the_meta_device():
+    """From the same attack: the audit must name such a parameter (the fallback's case), not drop it."""
+    from vllm_fastload.ipc.memory.state import audit
+
+    torch.manual_seed(0)
+    m = Grows()
+    m.lin.weight.data.normal_()
+    snap = snapshot(m)
+    m.lin.quant_method.process_weights_after_loading(m.lin)
+    exp = collect(m, snap)
+    assert exp.reprocess == ["lin"]
+    seg, mm, tensors = transported(exp)
+    with torch.device("meta"):
+        eng = Grows()
+    replaced = install(eng, tensors, exp.aliases, exp.reprocess, exp.attrs, exp.object_attrs)
+    reprocess_modules(eng, exp.reprocess, model_config=None)
+    try:
+        with pytest.raises(InstallError, match=r"lin\.offset is still on the meta device"):
+            audit(eng, exp.objects, replaced)
+    finally:
+        del mm
+        seg.close()
 
 
 def test_strided_and_odd_tensors_keep_layout_and_bytes():

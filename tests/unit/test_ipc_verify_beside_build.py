@@ -11,7 +11,9 @@ segment would be treated (this machine has no GPU; the GPU benchmark runs the CU
 
 from __future__ import annotations
 
+import signal
 import threading
+import time
 
 import pytest
 from torch import nn
@@ -155,3 +157,34 @@ def test_a_cpu_segment_is_checked_before_the_skeleton_is_built(setup, monkeypatc
     with pytest.raises(FallbackRefused, match=r"tensor 'w' in the daemon's memory does not match its checksum sample"):
         ipc_loader(srv.path, fallback=False).load_model(vllm_config, model_config)
     assert built == []
+
+
+def test_an_interrupt_during_the_build_is_not_turned_into_a_fallback_by_what_the_check_found(setup, monkeypatch,
+                                                                                             beside):
+    """From a helper's attack on a375540: Ctrl-C during the build while the check finds a corrupt daemon must stay a
+    KeyboardInterrupt (the check's ChecksumMismatch is a CacheUnavailable, which the fallback policy would have
+    answered with a disk load)."""
+    srv, model_config, vllm_config = setup
+    verify = mapping._verify
+    building = threading.Event()
+
+    def interrupting_verify(lease, path):
+        building.wait(timeout=10)
+        signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+        time.sleep(0.3)
+        verify(lease, path)
+
+    def build(*a):
+        building.set()
+        for _ in range(200):
+            time.sleep(0.05)
+        return nn.Module()
+
+    monkeypatch.setattr(mapping, "_verify", interrupting_verify)
+    monkeypatch.setattr(mapping, "_build_model", build)
+    _disk(monkeypatch)
+    parallel(monkeypatch, 1, 0)
+    e = srv.state.manifest.tensors["w"]
+    srv.state.segment.buf[e.offset + 8] ^= 0xFF
+    with pytest.raises(KeyboardInterrupt):
+        ipc_loader(srv.path).load_model(vllm_config, model_config)

@@ -158,11 +158,12 @@ def map_model(vllm_config: Any, model_config: Any, prefix: str, path: str, confi
                     # the fix of what vLLM recorded per module while building it, so the skeleton's, as that
                     # recording is part of vLLM's own model construction (outside "Loading weights took" for `auto`)
                     _record_restore_device(model, device)
-            except BaseException:
+            except BaseException as e:
                 if verifying is not None:
-                    # the check reads the mapping, which lease.close() below unmaps; what it found comes first, as
-                    # when it runs before the build (a corrupt daemon is the fallback's case whatever the build did)
-                    verifying.wait()
+                    # nothing of this load may run on behind the fallback's disk load: wait for the check. What it
+                    # found comes first, as when it runs before the build (a corrupt daemon is the fallback's case
+                    # whatever the build did), except after an interrupt or exit, which must not become a fallback
+                    verifying.wait(raise_error=isinstance(e, Exception))
                 raise
             if verifying is not None:
                 with phases.part("verify_s"):  # the wait left after the build
@@ -269,11 +270,11 @@ class _Verifying:
         finally:
             self.seconds = round(time.perf_counter() - t, 4)
 
-    def wait(self) -> None:
-        """Block until the check ended; raise what it raised (:class:`ChecksumMismatch`,
+    def wait(self, raise_error: bool = True) -> None:
+        """Block until the check ended; with ``raise_error``, raise what it raised (:class:`ChecksumMismatch`,
         :class:`~vllm_fastload.errors.ManifestError`)."""
         self._thread.join()
-        if self._error is not None:
+        if raise_error and self._error is not None:
             error, self._error = self._error, None
             raise error
 

@@ -600,12 +600,11 @@ def install(model: nn.Module, tensors: dict[str, tuple[str, torch.Tensor]], alia
     Parameters keep the Python attributes of the skeleton's parameter (``weight_loader``, ``output_dim``...).
     For reprocess modules each tensor must match the skeleton's shape and dtype (it is pre-post-processing
     state), and every parameter and buffer must be in the cache. Skeleton tensors of other modules that the
-    daemon did not export were removed by post-processing; they stay on the meta device until :func:`audit`,
-    which must run before the model is used, removes them. Plain attributes of processed modules (``attrs``,
-    JSON as made by :func:`plain_attrs`) are set on the skeleton; they never replace a method, property or
-    submodule, nor a skeleton tensor unless the value is ``None`` (post-processing removed it). ``object_attrs``
-    (dotted paths from :func:`collect`) are set on the skeleton's vLLM objects along the same path, with the same
-    limits.
+    daemon did not export were removed by post-processing and are removed here too. Plain attributes of processed
+    modules (``attrs``, JSON as made by :func:`plain_attrs`) are set on the skeleton; they never replace a method,
+    property or submodule, nor a skeleton tensor unless the value is ``None`` (post-processing removed it).
+    ``object_attrs`` (dotted paths from :func:`collect`) are set on the skeleton's vLLM objects along the same
+    path, with the same limits.
     References other objects hold to replaced skeleton tensors (:func:`repoint_stale`) are pointed at the installed
     ones here only inside the modules of re-processed units, whose re-processing may read them (all modules when
     the model-level hook is re-processed); the others are left to :func:`audit`, whose walk of the whole model
@@ -622,7 +621,7 @@ def install(model: nn.Module, tensors: dict[str, tuple[str, torch.Tensor]], alia
         try:
             placer.put_tensors(tensors)
             placer.put_aliases(aliases)
-            _check_owned(modules, placer.owned)
+            _drop_meta(modules, placer.owned)
             _set_attrs(placer.modules, attrs or {})
             _set_object_attrs(placer.modules, object_attrs or {})
         except BaseException:
@@ -889,19 +888,18 @@ _CLASS_HAS: dict[tuple[type, str], bool] = {}
 _CLASS_NAMES: dict[type, frozenset[str]] = {}
 
 
-def _check_owned(modules: list[tuple[str, nn.Module]], owned: set[str]) -> None:
-    """Every parameter and buffer of an ``owned`` (re-processed) module of ``modules`` (the model's, each once:
-    :func:`survey`) came from the cache: re-processing must not run on a meta tensor. Raises
-    :class:`InstallError` naming the first still on the meta device. (Those of other modules were removed by
-    post-processing in the daemon; :func:`audit`'s walk removes them here.)"""
-    if not owned:
-        return
+def _drop_meta(modules: list[tuple[str, nn.Module]], owned: set[str]) -> None:
+    """Remove the skeleton tensors still on the meta device (``modules``: the model's, each once: :func:`survey`):
+    post-processing removed them in the daemon, and re-processing (a model-level hook, an attention layer's
+    processing that picks its path by which attributes exist) must not see them. Raises :class:`InstallError` for
+    one of an ``owned`` (re-processed) module, which must have come from the cache."""
     for name, m in modules:
-        if name in owned:
-            for store in (m._parameters, m._buffers):
-                for leaf, t in store.items() if store else ():
-                    if t is not None and t.is_meta:
+        for store in (m._parameters, m._buffers):
+            for leaf, t in list(store.items()) if store else ():
+                if t is not None and t.is_meta:
+                    if name in owned:
                         raise InstallError(f"{name}.{leaf} was not in the cache (its module is re-processed here)")
+                    del store[leaf]
 
 
 def _set_attrs(modules: dict[str, nn.Module], attrs: dict[str, dict[str, Any]]) -> None:
@@ -1016,20 +1014,17 @@ def audit(model: nn.Module, objects: dict[str, list[str]] | None = None,
           replaced: dict[int, torch.Tensor] | None = None) -> None:
     """After install and re-processing, before the engine uses the model: no parameter, buffer or tensor that a
     module or its vLLM objects reach is on the meta device, and every object post-processing bound in the daemon
-    (``objects``: module -> dotted paths, the manifest's) is bound again. A parameter or buffer still on the meta
-    device was not in the cache: post-processing removed it in the daemon (:func:`install` refused one of a
-    re-processed module), so it is removed here, on the walk that comes anyway. ``replaced`` (what
-    :func:`install` returned): a reference to a replaced skeleton tensor is pointed at what replaced it on the way
+    (``objects``: module -> dotted paths, the manifest's) is bound again. ``replaced`` (what :func:`install`
+    returned): a reference to a replaced skeleton tensor is pointed at what replaced it on the way
     (the references install left for this walk) instead of being refused. Raises :class:`InstallError` naming the
     first tensor or object that is missing."""
     modules = dict(model.named_modules(remove_duplicate=False))
     replaced = replaced or {}
     seen: dict[int, int] = {}
     for name, m in modules.items():
-        for store in (m._parameters, m._buffers):
-            for leaf, t in list(store.items()) if store else ():
-                if t is not None and t.device.type == "meta":
-                    del store[leaf]  # post-processing removed it in the daemon (install checked re-processed ones)
+        for leaf, t in [*m._parameters.items(), *m._buffers.items()]:
+            if t is not None and t.device.type == "meta":
+                raise InstallError(f"{name}.{leaf} is still on the meta device after the mapping (not in the cache)")
         for path, holder, key, t in list(_tensor_refs(m, seen)):
             if t.device.type == "meta":
                 new = replaced.get(id(t))

@@ -589,6 +589,88 @@ def test_cached_attributes_never_replace_methods_properties_or_submodules(leaf):
         install(eng, {}, {}, [], {"": {leaf: None}})
 
 
+class _OwnDispatch(nn.Parameter):
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+class _SubParameter(nn.Parameter):
+    pass
+
+
+def _odd_skeleton(case):
+    """A one-module skeleton ``c`` for a case the inline path of ``put_tensors`` must treat as ``put`` does."""
+    m = nn.Module()
+    with torch.device("meta"):
+        m.c = c = nn.Module()
+        if case in ("tied", "view", "as_buffer"):
+            c.w = nn.Parameter(torch.empty(2))
+        if case == "tied":
+            c.register_parameter("v", c.w)
+        elif case == "view":
+            c.keep = c.w.view(2)  # another tensor shares its contents
+        elif case == "buffer_as_attr":
+            c.register_buffer("b", torch.empty(2))
+        elif case == "attr":
+            c.a = torch.empty(2)
+        elif case in ("dispatch", "subclass"):
+            cls = _OwnDispatch if case == "dispatch" else _SubParameter
+            c.register_parameter("w", cls(torch.empty(2), requires_grad=False))
+        elif case == "none":
+            c.register_parameter("w", None)
+            c.register_buffer("b", None)
+        elif case == "mismatch":
+            c.w = nn.Parameter(torch.empty(3))
+    if case == "not_meta":
+        m.c.w = nn.Parameter(torch.zeros(2))
+    return m
+
+
+_ODD_CASES = {
+    "tied": {"c.w": "param", "c.v": "param"}, "view": {"c.w": "param"}, "as_buffer": {"c.w": "buffer"},
+    "buffer_as_attr": {"c.b": "attr"}, "attr": {"c.a": "attr"}, "dispatch": {"c.w": "param"},
+    "subclass": {"c.w": "param"}, "none": {"c.w": "param", "c.b": "buffer"}, "mismatch": {"c.w": "param"},
+    "not_meta": {"c.w": "param"},
+}
+
+
+@pytest.mark.parametrize("owned", [False, True], ids=["processed", "re-processed"])
+@pytest.mark.parametrize("case", sorted(_ODD_CASES))
+def test_the_inline_path_of_put_tensors_installs_what_put_installs(case, owned):
+    """``_Placer.put_tensors`` repeats ``put``'s and ``_take_over``'s tests inline for speed; this keeps the two
+    copies one rule: the same tensors end up in the same places, the same skeleton objects are kept (the same
+    exchanges to undo), the same error."""
+    from vllm_fastload.ipc.memory.state import _Placer, survey
+
+    def run(inline):
+        m = _odd_skeleton(case)
+        names, _, units = survey(m, False)
+        placer = _Placer(names, units, set())
+        if owned:
+            placer.owned = set(names)
+        before = {k: id(v) for k, v in m.c._parameters.items()} | {k: id(v) for k, v in m.c._buffers.items()}
+        tensors = {k: (kind, torch.arange(2, dtype=torch.float32)) for k, kind in _ODD_CASES[case].items()}
+        error = None
+        with torch._C.DisableTorchFunctionSubclass():
+            try:
+                if inline:
+                    placer.put_tensors(tensors)
+                else:
+                    for full, (kind, t) in tensors.items():
+                        placer.put(full, kind, t)
+            except InstallError as e:
+                error = str(e)
+        where = {f"{store}.{k}": None if v is None else (type(v).__name__, v.device.type, tuple(v.shape),
+                                                         id(v) == before.get(k))
+                 for store, d in (("P", m.c._parameters), ("B", m.c._buffers),
+                                  ("A", {k: v for k, v in vars(m.c).items() if isinstance(v, torch.Tensor)}))
+                 for k, v in d.items()}
+        return where, error, len(placer.taken), sorted(placer.installed)
+
+    assert run(inline=True) == run(inline=False)
+
+
 def test_the_one_walk_of_install_lists_what_named_modules_lists():
     """:func:`state.survey` replaces the ``named_modules`` walks of ``install``: same names, same order, a module
     shared under two names (tied) listed under both, then once; the processing units as

@@ -689,7 +689,9 @@ class _Placer:
 
         The common case, a plain tensor taking the place of the skeleton's meta parameter or plain tensor in place
         (:func:`_take_over`), is :meth:`put` and :func:`_take_over` inline, with their tests: it runs once per
-        tensor of the model, and the two calls cost as much as the work. Anything else goes through :meth:`put`."""
+        tensor of the model, and the two calls cost as much as the work (about 1 us per tensor). Anything else goes
+        through :meth:`put`; a unit test installs odd cases both ways and asks for the same result, so the two copies
+        of the tests stay one rule."""
         modules, owned, installed, taken, swap = self.modules, self.owned, self.installed, self.taken, _SWAP_IMPL
         plain, param = torch.Tensor, nn.Parameter
         for full, (kind, t) in tensors.items():
@@ -1015,9 +1017,9 @@ def audit(model: nn.Module, objects: dict[str, list[str]] | None = None,
     """After install and re-processing, before the engine uses the model: no parameter, buffer or tensor that a
     module or its vLLM objects reach is on the meta device, and every object post-processing bound in the daemon
     (``objects``: module -> dotted paths, the manifest's) is bound again. ``replaced`` (what :func:`install`
-    returned): a reference to a replaced skeleton tensor is pointed at what replaced it on the way
-    (the references install left for this walk) instead of being refused. Raises :class:`InstallError` naming the
-    first tensor or object that is missing."""
+    returned): a reference to a replaced skeleton tensor is pointed at what replaced it on the way (the references
+    install left for this walk) instead of being refused. Raises :class:`InstallError` naming the first tensor or
+    object that is missing."""
     modules = dict(model.named_modules(remove_duplicate=False))
     replaced = replaced or {}
     seen: dict[int, int] = {}

@@ -635,9 +635,10 @@ _ODD_CASES = {
 }
 
 
+@pytest.mark.parametrize("consume", [False, True], ids=["given-kept", "given-consumed"])
 @pytest.mark.parametrize("owned", [False, True], ids=["processed", "re-processed"])
 @pytest.mark.parametrize("case", sorted(_ODD_CASES))
-def test_the_inline_path_of_put_tensors_installs_what_put_installs(case, owned):
+def test_the_inline_path_of_put_tensors_installs_what_put_installs(case, owned, consume):
     """``_Placer.put_tensors`` repeats ``put``'s and ``_take_over``'s tests inline for speed; this keeps the two
     copies one rule: the same tensors end up in the same places, the same skeleton objects are kept (the same
     exchanges to undo), the same error."""
@@ -646,7 +647,7 @@ def test_the_inline_path_of_put_tensors_installs_what_put_installs(case, owned):
     def run(inline):
         m = _odd_skeleton(case)
         names, _, units = survey(m, False)
-        placer = _Placer(names, units, set())
+        placer = _Placer(names, units, set(), consume)
         if owned:
             placer.owned = set(names)
         before = {k: id(v) for k, v in m.c._parameters.items()} | {k: id(v) for k, v in m.c._buffers.items()}
@@ -883,3 +884,98 @@ def test_a_failed_install_leaves_the_skeletons_objects_on_the_meta_device():
                     "nope.x": ("param", segment[:1])}, {}, [])
     assert [t.device.type for t in kept] == ["meta", "meta"] and m.a.weight is kept[0]
     assert [tuple(t.shape) for t in kept] == [(2, 3), (2,)]
+
+
+def test_one_tensor_object_given_under_two_names_is_refused_not_installed_as_meta():
+    """Install takes the given tensor objects over: one that took a skeleton tensor's place in place holds that
+    skeleton tensor's meta contents afterwards. The same object given again under another name must be refused by
+    name, not installed as a meta tensor (which install's sweep would then drop from the model without a word);
+    and the failed install gives every exchanged object back, so the first name is on the meta device again."""
+    m = nn.Module()
+    m.a = nn.Linear(2, 2, bias=False, device="meta")
+    m.b = nn.Linear(2, 2, bias=False, device="meta")
+    kept = m.a.weight
+    twice = torch.arange(4.0).view(2, 2)
+    with pytest.raises(InstallError, match=r"cached tensor 'b\.weight' holds no memory \(meta device\)"):
+        install(m, {"a.weight": ("param", twice), "b.weight": ("param", twice)}, {}, [], consume=True)
+    assert m.a.weight is kept and kept.is_meta and m.b.weight.is_meta
+    assert twice.tolist() == [[0.0, 1.0], [2.0, 3.0]]  # the given object holds its memory again
+
+
+@pytest.mark.parametrize("consume", [False, True], ids=["given-kept", "given-consumed"])
+def test_install_leaves_the_given_objects_as_they_were_unless_it_may_consume_them(consume):
+    """What install does with the tensors it is given: the skeleton's parameter object stays the model's (vLLM's
+    references to it hold) and holds the given tensor's memory; the given object is left as it was, or with
+    ``consume`` (the engine's views, made for the install) holds the skeleton's meta contents."""
+    m = nn.Module()
+    m.a = nn.Linear(2, 2, bias=False, device="meta")
+    kept = m.a.weight
+    segment = torch.arange(6.0)
+    given = segment[2:].view(2, 2)
+    install(m, {"a.weight": ("param", given)}, {}, [], consume=consume)
+    assert m.a.weight is kept and kept.data_ptr() == segment[2:].data_ptr()
+    assert kept.tolist() == [[2.0, 3.0], [4.0, 5.0]]
+    assert given.is_meta is consume and tuple(given.shape) == (2, 2)
+    if not consume:
+        assert given.data_ptr() == kept.data_ptr()
+
+
+class _QuantModule(nn.Module, Packing):
+    """A quant method that is also a module (as vLLM's fused-MoE methods are): never a unit itself."""
+
+
+def _attention_layer_class():
+    """A minimal vLLM attention layer class (``AttentionLayerBase``) without a post-processing method of its own."""
+    from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+
+    class Attn(nn.Module, AttentionLayerBase):
+        def get_attn_backend(self):
+            return None
+
+        def get_kv_cache_spec(self, vllm_config):
+            return None
+
+    return Attn
+
+
+class _QuantProperty(nn.Module):
+    @property
+    def quant_method(self):
+        return Scaling()
+
+
+def test_the_walks_unit_test_per_class_finds_what_the_per_module_test_finds(monkeypatch):
+    """:func:`state.survey` decides what depends on the class alone once per class; modules of one class that
+    differ (no quant method, one as an attribute, one as a submodule, a quant method of the class's property, a
+    quant method module, an attention layer with and without a hook of its own) get the answer
+    :func:`state.processing_units` gives them,
+    with the class cache cold and warm, whichever instance of a class comes first."""
+    from vllm_fastload.ipc.memory import state
+    from vllm_fastload.ipc.memory.state import processing_units, survey
+
+    monkeypatch.setattr(state, "_UNIT_CLASSES", {})
+    model = nn.Module()
+    model.plain = nn.Module()  # plain nn.Module: no quant method
+    model.attr = nn.Module()
+    model.attr.quant_method = Scaling()
+    model.sub = nn.Module()
+    model.sub.quant_method = _QuantModule()  # a quant method module as a submodule
+    model.none = nn.Module()
+    model.none.quant_method = None
+    model.prop = _QuantProperty()
+    model.qm = _QuantModule()
+    model.hooked = nn.Module()
+    model.hooked.process_weights_after_loading = lambda: None  # an instance hook: not a deferred attention layer
+    model.hooked.quant_method = Scaling()
+    attn = _attention_layer_class()
+    model.attn = attn()  # an attention layer class without a hook: not deferred
+    model.attn_hooked = attn()
+    model.attn_hooked.process_weights_after_loading = lambda: None  # with one of its own: a deferred attention layer
+    for order in (list, reversed):
+        shuffled = nn.Module()
+        for k in order(list(model._modules)):
+            shuffled.add_module(k, model._modules[k])
+        want = processing_units(shuffled)
+        assert want == {"attr", "sub", "prop", "hooked", "attn_hooked"}
+        assert survey(shuffled, True)[2] == want  # cold for the first order, warm for the second
+        assert survey(shuffled, True)[2] == want

@@ -146,3 +146,20 @@ def test_the_first_bad_row_of_a_big_table_is_named():
     with pytest.raises(ValueError, match="'w777': 12 bytes do not hold float32"):
         layout.views(seg.buf, TensorTable(**cols))
     seg.close()
+
+
+def test_views_of_a_buffer_no_whole_dtype_view_fits_are_the_tensors():
+    """A buffer whose length is no multiple of float32's size has no float32 view of the whole: those rows are
+    viewed slice by slice, the others through their dtype's whole view, empty rows made empty; each is the tensor
+    it was packed from."""
+    ts = {"f": torch.arange(6.0).reshape(2, 3).t(), "e": torch.empty(0, 3), "h": torch.arange(3.0).to(torch.bfloat16),
+          "g": torch.arange(4.0) + 10}
+    seg, table = pack(ts)
+    end = max(o + n for o, n in zip(table.offset, table.nbytes))
+    buf = seg.buf[:end + 2]  # 2 bytes past the last tensor: no multiple of 4
+    assert buf.numel() % 4 and not buf.numel() % 2
+    got = layout.views(buf, table)
+    assert list(got) == table.names
+    for k, t in ts.items():
+        assert torch.equal(got[k], t) and got[k].stride() == t.stride() and got[k].dtype == t.dtype, k
+    seg.close()

@@ -297,11 +297,11 @@ def _view_tensors(lease: MappedLease, mode: Mode) -> dict[str, tuple[str, Any]]:
     from ..wire.messages import KINDS
 
     table = lease.manifest.tensors
-    mapped = views(lease.segment.buf, table)
+    mapped = views(lease.segment.buf, table).values()  # in row order
     kinds = [KINDS[k] for k in table.kind]
     if mode == "copy":
-        return {name: (kind, mapped[name].clone()) for name, kind in zip(table.names, kinds)}
-    return {name: (kind, mapped[name]) for name, kind in zip(table.names, kinds)}
+        return {name: (kind, t.clone()) for name, kind, t in zip(table.names, kinds, mapped)}
+    return dict(zip(table.names, zip(kinds, mapped)))
 
 
 def _apply_entries(model: Any, tensors: dict[str, tuple[str, Any]], manifest: Manifest) -> dict[int, Any]:
@@ -310,7 +310,9 @@ def _apply_entries(model: Any, tensors: dict[str, tuple[str, Any]], manifest: Ma
     tensors, for :func:`_reprocess`'s audit."""
     from ..memory.state import install
 
-    return install(model, tensors, manifest.aliases, manifest.reprocess, manifest.attrs, manifest.object_attrs)
+    # the views (or clones) were made for this install and are dropped after it: it may take their objects over
+    return install(model, tensors, manifest.aliases, manifest.reprocess, manifest.attrs, manifest.object_attrs,
+                   consume=True)
 
 
 def _record_restore_device(model: Any, device: Any) -> None:

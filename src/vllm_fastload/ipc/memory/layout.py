@@ -15,6 +15,7 @@ per tensor only the ``as_strided`` remains in Python.
 
 from __future__ import annotations
 
+from itertools import islice
 from typing import Any
 
 import torch
@@ -151,35 +152,35 @@ def _check_rows(size: int, table: TensorTable, rows: Any) -> None:
 
 
 def views(buf: torch.Tensor, table: TensorTable) -> dict[str, torch.Tensor]:
-    """Every row of ``table`` as a view into ``buf`` (name -> tensor), checked first (:func:`check_geometry`, same
-    errors as :func:`view_at`).
+    """Every row of ``table`` as a view into ``buf`` (name -> tensor, in row order), checked first
+    (:func:`check_geometry`, same errors as :func:`view_at`).
 
-    One ``as_strided`` per tensor on a per-dtype view of the whole buffer instead of slice + view + as_strided:
-    building the views of a model is on the engine's start-up path.
+    One ``as_strided`` per tensor on a per-dtype view of the whole buffer instead of slice + view + as_strided,
+    with each dtype's view, item size and offset looked up once: this loop runs once per tensor of the model on
+    the engine's start-up path.
     """
     check_geometry(buf.numel(), table)
-    typed: dict[int, tuple[torch.Tensor, int]] = {}
-    aligned = {}
-    for j, name in enumerate(table.dtypes):
+    size, first = buf.numel(), buf.storage_offset()
+    typed: list[tuple[Any, int, int] | None] = []  # per dtype: (its view's as_strided, item size, storage offset)
+    for name in table.dtypes:
         item = DTYPES[name].itemsize
-        aligned[j] = not (buf.numel() % item or buf.storage_offset() % item)
+        if size % item or first % item:
+            typed.append(None)  # the whole buffer has no view of this dtype: per-tensor slices
+        else:
+            t = buf.view(DTYPES[name])
+            typed.append((t.as_strided, item, t.storage_offset()))
     out = {}
-    at, shape, stride, dt = table.dims_at, table.shape, table.stride, table.dtype
-    for i, (name, o, n) in enumerate(zip(table.names, table.offset, table.nbytes)):
-        j = dt[i]
-        a, b = at[i], at[i + 1]
-        if n == 0:
-            out[name] = torch.empty(shape[a:b], dtype=DTYPES[table.dtypes[j]], device=buf.device)
-            continue
-        if not aligned[j]:
+    shape, stride, a = table.shape, table.stride, 0
+    for name, j, o, n, b in zip(table.names, table.dtype, table.offset, table.nbytes, islice(table.dims_at, 1, None)):
+        got = typed[j]
+        if n and got is not None:
+            strided, item, base = got
+            out[name] = strided(shape[a:b], stride[a:b], base + o // item)
+        elif n:
             out[name] = buf[o:o + n].view(DTYPES[table.dtypes[j]]).as_strided(shape[a:b], stride[a:b])
-            continue
-        got = typed.get(j)
-        if got is None:
-            t = buf.view(DTYPES[table.dtypes[j]])
-            got = typed[j] = (t, t.element_size())
-        t, item = got
-        out[name] = t.as_strided(shape[a:b], stride[a:b], t.storage_offset() + o // item)
+        else:
+            out[name] = torch.empty(shape[a:b], dtype=DTYPES[table.dtypes[j]], device=buf.device)
+        a = b
     return out
 
 

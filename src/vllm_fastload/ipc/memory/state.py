@@ -436,20 +436,44 @@ def survey(model: nn.Module, units: bool) -> tuple[dict[str, nn.Module], list[tu
     found: set[str] = set()
     seen: set[int] = set()
     stack: list[tuple[str, nn.Module]] = [("", model)]
+    pop, push, add_seen, add_first = stack.pop, stack.extend, seen.add, first.append
+    classes = _UNIT_CLASSES
     while stack:
-        name, m = stack.pop()
+        name, m = pop()
         names[name] = m
-        if id(m) not in seen:
-            seen.add(id(m))
-            first.append((name, m))
-            if units and _is_unit(m):
-                found.add(name)
+        i = id(m)
+        if i not in seen:
+            add_seen(i)
+            add_first((name, m))
+            if units:
+                # _is_unit's test with what depends on the class alone looked up once per class; a module with a
+                # post-processing hook of its own is asked in full
+                d = m.__dict__
+                known = classes.get(type(m))
+                if known is None or "process_weights_after_loading" in d:
+                    if _is_unit(m):
+                        found.add(name)
+                    if known is None and "process_weights_after_loading" not in d:
+                        classes[type(m)] = (_is_quant_method(m), hasattr(type(m), "quant_method"),
+                                            _is_deferred_attention(m))
+                elif not known[0]:
+                    qm = d.get("quant_method")
+                    if qm is None and "quant_method" not in d and (known[1] or "quant_method" in m._modules):
+                        qm = _member(m, "quant_method")
+                    if known[2] or (qm is not None and _is_quant_method(qm)):
+                        found.add(name)
         children = m._modules
         if children:
-            stack.extend(reversed([(f"{name}.{k}" if name else k, c) for k, c in children.items() if c is not None]))
+            prefix = name + "." if name else ""
+            push([(prefix + k, c) for k, c in reversed(children.items()) if c is not None])
     if units and hasattr(model, "process_weights_after_loading"):
         found.add("")
     return names, first, found
+
+
+#: Per module class, what :func:`survey`'s unit test needs of it: (a quant method itself, the class has a
+#: ``quant_method`` attribute, a deferred attention layer).
+_UNIT_CLASSES: dict[type, tuple[bool, bool, bool]] = {}
 
 
 def owned_by(names: Iterable[str], units: set[str], again: set[str]) -> set[str]:
@@ -594,7 +618,7 @@ class InstallError(CacheUnavailable):
 
 def install(model: nn.Module, tensors: dict[str, tuple[str, torch.Tensor]], aliases: dict[str, str],
             reprocess: list[str], attrs: dict[str, dict[str, Any]] | None = None,
-            object_attrs: dict[str, dict[str, Any]] | None = None) -> dict[int, torch.Tensor]:
+            object_attrs: dict[str, dict[str, Any]] | None = None, consume: bool = False) -> dict[int, torch.Tensor]:
     """Put ``tensors`` (name -> (kind, tensor)) into a skeleton ``model`` built on the meta device.
 
     Parameters keep the Python attributes of the skeleton's parameter (``weight_loader``, ``output_dim``...).
@@ -610,6 +634,12 @@ def install(model: nn.Module, tensors: dict[str, tuple[str, torch.Tensor]], alia
     the model-level hook is re-processed); the others are left to :func:`audit`, whose walk of the whole model
     comes anyway, so the model is walked once instead of twice. Returns what :func:`audit` needs for that: id of
     each replaced skeleton tensor -> what replaced it. Raises :class:`InstallError`.
+
+    ``consume``: the tensor objects of ``tensors`` are install's (views or clones of the segment made for it, as
+    :func:`~vllm_fastload.ipc.engine.mapping._view_tensors` makes them, each an object of its own): a plain one
+    that takes a skeleton tensor's place in place is left holding that skeleton tensor's meta contents, instead
+    of a new alias of it being made to hold them (one tensor fewer made and freed per tensor of the model).
+    Without it the given objects are left as they were.
     """
     # vLLM's parameter classes define __torch_function__, which every .shape, .dtype and .is_meta of theirs would
     # enter from here: install only reads tensor metadata and moves tensors, so subclass dispatch is off
@@ -617,7 +647,7 @@ def install(model: nn.Module, tensors: dict[str, tuple[str, torch.Tensor]], alia
         # nothing to re-process (a GPU engine of a dense model): no unit to check or own
         names, modules, units = survey(model, bool(reprocess))
         again = _checked_reprocess(reprocess, units)
-        placer = _Placer(names, units, again)
+        placer = _Placer(names, units, again, consume)
         try:
             placer.put_tensors(tensors)
             placer.put_aliases(aliases)
@@ -655,8 +685,9 @@ class _Placer:
     skeleton tensor -> what took its place (the skeleton tensors that kept their identity, :func:`_take_over`,
     are not in it: nothing refers to a stale object there)."""
 
-    def __init__(self, modules: dict[str, nn.Module], units: set[str], again: set[str]):
+    def __init__(self, modules: dict[str, nn.Module], units: set[str], again: set[str], consume: bool = False):
         self.modules = modules
+        self.consume = consume
         self.owned = owned_by(modules, units, again) if again else set()
         self.installed: dict[str, torch.Tensor] = {}
         self.replaced: dict[int, torch.Tensor] = {}
@@ -689,11 +720,12 @@ class _Placer:
 
         The common case, a plain tensor taking the place of the skeleton's meta parameter or plain tensor in place
         (:func:`_take_over`), is :meth:`put` and :func:`_take_over` inline, with their tests: it runs once per
-        tensor of the model, and the two calls cost as much as the work (about 1 us per tensor). Anything else goes
+        tensor of the model, and the two calls cost as much as the work (about 1 us per tensor). With ``consume``
+        (:func:`install`'s), the given object itself takes the meta contents there. Anything else goes
         through :meth:`put`; a unit test installs odd cases both ways and asks for the same result, so the two copies
         of the tests stay one rule."""
         modules, owned, installed, taken, swap = self.modules, self.owned, self.installed, self.taken, _SWAP_IMPL
-        plain, param = torch.Tensor, nn.Parameter
+        plain, param, consume = torch.Tensor, nn.Parameter, self.consume
         for full, (kind, t) in tensors.items():
             if swap is not None and type(t) is plain:
                 mod_name, _, leaf = full.rpartition(".")
@@ -711,9 +743,9 @@ class _Placer:
                             fits = type(old) is plain
                         else:
                             fits = type(old) is plain and kind == "buffer"
-                    if (fits and old.is_meta and old._use_count() == 1
+                    if (fits and old.is_meta and old._use_count() == 1 and not t.is_meta
                             and not (mine and (old.shape != t.shape or old.dtype != t.dtype))):
-                        meta = t.detach()
+                        meta = t if consume else t.detach()
                         swap(old, meta)
                         taken.append((old, meta))
                         installed[full] = old
@@ -749,6 +781,9 @@ class _Placer:
         m = self.modules.get(mod_name)
         if m is None:
             raise InstallError(f"cached tensor {full!r} has no module {mod_name!r} in this model")
+        if t.is_meta:  # no cached tensor is; one object given twice is after the first took a meta tensor's place
+            raise InstallError(f"cached tensor {full!r} holds no memory (meta device): each cached tensor must be a "
+                               f"tensor object of its own")
         old = m._parameters.get(leaf) if kind == "param" else m._buffers.get(leaf)
         if old is None and kind == "attr" and isinstance(vars(m).get(leaf), torch.Tensor):
             old = vars(m)[leaf]
@@ -895,13 +930,21 @@ def _drop_meta(modules: list[tuple[str, nn.Module]], owned: set[str]) -> None:
     post-processing removed them in the daemon, and re-processing (a model-level hook, an attention layer's
     processing that picks its path by which attributes exist) must not see them. Raises :class:`InstallError` for
     one of an ``owned`` (re-processed) module, which must have come from the cache."""
+    gone = []  # found first, removed after: no copy of each module's dicts to delete from while iterating them
     for name, m in modules:
-        for store in (m._parameters, m._buffers):
-            for leaf, t in list(store.items()) if store else ():
+        params, buffers = m._parameters, m._buffers
+        if params:
+            for leaf, t in params.items():
                 if t is not None and t.is_meta:
-                    if name in owned:
-                        raise InstallError(f"{name}.{leaf} was not in the cache (its module is re-processed here)")
-                    del store[leaf]
+                    gone.append((name, params, leaf))
+        if buffers:
+            for leaf, t in buffers.items():
+                if t is not None and t.is_meta:
+                    gone.append((name, buffers, leaf))
+    for name, store, leaf in gone:
+        if name in owned:
+            raise InstallError(f"{name}.{leaf} was not in the cache (its module is re-processed here)")
+        del store[leaf]
 
 
 def _set_attrs(modules: dict[str, nn.Module], attrs: dict[str, dict[str, Any]]) -> None:

@@ -90,9 +90,8 @@ def run(n: int, nbytes: int, device: torch.device | None = None) -> dict[str, fl
     from vllm_fastload.ipc.daemon.export import pack
     from vllm_fastload.ipc.daemon.rank import RankState
     from vllm_fastload.ipc.daemon.server import RankServer, acquire
-    from vllm_fastload.ipc.engine.mapping import _verify, _view_tensors, fetch
+    from vllm_fastload.ipc.engine.mapping import _apply_entries, _verify, _view_tensors, fetch
     from vllm_fastload.ipc.memory.backends import get_transport
-    from vllm_fastload.ipc.memory.state import install
     from vllm_fastload.ipc.wire import protocol
     from vllm_fastload.ipc.wire.messages import Manifest, to_frame
 
@@ -138,8 +137,7 @@ def run(n: int, nbytes: int, device: torch.device | None = None) -> dict[str, fl
             out["views"] = time.perf_counter() - t
             model = Skeleton(list(ts), nbytes // 4)
             t = time.perf_counter()
-            install(model, got, lease.manifest.aliases, lease.manifest.reprocess, lease.manifest.attrs,
-                    lease.manifest.object_attrs)
+            _apply_entries(model, got, lease.manifest)  # install as the engine calls it
             out["install"] = time.perf_counter() - t
             some = next(iter(ts))
             assert torch.equal(model.get_parameter(some).cpu(), ts[some])

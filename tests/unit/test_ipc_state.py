@@ -635,10 +635,9 @@ _ODD_CASES = {
 }
 
 
-@pytest.mark.parametrize("consume", [False, True], ids=["given-kept", "given-consumed"])
 @pytest.mark.parametrize("owned", [False, True], ids=["processed", "re-processed"])
 @pytest.mark.parametrize("case", sorted(_ODD_CASES))
-def test_the_inline_path_of_put_tensors_installs_what_put_installs(case, owned, consume):
+def test_the_inline_path_of_put_tensors_installs_what_put_installs(case, owned):
     """``_Placer.put_tensors`` repeats ``put``'s and ``_take_over``'s tests inline for speed; this keeps the two
     copies one rule: the same tensors end up in the same places, the same skeleton objects are kept (the same
     exchanges to undo), the same error."""
@@ -647,7 +646,7 @@ def test_the_inline_path_of_put_tensors_installs_what_put_installs(case, owned, 
     def run(inline):
         m = _odd_skeleton(case)
         names, _, units = survey(m, False)
-        placer = _Placer(names, units, set(), consume)
+        placer = _Placer(names, units, set())
         if owned:
             placer.owned = set(names)
         before = {k: id(v) for k, v in m.c._parameters.items()} | {k: id(v) for k, v in m.c._buffers.items()}
@@ -886,38 +885,47 @@ def test_a_failed_install_leaves_the_skeletons_objects_on_the_meta_device():
     assert [tuple(t.shape) for t in kept] == [(2, 3), (2,)]
 
 
-def test_one_tensor_object_given_under_two_names_is_refused_not_installed_as_meta():
-    """Install takes the given tensor objects over: one that took a skeleton tensor's place in place holds that
-    skeleton tensor's meta contents afterwards. The same object given again under another name must be refused by
-    name, not installed as a meta tensor (which install's sweep would then drop from the model without a word);
-    and the failed install gives every exchanged object back, so the first name is on the meta device again."""
+def test_a_meta_tensor_given_to_install_is_refused_by_name():
+    """A cached tensor on the meta device (no mapped memory) is refused naming it, and the failed install gives
+    back what it exchanged, instead of installing it as meta for the sweep to drop without a word."""
     m = nn.Module()
     m.a = nn.Linear(2, 2, bias=False, device="meta")
-    m.b = nn.Linear(2, 2, bias=False, device="meta")
+    m.register_buffer("b", torch.empty(2, device="meta"))
     kept = m.a.weight
-    twice = torch.arange(4.0).view(2, 2)
-    with pytest.raises(InstallError, match=r"cached tensor 'b\.weight' holds no memory \(meta device\)"):
-        install(m, {"a.weight": ("param", twice), "b.weight": ("param", twice)}, {}, [], consume=True)
-    assert m.a.weight is kept and kept.is_meta and m.b.weight.is_meta
-    assert twice.tolist() == [[0.0, 1.0], [2.0, 3.0]]  # the given object holds its memory again
+    with pytest.raises(InstallError, match=r"cached tensor 'b' holds no memory \(meta device\)"):
+        install(m, {"a.weight": ("param", torch.arange(4.0).view(2, 2)), "b": ("attr", torch.empty(2, device="meta"))},
+                {}, [])
+    assert m.a.weight is kept and kept.is_meta
 
 
-@pytest.mark.parametrize("consume", [False, True], ids=["given-kept", "given-consumed"])
-def test_install_leaves_the_given_objects_as_they_were_unless_it_may_consume_them(consume):
-    """What install does with the tensors it is given: the skeleton's parameter object stays the model's (vLLM's
-    references to it hold) and holds the given tensor's memory; the given object is left as it was, or with
-    ``consume`` (the engine's views, made for the install) holds the skeleton's meta contents."""
+def test_installed_tensors_are_not_views_of_the_segment_and_the_given_views_are_untouched():
+    """The skeleton's parameter object stays the model's (vLLM's references to it hold) and holds the given view's
+    memory, as a detached alias: not an autograd view whose base is the whole segment (installed parameters were
+    never views when torch.compile and vLLM's weight handling were checked on the GPU). The given view is left as
+    it was."""
     m = nn.Module()
     m.a = nn.Linear(2, 2, bias=False, device="meta")
     kept = m.a.weight
     segment = torch.arange(6.0)
-    given = segment[2:].view(2, 2)
-    install(m, {"a.weight": ("param", given)}, {}, [], consume=consume)
+    given = segment.as_strided((2, 2), (2, 1), 2)
+    install(m, {"a.weight": ("param", given)}, {}, [])
     assert m.a.weight is kept and kept.data_ptr() == segment[2:].data_ptr()
     assert kept.tolist() == [[2.0, 3.0], [4.0, 5.0]]
-    assert given.is_meta is consume and tuple(given.shape) == (2, 2)
-    if not consume:
-        assert given.data_ptr() == kept.data_ptr()
+    assert not kept._is_view() and kept._base is None
+    assert given._is_view() and not given.is_meta and given.data_ptr() == kept.data_ptr()
+
+
+def test_the_meta_sweep_of_two_modules_sharing_one_parameter_dict_removes_the_tensor_once():
+    """A shallow copy of a module shares its parameter dict: a skeleton tensor post-processing removed is removed
+    once (not a ``KeyError`` the fallback policy would not catch), and the cached one installed."""
+    import copy
+
+    m = nn.Module()
+    m.a = nn.Linear(2, 2, device="meta")
+    m.b = copy.copy(m.a)
+    assert m.b._parameters is m.a._parameters
+    install(m, {"a.weight": ("param", torch.arange(4.0).view(2, 2))}, {}, [])
+    assert "bias" not in m.a._parameters and m.b.weight.tolist() == [[0.0, 1.0], [2.0, 3.0]]
 
 
 class _QuantModule(nn.Module, Packing):

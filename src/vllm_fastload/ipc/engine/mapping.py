@@ -310,9 +310,7 @@ def _apply_entries(model: Any, tensors: dict[str, tuple[str, Any]], manifest: Ma
     tensors, for :func:`_reprocess`'s audit."""
     from ..memory.state import install
 
-    # the views (or clones) were made for this install and are dropped after it: it may take their objects over
-    return install(model, tensors, manifest.aliases, manifest.reprocess, manifest.attrs, manifest.object_attrs,
-                   consume=True)
+    return install(model, tensors, manifest.aliases, manifest.reprocess, manifest.attrs, manifest.object_attrs)
 
 
 def _record_restore_device(model: Any, device: Any) -> None:

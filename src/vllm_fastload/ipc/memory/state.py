@@ -618,7 +618,7 @@ class InstallError(CacheUnavailable):
 
 def install(model: nn.Module, tensors: dict[str, tuple[str, torch.Tensor]], aliases: dict[str, str],
             reprocess: list[str], attrs: dict[str, dict[str, Any]] | None = None,
-            object_attrs: dict[str, dict[str, Any]] | None = None, consume: bool = False) -> dict[int, torch.Tensor]:
+            object_attrs: dict[str, dict[str, Any]] | None = None) -> dict[int, torch.Tensor]:
     """Put ``tensors`` (name -> (kind, tensor)) into a skeleton ``model`` built on the meta device.
 
     Parameters keep the Python attributes of the skeleton's parameter (``weight_loader``, ``output_dim``...).
@@ -634,12 +634,6 @@ def install(model: nn.Module, tensors: dict[str, tuple[str, torch.Tensor]], alia
     the model-level hook is re-processed); the others are left to :func:`audit`, whose walk of the whole model
     comes anyway, so the model is walked once instead of twice. Returns what :func:`audit` needs for that: id of
     each replaced skeleton tensor -> what replaced it. Raises :class:`InstallError`.
-
-    ``consume``: the tensor objects of ``tensors`` are install's (views or clones of the segment made for it, as
-    :func:`~vllm_fastload.ipc.engine.mapping._view_tensors` makes them, each an object of its own): a plain one
-    that takes a skeleton tensor's place in place is left holding that skeleton tensor's meta contents, instead
-    of a new alias of it being made to hold them (one tensor fewer made and freed per tensor of the model).
-    Without it the given objects are left as they were.
     """
     # vLLM's parameter classes define __torch_function__, which every .shape, .dtype and .is_meta of theirs would
     # enter from here: install only reads tensor metadata and moves tensors, so subclass dispatch is off
@@ -647,7 +641,7 @@ def install(model: nn.Module, tensors: dict[str, tuple[str, torch.Tensor]], alia
         # nothing to re-process (a GPU engine of a dense model): no unit to check or own
         names, modules, units = survey(model, bool(reprocess))
         again = _checked_reprocess(reprocess, units)
-        placer = _Placer(names, units, again, consume)
+        placer = _Placer(names, units, again)
         try:
             placer.put_tensors(tensors)
             placer.put_aliases(aliases)
@@ -685,9 +679,8 @@ class _Placer:
     skeleton tensor -> what took its place (the skeleton tensors that kept their identity, :func:`_take_over`,
     are not in it: nothing refers to a stale object there)."""
 
-    def __init__(self, modules: dict[str, nn.Module], units: set[str], again: set[str], consume: bool = False):
+    def __init__(self, modules: dict[str, nn.Module], units: set[str], again: set[str]):
         self.modules = modules
-        self.consume = consume
         self.owned = owned_by(modules, units, again) if again else set()
         self.installed: dict[str, torch.Tensor] = {}
         self.replaced: dict[int, torch.Tensor] = {}
@@ -720,12 +713,11 @@ class _Placer:
 
         The common case, a plain tensor taking the place of the skeleton's meta parameter or plain tensor in place
         (:func:`_take_over`), is :meth:`put` and :func:`_take_over` inline, with their tests: it runs once per
-        tensor of the model, and the two calls cost as much as the work (about 1 us per tensor). With ``consume``
-        (:func:`install`'s), the given object itself takes the meta contents there. Anything else goes
+        tensor of the model, and the two calls cost as much as the work (about 1 us per tensor). Anything else goes
         through :meth:`put`; a unit test installs odd cases both ways and asks for the same result, so the two copies
         of the tests stay one rule."""
         modules, owned, installed, taken, swap = self.modules, self.owned, self.installed, self.taken, _SWAP_IMPL
-        plain, param, consume = torch.Tensor, nn.Parameter, self.consume
+        plain, param = torch.Tensor, nn.Parameter
         for full, (kind, t) in tensors.items():
             if swap is not None and type(t) is plain:
                 mod_name, _, leaf = full.rpartition(".")
@@ -745,7 +737,9 @@ class _Placer:
                             fits = type(old) is plain and kind == "buffer"
                     if (fits and old.is_meta and old._use_count() == 1 and not t.is_meta
                             and not (mine and (old.shape != t.shape or old.dtype != t.dtype))):
-                        meta = t if consume else t.detach()
+                        # a detached alias, not the given view itself: the model's tensor must not be an autograd
+                        # view of the whole segment (what torch.compile and vLLM's weight handling were checked with)
+                        meta = t.detach()
                         swap(old, meta)
                         taken.append((old, meta))
                         installed[full] = old
@@ -781,9 +775,9 @@ class _Placer:
         m = self.modules.get(mod_name)
         if m is None:
             raise InstallError(f"cached tensor {full!r} has no module {mod_name!r} in this model")
-        if t.is_meta:  # no cached tensor is; one object given twice is after the first took a meta tensor's place
-            raise InstallError(f"cached tensor {full!r} holds no memory (meta device): each cached tensor must be a "
-                               f"tensor object of its own")
+        if t.is_meta:  # no cached tensor is; installed, it would be swept away or refused later without its name
+            raise InstallError(f"cached tensor {full!r} holds no memory (meta device); the daemon's manifest or the "
+                               f"mapping is broken")
         old = m._parameters.get(leaf) if kind == "param" else m._buffers.get(leaf)
         if old is None and kind == "attr" and isinstance(vars(m).get(leaf), torch.Tensor):
             old = vars(m)[leaf]
@@ -942,6 +936,8 @@ def _drop_meta(modules: list[tuple[str, nn.Module]], owned: set[str]) -> None:
                 if t is not None and t.is_meta:
                     gone.append((name, buffers, leaf))
     for name, store, leaf in gone:
+        if leaf not in store:  # two modules sharing one dict (a shallow copy of a module): removed already
+            continue
         if name in owned:
             raise InstallError(f"{name}.{leaf} was not in the cache (its module is re-processed here)")
         del store[leaf]

@@ -952,12 +952,12 @@ class _QuantProperty(nn.Module):
         return Scaling()
 
 
-def test_the_walks_unit_test_per_class_finds_what_the_per_module_test_finds(monkeypatch):
-    """:func:`state.survey` decides what depends on the class alone once per class; modules of one class that
-    differ (no quant method, one as an attribute, one as a submodule, a quant method of the class's property, a
-    quant method module, an attention layer with and without a hook of its own) get the answer
-    :func:`state.processing_units` gives them,
-    with the class cache cold and warm, whichever instance of a class comes first."""
+def test_the_unit_test_looked_up_per_class_still_answers_per_module(monkeypatch):
+    """:func:`state._is_unit` (behind both :func:`state.survey` and :func:`state.processing_units`) decides what
+    depends on the class alone once per class; modules of one class that differ (no quant method, one as an
+    attribute, one as a submodule, a quant method of the class's property, a quant method module, an attention
+    layer with and without a hook of its own) still get their own answer, with the class cache cold and warm,
+    whichever instance of a class comes first."""
     from vllm_fastload.ipc.memory import state
     from vllm_fastload.ipc.memory.state import processing_units, survey
 

@@ -419,10 +419,32 @@ def processing_units(model: nn.Module, modules: list[tuple[str, nn.Module]] | No
 
 
 def _is_unit(m: nn.Module) -> bool:
-    """Whether vLLM's post-processing runs something for module ``m`` itself (:func:`processing_units`' test)."""
-    if _is_quant_method(m):
+    """Whether vLLM's post-processing runs something for module ``m`` itself (:func:`processing_units`' test):
+    not a quant method itself, and a quant method as ``m.quant_method`` or a deferred attention layer. What
+    depends on the class alone is looked up once per class (this runs once per module of the model, on the
+    engine's load path); a module with a ``process_weights_after_loading`` of its own is asked in full."""
+    d = m.__dict__
+    if "process_weights_after_loading" in d:
+        if _is_quant_method(m):
+            return False
+        return _is_quant_method(_member(m, "quant_method")) or _is_deferred_attention(m)
+    known = _UNIT_CLASSES.get(type(m))
+    if known is None:
+        known = _UNIT_CLASSES[type(m)] = (_is_quant_method(m), hasattr(type(m), "quant_method"),
+                                          _is_deferred_attention(m))
+    if known[0]:
         return False
-    return _is_quant_method(_member(m, "quant_method")) or _is_deferred_attention(m)
+    if known[2]:
+        return True
+    qm = d.get("quant_method")
+    if qm is None and "quant_method" not in d and (known[1] or "quant_method" in d["_modules"]):
+        qm = _member(m, "quant_method")
+    return qm is not None and _is_quant_method(qm)
+
+
+#: Per module class, what :func:`_is_unit` needs of it: (a quant method itself, the class has a ``quant_method``
+#: attribute, a deferred attention layer).
+_UNIT_CLASSES: dict[type, tuple[bool, bool, bool]] = {}
 
 
 def survey(model: nn.Module, units: bool) -> tuple[dict[str, nn.Module], list[tuple[str, nn.Module]], set[str]]:
@@ -436,8 +458,7 @@ def survey(model: nn.Module, units: bool) -> tuple[dict[str, nn.Module], list[tu
     found: set[str] = set()
     seen: set[int] = set()
     stack: list[tuple[str, nn.Module]] = [("", model)]
-    pop, push, add_seen, add_first = stack.pop, stack.extend, seen.add, first.append
-    classes = _UNIT_CLASSES
+    pop, push, add_seen, add_first, is_unit = stack.pop, stack.extend, seen.add, first.append, _is_unit
     while stack:
         name, m = pop()
         names[name] = m
@@ -445,23 +466,8 @@ def survey(model: nn.Module, units: bool) -> tuple[dict[str, nn.Module], list[tu
         if i not in seen:
             add_seen(i)
             add_first((name, m))
-            if units:
-                # _is_unit's test with what depends on the class alone looked up once per class; a module with a
-                # post-processing hook of its own is asked in full
-                d = m.__dict__
-                known = classes.get(type(m))
-                if known is None or "process_weights_after_loading" in d:
-                    if _is_unit(m):
-                        found.add(name)
-                    if known is None and "process_weights_after_loading" not in d:
-                        classes[type(m)] = (_is_quant_method(m), hasattr(type(m), "quant_method"),
-                                            _is_deferred_attention(m))
-                elif not known[0]:
-                    qm = d.get("quant_method")
-                    if qm is None and "quant_method" not in d and (known[1] or "quant_method" in m._modules):
-                        qm = _member(m, "quant_method")
-                    if known[2] or (qm is not None and _is_quant_method(qm)):
-                        found.add(name)
+            if units and is_unit(m):
+                found.add(name)
         children = m._modules
         if children:
             prefix = name + "." if name else ""
@@ -470,10 +476,6 @@ def survey(model: nn.Module, units: bool) -> tuple[dict[str, nn.Module], list[tu
         found.add("")
     return names, first, found
 
-
-#: Per module class, what :func:`survey`'s unit test needs of it: (a quant method itself, the class has a
-#: ``quant_method`` attribute, a deferred attention layer).
-_UNIT_CLASSES: dict[type, tuple[bool, bool, bool]] = {}
 
 
 def owned_by(names: Iterable[str], units: set[str], again: set[str]) -> set[str]:

@@ -477,7 +477,6 @@ def survey(model: nn.Module, units: bool) -> tuple[dict[str, nn.Module], list[tu
     return names, first, found
 
 
-
 def owned_by(names: Iterable[str], units: set[str], again: set[str]) -> set[str]:
     """The module names of ``names`` (in :func:`survey`'s pre-order) whose :func:`owner_unit` is in ``again``:
     one pass, each module taking its parent's owner unless it is a unit itself (the parent comes first in

@@ -197,6 +197,19 @@ def table(results: list[dict]) -> str:
     return "\n".join(out) + "\n"
 
 
+def write(out: Path, ordered: list[dict], meta: dict) -> str:
+    """Write ``zoo.json`` and ``zoo.md`` for the models in ``ordered`` (``run_model``'s results) under ``out``;
+    returns the Markdown."""
+    (out / "zoo.json").write_text(json.dumps({**meta, "results": ordered}, indent=1))
+    md = (f"Machine: {meta['machine']}; vLLM {meta['vllm']}, torch {meta['torch']}; {meta['date']}; "
+          f"`{meta['command']}`\n\n" + table(ordered))
+    for res in ordered:
+        for b in res["verdict"]:
+            md += f"\n- {res['model']}: {b}"
+    (out / "zoo.md").write_text(md + "\n")
+    return md
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", required=True, help="comma-separated zoo names (benchmarks/model_zoo.py --list)")
@@ -217,6 +230,9 @@ def main() -> int:
     a.out.mkdir(parents=True, exist_ok=True)
     results: dict[str, dict] = {}
     queue = list(names)
+    meta = {"machine": f"{torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu'}, {os.cpu_count()} CPUs",
+            "date": time.strftime("%Y-%m-%d"), "vllm": vllm.__version__, "torch": torch.__version__,
+            "command": " ".join(sys.argv)}
     lock = threading.Lock()
 
     def lane() -> None:
@@ -226,9 +242,13 @@ def main() -> int:
                     return
                 name = queue.pop(0)
             try:
-                results[name] = run_model(name, loaders, a.models_dir, a.out, a.gmu, a.kv_bytes)
+                res = run_model(name, loaders, a.models_dir, a.out, a.gmu, a.kv_bytes)
             except Exception as e:  # a model that cannot even be written or started: a row saying why
-                results[name] = {"model": name, "rows": [], "verdict": [f"{type(e).__name__}: {e}"]}
+                res = {"model": name, "rows": [], "verdict": [f"{type(e).__name__}: {e}"]}
+            with lock:
+                results[name] = res
+                # the tables so far, after every model: a call cut short by its time limit keeps what finished
+                write(a.out, [results[n] for n in names if n in results], meta)
 
     threads = [threading.Thread(target=lane) for _ in range(max(1, a.lanes))]
     for t in threads:
@@ -236,17 +256,7 @@ def main() -> int:
     for t in threads:
         t.join()
     ordered = [results[n] for n in names if n in results]
-    meta = {"machine": f"{torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu'}, {os.cpu_count()} CPUs",
-            "date": time.strftime("%Y-%m-%d"), "vllm": vllm.__version__, "torch": torch.__version__,
-            "command": " ".join(sys.argv)}
-    (a.out / "zoo.json").write_text(json.dumps({**meta, "results": ordered}, indent=1))
-    md = (f"Machine: {meta['machine']}; vLLM {meta['vllm']}, torch {meta['torch']}; {meta['date']}; "
-          f"`{meta['command']}`\n\n" + table(ordered))
-    for res in ordered:
-        for b in res["verdict"]:
-            md += f"\n- {res['model']}: {b}"
-    (a.out / "zoo.md").write_text(md + "\n")
-    print(md, flush=True)
+    print(write(a.out, ordered, meta), flush=True)
     return 1 if any(r["verdict"] for r in ordered) else 0
 
 

@@ -11,6 +11,7 @@ runai-model-streamer's environment variables, which the loader applies for the l
 from __future__ import annotations
 
 import difflib
+import re
 from pathlib import Path
 from typing import Any, ClassVar, Literal, Optional, Union
 
@@ -22,17 +23,22 @@ from .log import logger
 _BYTESIZE = TypeAdapter(ByteSize)
 
 
-def parse_bytes(value: Union[int, str], *, minimum: int) -> int:
+#: Largest byte count a size key takes: far above any host's memory, and far below what overflows the 64-bit
+#: sizes runai-model-streamer and the CUDA allocator take (a larger value reached them as an opaque error).
+MAX_BYTES = 2**40
+
+
+def parse_bytes(value: Union[int, str], *, minimum: int, maximum: int = MAX_BYTES) -> int:
     """Parse a byte count: an int, or a string such as ``"16GiB"``, ``"512MB"``, ``"1048576"``.
 
     Units follow pydantic's ``ByteSize`` (KB = 1000, KiB = 1024, ...). Returns bytes (int).
-    Raises ``ValueError`` for bools, floats, unparsable strings or values below ``minimum``.
+    Raises ``ValueError`` for bools, floats, unparsable strings or values outside ``[minimum, maximum]``.
     """
     if isinstance(value, bool) or not isinstance(value, (int, str)):
         raise ValueError(f"expected an integer number of bytes or a string like '16GiB', got {type(value).__name__}")
     if isinstance(value, str):
         text = value.strip()
-        if text.lstrip("-").isdigit():
+        if re.fullmatch(r"-?[0-9]+", text):
             value = int(text)
         else:
             try:
@@ -41,6 +47,8 @@ def parse_bytes(value: Union[int, str], *, minimum: int) -> int:
                 raise ValueError(f"cannot parse {value!r} as a size; use bytes or a string like '16GiB'") from None
     if value < minimum:
         raise ValueError(f"must be >= {minimum}")
+    if value > maximum:
+        raise ValueError(f"must be at most {maximum} bytes ({maximum // 2**40} TiB)")
     return value
 
 
@@ -114,7 +122,7 @@ class _LoaderConfig(BaseModel):
 
         return None if v is None else valid_digest(v)
 
-    def __init__(self, **data: Any):
+    def __init__(self, /, **data: Any):
         """Validate ``data`` (keys and values as in ``--model-loader-extra-config``). Raises :class:`ConfigError`
         naming the key, the value and the allowed form (also when the model is built directly in Python)."""
         allowed = sorted(type(self).model_fields)
@@ -192,7 +200,8 @@ class StreamerConfig(_LoaderConfig):
     )
     memory_limit: Optional[Union[int, str]] = key(
         None,
-        allowed="bytes as an integer >= -1 (-1 = unlimited, 0 = the largest tensor) or a string like '16GiB'",
+        allowed="bytes as an integer from -1 to 2**40 (-1 = unlimited, 0 = the largest tensor) or a string like "
+        "'16GiB'",
         description="Host staging memory of the streamer in bytes; -1 unlimited, 0 = the largest tensor "
         "(RUNAI_STREAMER_MEMORY_LIMIT). On a GPU with pinned_reader (the default) the staging memory is the pinned "
         "slots instead ((pinned_slots + 2) x pinned_slot_bytes, rounded up to a power of two) and this key is not "
@@ -200,7 +209,7 @@ class StreamerConfig(_LoaderConfig):
     )
     chunk_bytesize: Optional[Union[int, str]] = key(
         None,
-        allowed="bytes as an integer > 0 or a string like '8MiB'",
+        allowed="bytes as an integer from 1 to 2**40 or a string like '8MiB'",
         description="Bytes per read request of one reader thread (RUNAI_STREAMER_CHUNK_BYTESIZE).",
     )
     distributed: Union[bool, Literal["auto"]] = key(
@@ -234,7 +243,7 @@ class StreamerConfig(_LoaderConfig):
     )
     pinned_slot_bytes: Union[int, str] = key(
         8 * 2**20,
-        allowed="bytes as an integer >= 4096 or a string like '64MiB'",
+        allowed="bytes as an integer from 4096 to 2**40 or a string like '64MiB'",
         description="GPU only: bytes per pinned host slot (tensors larger are read and copied in pieces of this "
         "size).",
     )
@@ -384,6 +393,8 @@ class IpcCacheConfig(_LoaderConfig):
     def _not_empty(cls, v: Any) -> Any:
         if v == "":  # it would silently mean "the default", which is not what was written
             raise ValueError("an empty string names no path; omit the key for the default")
+        if isinstance(v, str) and "\x00" in v:  # no path holds one: os.open would raise past the fallback
+            raise ValueError("the path contains a NUL byte")
         return v
 
     @field_validator("connect_timeout_s", "state_timeout_s", mode="before")

@@ -74,6 +74,28 @@ def test_preload_unknown_flag_is_a_short_error(capsys, tmp_path):
     assert not any(line.startswith("usage:") for line in err)
 
 
+@pytest.mark.parametrize("flag, value, says", [
+    ("--weight-cache-idle-timeout-s", "inf", "'inf' is not a float > 0 and at most 86400"),
+    ("--weight-cache-attach-timeout-s", "1e10", "'1e10' is not a float > 0 and at most 86400"),
+    ("--weight-cache-idle-timeout-s", "0", "'0' is not a float > 0 and at most 86400"),
+    ("--weight-cache-health-port", "70000", "'70000' is not a TCP port from 1 to 65535"),
+    ("--weight-cache-health-port", "-1", "'-1' is not a TCP port from 1 to 65535"),
+    ("--weight-cache-health-port", "0", "'0' is not a TCP port from 1 to 65535"),
+])
+def test_preload_refuses_a_timeout_or_port_it_cannot_use_naming_the_flag(flag, value, says, capsys, monkeypatch):
+    """A timeout of inf or 1e10 s was taken, the daemon said ready and then failed every connection (a socket
+    timeout is a time_t deadline); port 70000 died in bind() with a traceback (adversarial pass, 2026-12-05)."""
+    import vllm_fastload.ipc.daemon.main as daemon
+
+    monkeypatch.setattr(daemon, "build_and_export", lambda *a, **k: pytest.fail("the daemon must not load"))
+    with pytest.raises(SystemExit) as e:
+        cli.main(["preload", "/tmp", f"{flag}={value}"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert f"error: argument {flag}: {says}" in err
+    assert "Traceback" not in err
+
+
 @pytest.mark.parametrize("argv, says", [
     (["preload", "--model="], "no model"),
     (["preload", "--model", ""], "no model"),

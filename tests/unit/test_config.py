@@ -156,3 +156,34 @@ def test_an_empty_path_is_refused_not_silently_ignored(cls, key):
     """``""`` was accepted and meant "no report" / "the default socket dir" (adversarial pass, 2026-12-02)."""
     with pytest.raises(ConfigError, match=rf"key '{key}'.*an empty string names no"):
         cls.from_extra({key: ""})
+
+
+@pytest.mark.parametrize("key,value", [("chunk_bytesize", "16EiB"), ("chunk_bytesize", 10**23),
+                                       ("memory_limit", "100000000000000000000000EiB"), ("pinned_slot_bytes", "2TiB")])
+def test_a_size_past_a_tebibyte_is_refused_naming_the_key(key, value):
+    """16EiB passed validation and the load died in libstreamer with "Invalid request parameters", past the
+    fallback (adversarial pass, 2026-12-05)."""
+    with pytest.raises(ConfigError, match=rf"key '{key}' of load format 'runai_streamer'.*at most 1099511627776 bytes"):
+        StreamerConfig.from_extra({key: value})
+    assert StreamerConfig.from_extra({key: "1TiB"}).model_dump()[key] == 2**40
+
+
+@pytest.mark.parametrize("value", ["--1", "²", "-"])
+def test_a_size_that_only_looks_like_digits_is_a_parse_error(value):
+    """``"--1"`` and ``"²"`` passed a digits test and reached int(), whose message named Python internals."""
+    with pytest.raises(ConfigError, match=rf"key 'memory_limit'.*cannot parse {value!r} as a size"):
+        StreamerConfig.from_extra({"memory_limit": value})
+
+
+@pytest.mark.parametrize("key", ["socket_dir", "socket_path"])
+def test_a_socket_path_with_a_nul_byte_is_refused_naming_the_key(key):
+    """Accepted before, it crashed the engine in os.open with "embedded null byte", past the fallback."""
+    with pytest.raises(ConfigError, match=rf"key '{key}' of load format 'ipc_cache'.*contains a NUL byte"):
+        IpcCacheConfig.from_extra({key: "a\x00b"})
+
+
+@pytest.mark.parametrize("cls", [StreamerConfig, IpcCacheConfig])
+def test_a_key_named_self_is_an_unknown_key(cls):
+    """``{"self": 1}`` gave a TypeError ("got multiple values for argument 'self'")."""
+    with pytest.raises(ConfigError, match="unknown key 'self'"):
+        cls.from_extra({"self": 1})

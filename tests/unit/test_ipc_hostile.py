@@ -560,6 +560,20 @@ def test_a_json_nesting_bomb_is_an_error_frame_not_a_traceback(tmp_path, records
     assert not [r for r in records if r.exc_info or "RecursionError" in r.getMessage()]
 
 
+
+def test_an_integer_too_long_to_convert_is_an_error_frame_not_an_internal_error(tmp_path, records, thread_errors):
+    """Python refuses to convert integers of more than 4300 digits (a ValueError, not a JSONDecodeError): a bad
+    frame like any other, not the daemon's internal error with a traceback in its log."""
+    with server(tmp_path / "d.sock") as srv:
+        c = raw(srv.path)
+        reply = ask(c, b'{"type":"status","x":' + b"9" * 5000 + b"}")
+        assert reply == {"type": "error", "reason": "bad frame: frame holds an integer too long to convert; no message "
+                                                    "of this protocol does; closing the connection"}
+        assert c.recv(1) == b""
+        assert status_of(str(srv.path)).state == "ready"
+    assert thread_errors == []
+    assert not [r for r in records if r.exc_info or "internal error" in r.getMessage()]
+
 # --- 4. only a copy-mode client that got the manifest may release ------------------------------------------------
 def test_a_release_from_a_connection_that_did_not_attach_in_copy_mode_is_refused_and_logged(tmp_path, records):
     with server(tmp_path / "d.sock") as srv:

@@ -150,13 +150,18 @@ def exit_within(seconds: float, code: int) -> threading.Timer:
     return timer
 
 
+#: Longest timeout a flag takes (seconds, one day): a socket timeout becomes a time_t deadline, which a value
+#: like 1e10 or inf overflows on every connection, and a day is longer than any load.
+MAX_TIMEOUT_S = 86400.0
+
+
 def add_daemon_flags(parser: Any) -> Any:
     """The daemon's own flags (names as upstream ``vllm preload``); every other flag is a vLLM engine arg."""
     parser.add_argument("--weight-cache-socket-dir", default=None,
                         help="directory of the daemons' sockets (default $XDG_RUNTIME_DIR/vllm-fastload or "
                              "/tmp/vllm-fastload-<uid>); created 0700, must be owned by you and not be a symbolic "
                              "link")
-    parser.add_argument("--weight-cache-health-port", type=int, default=None,
+    parser.add_argument("--weight-cache-health-port", type=_port, default=None,
                         help="serve GET /health and /metrics on this port (off when not given)")
     parser.add_argument("--weight-cache-health-host", default="0.0.0.0",
                         help="address of the health server (0.0.0.0 as upstream, so Kubernetes httpGet probes reach "
@@ -164,27 +169,48 @@ def add_daemon_flags(parser: Any) -> Any:
     parser.add_argument("--weight-cache-max-connections", type=_positive(int), default=MAX_CONNECTIONS,
                         help="connections each rank socket, and the health port, serve at once; more are refused "
                              "with a clear error (keep 2 x this + 64 below the fd limit, LimitNOFILE)")
-    parser.add_argument("--weight-cache-idle-timeout-s", type=_positive(float), default=IDLE_TIMEOUT_S,
+    parser.add_argument("--weight-cache-idle-timeout-s", type=_positive(float, MAX_TIMEOUT_S), default=IDLE_TIMEOUT_S,
                         help="seconds a connection that is not an attached zero_copy engine may stay silent, and "
                              "the most a frame may take to arrive once it started; health requests get at most "
                              "min(this, 10) s")
-    parser.add_argument("--weight-cache-attach-timeout-s", type=_positive(float), default=ATTACH_TIMEOUT_S,
+    parser.add_argument("--weight-cache-attach-timeout-s", type=_positive(float, MAX_TIMEOUT_S),
+                        default=ATTACH_TIMEOUT_S,
                         help="seconds an engine may take between receiving the manifest and attaching (it maps and "
                              "verifies the weights in between); then the daemon closes the connection and the "
                              "engine loads from disk")
     return parser
 
 
-def _positive(kind: type) -> Any:
-    """An argparse type: a number of ``kind`` greater than 0."""
+def _positive(kind: type, most: float | None = None) -> Any:
+    """An argparse type: a number of ``kind`` greater than 0 (and at most ``most``); else argparse's error naming
+    the flag and the allowed range."""
+    import argparse
+
     def parse(text: str) -> Any:
-        value = kind(text)
-        if not value > 0:
-            raise ValueError(text)
+        try:
+            value = kind(text)
+        except ValueError:
+            value = None
+        if value is None or not value > 0 or (most is not None and not value <= most):
+            bound = f" and at most {most:g}" if most is not None else ""
+            raise argparse.ArgumentTypeError(f"{text!r} is not a {kind.__name__} > 0{bound}")
         return value
 
     parse.__name__ = f"positive {kind.__name__}"
     return parse
+
+
+def _port(text: str) -> int:
+    """An argparse type: a TCP port from 1 to 65535 (0, "any free port", would leave probes nowhere to look)."""
+    import argparse
+
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if not 1 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a TCP port from 1 to 65535")
+    return value
 
 
 def raise_fd_limit(limits: Limits) -> int:

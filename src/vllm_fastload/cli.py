@@ -70,7 +70,8 @@ def _parser() -> argparse.ArgumentParser:
     ins = sub.add_parser("inspect", help="shards, problems, tuning and fingerprint of a checkpoint (dir or s3://)",
                          epilog="Any further arguments are vLLM engine args (e.g. --dtype float32): the "
                                 "fingerprint is computed as an engine with those args would compute it. Exit codes: "
-                                "0 fine; 1 a problem (a shard, or engine args vLLM refuses); 2 cannot inspect.")
+                                "0 fine; 1 a problem (nothing to load at the source, a shard, or engine args vLLM "
+                                "refuses); 2 cannot inspect (the source cannot be listed or read).")
     ins.add_argument("source", help="the model directory, or an s3:// / gs:// / az:// prefix")
     ins.add_argument("--json", action="store_true", help="machine-readable output")
     ins.add_argument("--no-fingerprint", action="store_true",

@@ -77,7 +77,7 @@ def build_model(out: Path | None = None) -> Path:
                             f"({MODEL_DIR_ENV} names the model directory)")
     if out.exists() and any(out.iterdir()):
         raise FastloadError(f"{out} exists and is not a complete model directory (no model.safetensors + config.json); "
-                           f"remove it or choose an empty/new path ({MODEL_DIR_ENV} names the model directory)")
+                           f"choose an empty/new path ({MODEL_DIR_ENV} names the model directory)")
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 

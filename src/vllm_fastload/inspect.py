@@ -58,11 +58,13 @@ def _shard(path: str) -> tuple[dict[str, Any], Optional[SafetensorsHeader]]:
             "header_sha256": h.header_sha256, "problem": None}, h
 
 
-def suggest(shards: list[dict], remote: bool) -> dict[str, Any]:
+def suggest(shards: list[dict], remote: bool) -> Optional[dict[str, Any]]:
     """``memory_limit`` (bytes): twice the largest tensor, at least 1 GiB, at most the whole checkpoint;
     ``concurrency``: 16 for object storage, else 2 x CPUs capped to 32 (starting points to tune from; the reader
-    sweep behind them is in docs/benchmarks.md)."""
+    sweep behind them is in docs/benchmarks.md). None when no shard could be read: there is nothing to tune for."""
     ok = [s for s in shards if not s.get("problem")]
+    if not ok:
+        return None
     largest = max((int(s["largest_mib"] * 2**20) for s in ok), default=0)
     total = sum(s["bytes"] for s in ok)
     mem = min(max(2 * largest, 2**30), max(total, largest))

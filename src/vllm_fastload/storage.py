@@ -209,6 +209,7 @@ def _s3_probe(uri: str, exc: Optional[BaseException] = None, timeout_s: float = 
     bucket, key, prefix = _s3_parts(uri)
     unsigned = os.environ.get(UNSIGNED_ENV) == "1"
     ok: Optional[str] = None
+    empty = ""  # the listing answered with nothing under the prefix
     failure = ""
     with scoped_environ(endpoint_env()):
         anonymous = unsigned or isinstance(exc, NoCredentialsError)
@@ -223,12 +224,18 @@ def _s3_probe(uri: str, exc: Optional[BaseException] = None, timeout_s: float = 
                                 endpoint=os.environ.get("RUNAI_STREAMER_S3_ENDPOINT"))
             listed = client.list_objects_v2(Bucket=bucket, Prefix=prefix, MaxKeys=1000)
             keys = [o["Key"] for o in listed.get("Contents", [])]
-            # a 1-byte ranged GET, as the streamer reads (HEAD is authorised differently by some stores)
-            if keys or key:
-                client.get_object(Bucket=bucket, Key=keys[0] if keys else key, Range="bytes=0-0")["Body"].close()
-            ok = (f"bucket and prefix are readable now ({len(keys)} object(s) under it); the failure was transient "
-                  f"(timeout, throttling) or inside the streamer" if keys else
-                  "the object is readable now; the failure was transient or inside the streamer")
+            # a 1-byte ranged GET, as the streamer reads (HEAD is authorised differently by some stores); a key
+            # ending in "/" names a prefix, which has nothing of its own to read
+            target = keys[0] if keys else (key if key and not key.endswith("/") else None)
+            if target is not None:
+                client.get_object(Bucket=bucket, Key=target, Range="bytes=0-0")["Body"].close()
+            if keys:
+                ok = (f"bucket and prefix are readable now ({len(keys)} object(s) under it); the failure was "
+                      f"transient (timeout, throttling) or inside the streamer")
+            elif target is not None:
+                ok = "the object is readable now; the failure was transient or inside the streamer"
+            else:
+                empty = f"the bucket answers, but no object is under {prefix or 'its root'}: check the URI"
         except ClientError as e:
             meta = e.response.get("ResponseMetadata", {})
             code = e.response.get("Error", {}).get("Code", "?")
@@ -239,9 +246,12 @@ def _s3_probe(uri: str, exc: Optional[BaseException] = None, timeout_s: float = 
         except BotoCoreError as e:
             failure = f"{type(e).__name__}: {e}"
     if not anonymous:
-        return ok or failure
+        return ok or empty or failure
     denied = failure.startswith("HTTP 403")
     creds = "set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE)"
+    if empty:
+        how = f"an anonymous request ({UNSIGNED_ENV}=1)" if unsigned else f"{NO_CREDENTIALS}; an anonymous request"
+        return f"{how} lists the bucket, but no object is under {prefix or 'its root'}: check the URI"
     if unsigned:
         if ok:
             return f"an anonymous request ({UNSIGNED_ENV}=1) can read it now: {ok}"

@@ -51,6 +51,20 @@ def test_inspect_says_why_there_is_nothing_to_stream(tmp_path, capsys):
         assert expect in out and "suggested runai_streamer extra-config" not in out, out
 
 
+def test_no_extra_config_is_suggested_when_no_shard_can_be_read(tmp_path, capsys):
+    """Every shard malformed: the problems, and no memory_limit of 0 GiB to tune from (a helper's attack, 2026-12-05);
+    one good shard beside a bad one still gets its suggestion."""
+    (tmp_path / "model-00001-of-00002.safetensors").write_bytes(b"garbage garbage")
+    (tmp_path / "model-00002-of-00002.safetensors").write_bytes(b"\x00" * 7)
+    assert main(["inspect", str(tmp_path), "--no-fingerprint"]) == 1
+    out = capsys.readouterr().out
+    assert out.count("PROBLEM") == 2 and "suggested runai_streamer extra-config" not in out, out
+    assert main(["inspect", str(tmp_path), "--no-fingerprint", "--json"]) == 1
+    assert json.loads(capsys.readouterr().out)["suggested"] is None
+    write_safetensors(tmp_path / "model-00002-of-00002.safetensors", {"w": torch.ones(4)})
+    assert inspect(str(tmp_path), with_fingerprint=False)["suggested"]["memory_limit"] == 16
+
+
 # --- issue 15: bad input, round 2 (inspect says what the loaders will do, with their messages) ----------------------
 def test_inspect_refuses_a_name_in_two_shards_without_index_like_the_loader(demo_model, tmp_path, capsys):
     from vllm_fastload.checkpoint import read_checkpoint, select_shards

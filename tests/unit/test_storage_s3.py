@@ -180,6 +180,19 @@ def test_public_bucket_without_credentials_says_to_set_unsigned(buckets, no_cred
     assert time.monotonic() - t < 8  # boto3's metadata-service wait is bounded (1 s, 1 attempt)
 
 
+def test_an_empty_prefix_of_a_public_bucket_is_not_called_readable(buckets, no_creds):
+    """Listing a prefix with nothing under it, without credentials: the probe's anonymous listing answers empty. It
+    said "the object is readable now" (nothing was read) and asked for credentials (a helper's attack, 2026-12-05)."""
+    uri = "s3://pub/nothing-here/"  # the bucket of buckets["pub"]
+    with pytest.raises(StorageError) as e:
+        list_safetensors(uri)
+    msg = str(e.value)
+    assert (f"cannot list {uri}: no AWS credentials found (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, AWS_PROFILE, "
+            f"~/.aws/credentials, instance metadata); an anonymous request lists the bucket, but no object is under "
+            f"nothing-here/: check the URI.") in msg, msg
+    assert "readable now" not in msg and "can read it" not in msg
+
+
 def test_public_bucket_unsigned_loads_the_same_bytes_without_waiting_on_the_metadata_service(buckets, no_creds):
     from safetensors.torch import load_file
 

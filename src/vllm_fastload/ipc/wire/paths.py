@@ -116,9 +116,10 @@ def _diagnose(spec: SocketDirSpec, e: OSError) -> SocketDirError:
                 return spec.fail(what, f"point XDG_RUNTIME_DIR at this user's runtime directory (a directory, "
                                        f"e.g. /run/user/{os.getuid()}), unset it, or pass a directory you own "
                                        f"({spec.override} DIR)")
-            return spec.fail(what, f"remove {blocker} or choose another directory ({spec.override} DIR)")
+            # no advice to remove anything: the path is whatever the user typed, possibly a file that matters
+            return spec.fail(what, f"choose another directory ({spec.override} DIR)")
         what = "is not a directory" if lst is None else f"is a {file_kind(lst.st_mode)}, not a directory"
-        return spec.fail(what, f"remove it or choose another directory ({spec.override} DIR)")
+        return spec.fail(what, f"choose another directory ({spec.override} DIR)")
     if e.errno == errno.EROFS:
         return spec.fail("is on a read-only file system (the daemon creates its sockets there)",
                          f"choose a writable directory ({spec.override} DIR), e.g. $XDG_RUNTIME_DIR/vllm-fastload")

@@ -915,6 +915,57 @@ def test_installed_tensors_are_not_views_of_the_segment_and_the_given_views_are_
     assert given._is_view() and not given.is_meta and given.data_ptr() == kept.data_ptr()
 
 
+def test_views_are_plain_aliases_of_the_segment():
+    """``views`` makes each tensor below autograd's view tracking: the memory of the segment at its offset, no
+    autograd view (no ``_base``), so install may take it over as it is."""
+    seg, table = pack({"w": torch.arange(6.0).reshape(2, 3), "s": torch.tensor(7.0)})
+    got = views(seg.buf, table)
+    for name, t in got.items():
+        assert not t._is_view() and t._base is None, name
+        assert t.data_ptr() == seg.buf.data_ptr() + table["w" if name == "w" else "s"].offset
+    assert got["w"].tolist() == [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]] and got["s"].item() == 7.0
+    seg.buf[table["s"].offset:table["s"].offset + 4].view(torch.float32).fill_(8.0)
+    assert got["s"].item() == 8.0  # the segment's memory, not a copy
+    seg.close()
+
+
+@pytest.mark.parametrize("consume", [False, True])
+def test_install_consumes_the_given_aliases_only_when_asked(consume):
+    """With ``consume`` a given plain alias is exchanged as it is (its object then holds the skeleton's meta
+    contents: no detached alias made per tensor); without, the given tensors are left as they were. Either way the
+    skeleton's parameter object holds the segment's memory, no autograd view, and a given autograd view is never
+    taken over itself."""
+    m = nn.Module()
+    m.a = nn.Linear(2, 2, bias=False, device="meta")
+    m.b = nn.Linear(2, 1, bias=False, device="meta")
+    kept = (m.a.weight, m.b.weight)
+    seg, table = pack({"a.weight": torch.arange(4.0).reshape(2, 2), "b.weight": torch.ones(1, 2)})
+    given = views(seg.buf, table)
+    a, view = given["a.weight"], seg.buf[table["b.weight"].offset:].view(torch.float32)[:2].view(1, 2)
+    assert view._is_view()
+    install(m, {"a.weight": ("param", a), "b.weight": ("param", view)}, {}, [], consume=consume)
+    assert (m.a.weight, m.b.weight) == kept
+    assert m.a.weight.tolist() == [[0.0, 1.0], [2.0, 3.0]] and m.b.weight.tolist() == [[1.0, 1.0]]
+    assert not any(t._is_view() or t.is_meta for t in kept)
+    assert m.a.weight.data_ptr() == seg.buf.data_ptr() + table["a.weight"].offset
+    assert a.is_meta is consume and tuple(a.shape) == (2, 2)  # consumed: the skeleton's meta contents
+    assert view._is_view() and not view.is_meta  # a view is aliased, never taken over itself
+    seg.close()
+
+
+def test_a_failed_install_gives_consumed_aliases_back():
+    """``consume`` and a failure on a later tensor: the skeleton's objects are meta again and the given aliases
+    hold the segment's memory again."""
+    m = nn.Module()
+    m.a = nn.Linear(2, 2, bias=False, device="meta")
+    seg, table = pack({"a.weight": torch.arange(4.0).reshape(2, 2), "x": torch.ones(1)})
+    given = views(seg.buf, table)
+    with pytest.raises(InstallError, match=r"cached tensor 'nope\.x' has no module 'nope'"):
+        install(m, {"a.weight": ("param", given["a.weight"]), "nope.x": ("param", given["x"])}, {}, [], consume=True)
+    assert m.a.weight.is_meta and given["a.weight"].tolist() == [[0.0, 1.0], [2.0, 3.0]]
+    seg.close()
+
+
 def test_the_meta_sweep_of_two_modules_sharing_one_parameter_dict_removes_the_tensor_once():
     """A shallow copy of a module shares its parameter dict: a skeleton tensor post-processing removed is removed
     once (not a ``KeyError`` the fallback policy would not catch), and the cached one installed."""

@@ -310,7 +310,9 @@ def _apply_entries(model: Any, tensors: dict[str, tuple[str, Any]], manifest: Ma
     tensors, for :func:`_reprocess`'s audit."""
     from ..memory.state import install
 
-    return install(model, tensors, manifest.aliases, manifest.reprocess, manifest.attrs, manifest.object_attrs)
+    # consume: map_model drops ``tensors`` right after, so install may take the aliases over as they are
+    return install(model, tensors, manifest.aliases, manifest.reprocess, manifest.attrs, manifest.object_attrs,
+                   consume=True)
 
 
 def _record_restore_device(model: Any, device: Any) -> None:

@@ -15,6 +15,7 @@ per tensor only the ``as_strided`` remains in Python.
 
 from __future__ import annotations
 
+import contextlib
 from itertools import islice
 from typing import Any
 
@@ -151,13 +152,22 @@ def _check_rows(size: int, table: TensorTable, rows: Any) -> None:
         raise ManifestError(f"manifest entry {table.names[rows[0]]!r} does not fit the {size}-byte buffer")
 
 
+#: Dispatch below autograd's view tracking (a private PyTorch guard, there since 1.10): an ``as_strided`` made under
+#: it is a plain alias of the buffer's memory, not an autograd view of it; where a PyTorch lacks it, a no-op, and
+#: the tensors are views (install then makes its detached alias of each, :mod:`.state`)
+_BELOW_VIEW_TRACKING = getattr(torch._C, "_AutoDispatchBelowADInplaceOrView", contextlib.nullcontext)
+
+
 def views(buf: torch.Tensor, table: TensorTable) -> dict[str, torch.Tensor]:
-    """Every row of ``table`` as a view into ``buf`` (name -> tensor, in row order), checked first
+    """Every row of ``table`` as a tensor over ``buf``'s memory (name -> tensor, in row order), checked first
     (:func:`check_geometry`, same errors as :func:`view_at`).
 
     One ``as_strided`` per tensor on a per-dtype view of the whole buffer instead of slice + view + as_strided,
     with each dtype's view, item size and offset looked up once: this loop runs once per tensor of the model on
-    the engine's start-up path.
+    the engine's start-up path. The tensors are made below autograd's view tracking: plain aliases of the memory
+    (``_is_view()`` False, no ``_base``), what the model's tensors must be (never an autograd view of the whole
+    segment), so install can take each over as it is instead of making a detached alias of it; that also costs
+    about half of what a tracked view does (``benchmarks/view_probe.py``).
     """
     check_geometry(buf.numel(), table)
     size, first = buf.numel(), buf.storage_offset()
@@ -171,16 +181,18 @@ def views(buf: torch.Tensor, table: TensorTable) -> dict[str, torch.Tensor]:
             typed.append((t.as_strided, item, t.storage_offset()))
     out = {}
     shape, stride, a = table.shape, table.stride, 0
-    for name, j, o, n, b in zip(table.names, table.dtype, table.offset, table.nbytes, islice(table.dims_at, 1, None)):
-        got = typed[j]
-        if n and got is not None:
-            strided, item, base = got
-            out[name] = strided(shape[a:b], stride[a:b], base + o // item)
-        elif n:
-            out[name] = buf[o:o + n].view(DTYPES[table.dtypes[j]]).as_strided(shape[a:b], stride[a:b])
-        else:
-            out[name] = torch.empty(shape[a:b], dtype=DTYPES[table.dtypes[j]], device=buf.device)
-        a = b
+    with _BELOW_VIEW_TRACKING():
+        for name, j, o, n, b in zip(table.names, table.dtype, table.offset, table.nbytes,
+                                    islice(table.dims_at, 1, None)):
+            got = typed[j]
+            if n and got is not None:
+                strided, item, base = got
+                out[name] = strided(shape[a:b], stride[a:b], base + o // item)
+            elif n:
+                out[name] = buf[o:o + n].view(DTYPES[table.dtypes[j]]).as_strided(shape[a:b], stride[a:b])
+            else:
+                out[name] = torch.empty(shape[a:b], dtype=DTYPES[table.dtypes[j]], device=buf.device)
+            a = b
     return out
 
 

@@ -619,7 +619,7 @@ class InstallError(CacheUnavailable):
 
 def install(model: nn.Module, tensors: dict[str, tuple[str, torch.Tensor]], aliases: dict[str, str],
             reprocess: list[str], attrs: dict[str, dict[str, Any]] | None = None,
-            object_attrs: dict[str, dict[str, Any]] | None = None) -> dict[int, torch.Tensor]:
+            object_attrs: dict[str, dict[str, Any]] | None = None, consume: bool = False) -> dict[int, torch.Tensor]:
     """Put ``tensors`` (name -> (kind, tensor)) into a skeleton ``model`` built on the meta device.
 
     Parameters keep the Python attributes of the skeleton's parameter (``weight_loader``, ``output_dim``...).
@@ -635,6 +635,11 @@ def install(model: nn.Module, tensors: dict[str, tuple[str, torch.Tensor]], alia
     the model-level hook is re-processed); the others are left to :func:`audit`, whose walk of the whole model
     comes anyway, so the model is walked once instead of twice. Returns what :func:`audit` needs for that: id of
     each replaced skeleton tensor -> what replaced it. Raises :class:`InstallError`.
+
+    The tensors of ``tensors`` are left as they were, unless ``consume``: then a given tensor that is no autograd
+    view (what :func:`.layout.views` makes) may itself be exchanged with the skeleton's (its object then holds the
+    skeleton's meta contents), which saves making a detached alias of each; the caller must drop them after. A
+    failed install gives every exchanged one back.
     """
     # vLLM's parameter classes define __torch_function__, which every .shape, .dtype and .is_meta of theirs would
     # enter from here: install only reads tensor metadata and moves tensors, so subclass dispatch is off
@@ -642,7 +647,7 @@ def install(model: nn.Module, tensors: dict[str, tuple[str, torch.Tensor]], alia
         # nothing to re-process (a GPU engine of a dense model): no unit to check or own
         names, modules, units = survey(model, bool(reprocess))
         again = _checked_reprocess(reprocess, units)
-        placer = _Placer(names, units, again)
+        placer = _Placer(names, units, again, consume)
         try:
             placer.put_tensors(tensors)
             placer.put_aliases(aliases)
@@ -680,8 +685,9 @@ class _Placer:
     skeleton tensor -> what took its place (the skeleton tensors that kept their identity, :func:`_take_over`,
     are not in it: nothing refers to a stale object there)."""
 
-    def __init__(self, modules: dict[str, nn.Module], units: set[str], again: set[str]):
+    def __init__(self, modules: dict[str, nn.Module], units: set[str], again: set[str], consume: bool = False):
         self.modules = modules
+        self.consume = consume  # put_tensors may exchange a given plain tensor itself (install's ``consume``)
         self.owned = owned_by(modules, units, again) if again else set()
         self.installed: dict[str, torch.Tensor] = {}
         self.replaced: dict[int, torch.Tensor] = {}
@@ -718,7 +724,7 @@ class _Placer:
         through :meth:`put`; a unit test installs odd cases both ways and asks for the same result, so the two copies
         of the tests stay one rule."""
         modules, owned, installed, taken, swap = self.modules, self.owned, self.installed, self.taken, _SWAP_IMPL
-        plain, param = torch.Tensor, nn.Parameter
+        plain, param, consume = torch.Tensor, nn.Parameter, self.consume
         for full, (kind, t) in tensors.items():
             if swap is not None and type(t) is plain:
                 mod_name, _, leaf = full.rpartition(".")
@@ -738,9 +744,10 @@ class _Placer:
                             fits = type(old) is plain and kind == "buffer"
                     if (fits and old.is_meta and old._use_count() == 1 and not t.is_meta
                             and not (mine and (old.shape != t.shape or old.dtype != t.dtype))):
-                        # a detached alias, not the given view itself: the model's tensor must not be an autograd
-                        # view of the whole segment (what torch.compile and vLLM's weight handling were checked with)
-                        meta = t.detach()
+                        # the model's tensor must not be an autograd view of the whole segment (what torch.compile
+                        # and vLLM's weight handling were checked with): a view, or a tensor the caller keeps, is
+                        # exchanged through a detached alias of it
+                        meta = t if consume and not t._is_view() else t.detach()
                         swap(old, meta)
                         taken.append((old, meta))
                         installed[full] = old

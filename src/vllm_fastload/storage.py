@@ -209,7 +209,7 @@ def _s3_probe(uri: str, exc: Optional[BaseException] = None, timeout_s: float = 
     bucket, key, prefix = _s3_parts(uri)
     unsigned = os.environ.get(UNSIGNED_ENV) == "1"
     ok: Optional[str] = None
-    empty = ""  # the listing answered with nothing under the prefix
+    empty = ""  # what is missing, when the listing answered with nothing under the prefix
     failure = ""
     with scoped_environ(endpoint_env()):
         anonymous = unsigned or isinstance(exc, NoCredentialsError)
@@ -235,7 +235,7 @@ def _s3_probe(uri: str, exc: Optional[BaseException] = None, timeout_s: float = 
             elif target is not None:
                 ok = "the object is readable now; the failure was transient or inside the streamer"
             else:
-                empty = f"the bucket answers, but no object is under {prefix or 'its root'}: check the URI"
+                empty = f"no object is under {prefix or 'its root'}: check the URI"
         except ClientError as e:
             meta = e.response.get("ResponseMetadata", {})
             code = e.response.get("Error", {}).get("Code", "?")
@@ -246,12 +246,12 @@ def _s3_probe(uri: str, exc: Optional[BaseException] = None, timeout_s: float = 
         except BotoCoreError as e:
             failure = f"{type(e).__name__}: {e}"
     if not anonymous:
-        return ok or empty or failure
+        return ok or (f"the bucket answers, but {empty}" if empty else failure)
     denied = failure.startswith("HTTP 403")
     creds = "set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE)"
     if empty:
         how = f"an anonymous request ({UNSIGNED_ENV}=1)" if unsigned else f"{NO_CREDENTIALS}; an anonymous request"
-        return f"{how} lists the bucket, but no object is under {prefix or 'its root'}: check the URI"
+        return f"{how} lists the bucket, but {empty}"
     if unsigned:
         if ok:
             return f"an anonymous request ({UNSIGNED_ENV}=1) can read it now: {ok}"

@@ -851,8 +851,9 @@ def _take_over(old: torch.Tensor, t: torch.Tensor, kind: str, owned: bool, m: nn
 
     The exchange is ``torch.utils.swap_tensors`` without its class, ``__dict__`` and slot exchange (``old`` keeps
     its own) and with its use-count check (a count of 1, no autograd node: these tensors need no grad). ``old``
-    takes a detached alias of ``t`` (``t`` is a view of the daemon's segment; ``nn.Parameter(t)`` holds such an
-    alias too), so ``t`` itself is left as it was."""
+    takes a detached alias of ``t`` (``t`` may be a tensor the caller keeps, or an installed tensor given again as
+    an alias; ``nn.Parameter(t)`` holds such an alias too), so ``t`` itself is left as it was: unlike
+    :meth:`_Placer.put_tensors` with ``consume``, this path never takes a given tensor over."""
     if _SWAP_IMPL is None or not old.is_meta or type(t) is not torch.Tensor:
         return None
     if kind == "param":

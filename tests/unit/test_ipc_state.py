@@ -1,6 +1,7 @@
 """The per-module export rule with toy layers, through the real shared-memory transport (no vLLM server)."""
 
 import gc
+import re
 
 import pytest
 import torch
@@ -135,10 +136,10 @@ class Dropping(Scaling):
         del layer.zero_point
 
 
-def test_a_tensor_post_processing_removed_is_removed_by_install_and_a_reprocessed_ones_missing_is_refused():
-    """A skeleton parameter the daemon's post-processing deleted (not in the cache) of a module that is not
-    re-processed is removed by install, before any re-processing could see it; one of a re-processed module is
-    refused by install, naming it (re-processing would run on a meta tensor)."""
+def test_a_tensor_post_processing_removed_is_removed_by_the_audit_and_a_reprocessed_ones_missing_is_refused():
+    """A skeleton parameter the daemon's post-processing deleted (not in the cache) of a module that re-processing
+    does not reach is left by install and removed by the audit's walk (one walk of the model, not two); one of a
+    re-processed module is refused by install, naming it (re-processing would run on a meta tensor)."""
     from vllm_fastload.ipc.memory.state import audit
 
     def build(device=None):
@@ -159,10 +160,11 @@ def test_a_tensor_post_processing_removed_is_removed_by_install_and_a_reprocesse
     seg, mm, tensors = transported(exp)
     with torch.device("meta"):
         eng = build()
-    replaced = install(eng, tensors, exp.aliases, exp.reprocess)
-    assert "zero_point" not in eng.sc._parameters
+    done = install(eng, tensors, exp.aliases, exp.reprocess)
+    assert eng.sc._parameters["zero_point"].is_meta and done.swept == {"lin"}
     reprocess_modules(eng, exp.reprocess, model_config=None)
-    audit(eng, exp.objects, replaced)
+    audit(eng, exp.objects, done)
+    assert "zero_point" not in eng.sc._parameters
     assert not any(t.is_meta for t in eng.parameters()) and not any(t.is_meta for t in eng.buffers())
     assert torch.equal(eng.sc.weight, m.sc.weight)
     with torch.device("meta"):
@@ -172,6 +174,68 @@ def test_a_tensor_post_processing_removed_is_removed_by_install_and_a_reprocesse
         install(eng, missing, exp.aliases, exp.reprocess)
     del mm
     seg.close()
+
+
+def test_the_audit_removes_only_what_the_daemon_did_not_export_and_install_did_not_sweep():
+    """The audit's removal is for skeleton tensors post-processing removed: a meta tensor under a name the cache
+    filled (something put it on the meta device after install), or one in a module install swept (re-processing
+    made it), is refused naming it, never dropped; without install's record the audit refuses every meta
+    tensor, as before."""
+    from vllm_fastload.ipc.memory.state import audit
+
+    def build(device=None):
+        m = Toy(device)
+        m.sc.quant_method = Dropping()
+        m.sc.zero_point = nn.Parameter(torch.zeros(2, device=device), requires_grad=False)
+        return m
+
+    m = build()
+    snap = snapshot(m)
+    for mod in (m.lin, m.sc):
+        mod.quant_method.process_weights_after_loading(mod)
+    exp = collect(m, snap)
+    seg, mm, tensors = transported(exp)
+    try:
+        cases = {
+            "sc.weight": lambda eng: setattr(eng.sc, "weight", nn.Parameter(torch.empty(2, 3, device="meta"))),
+            "lin.made": lambda eng: eng.lin.register_parameter("made", nn.Parameter(torch.empty(1, device="meta"))),
+        }
+        for name, spoil in cases.items():
+            with torch.device("meta"):
+                eng = build()
+            done = install(eng, {k: (kind, t) for k, (kind, t) in tensors.items()}, exp.aliases, exp.reprocess)
+            spoil(eng)
+            with pytest.raises(InstallError, match=rf"{re.escape(name)} is still on the meta device"):
+                audit(eng, exp.objects, done)
+        with torch.device("meta"):
+            eng = build()
+        install(eng, dict(tensors), exp.aliases, exp.reprocess)
+        with pytest.raises(InstallError, match=r"sc\.zero_point is still on the meta device"):
+            audit(eng, exp.objects)
+    finally:
+        del mm
+        seg.close()
+
+
+def test_install_sweeps_a_module_shared_into_a_re_processed_unit_under_its_second_name():
+    """Re-processing reaches a module through every name it has: one whose first name is outside every
+    re-processed unit but which a re-processed unit also holds is swept by install (a missing tensor of it refused
+    as the re-processed unit's), not left for the audit."""
+    from vllm_fastload.ipc.memory.state import survey
+
+    shared = nn.Module()
+    shared.w = nn.Parameter(torch.empty(1, device="meta"))
+    model = nn.Module()
+    model.a = nn.Module()
+    model.a.s = shared
+    model.b = nn.Module()
+    model.b.quant_method = Scaling()
+    model.b.s = shared
+    _, _, units, owned, reached = survey(model, {"b"})
+    assert units == {"b"} and owned == {"b", "b.s"}
+    assert [n for n, _ in reached] == ["b", "b.s"]
+    with pytest.raises(InstallError, match=r"b\.s\.w was not in the cache"):
+        install(model, {}, {}, ["b"])
 
 
 class FoldingScale(Scaling):
@@ -220,9 +284,9 @@ def test_re_processing_never_sees_a_tensor_post_processing_removed_from_a_proces
         eng = Hooked()
     from vllm_fastload.ipc.memory.state import audit
 
-    replaced = install(eng, tensors, exp.aliases, exp.reprocess, exp.attrs, exp.object_attrs)
+    done = install(eng, tensors, exp.aliases, exp.reprocess, exp.attrs, exp.object_attrs)
     reprocess_modules(eng, exp.reprocess, model_config=None)
-    audit(eng, exp.objects, replaced)
+    audit(eng, exp.objects, done)
     got = eng.fn(x)
     assert got.device.type == "cpu" and torch.allclose(got, want)
     del mm
@@ -264,11 +328,11 @@ def test_the_audit_refuses_a_parameter_re_processing_left_on_the_meta_device():
     seg, mm, tensors = transported(exp)
     with torch.device("meta"):
         eng = Grows()
-    replaced = install(eng, tensors, exp.aliases, exp.reprocess, exp.attrs, exp.object_attrs)
+    done = install(eng, tensors, exp.aliases, exp.reprocess, exp.attrs, exp.object_attrs)
     reprocess_modules(eng, exp.reprocess, model_config=None)
     try:
         with pytest.raises(InstallError, match=r"lin\.offset is still on the meta device"):
-            audit(eng, exp.objects, replaced)
+            audit(eng, exp.objects, done)
     finally:
         del mm
         seg.close()
@@ -645,8 +709,8 @@ def test_the_inline_path_of_put_tensors_installs_what_put_installs(case, owned):
 
     def run(inline):
         m = _odd_skeleton(case)
-        names, _, units = survey(m, False)
-        placer = _Placer(names, units, set())
+        names = survey(m, set())[0]
+        placer = _Placer(names, set())
         if owned:
             placer.owned = set(names)
         before = {k: id(v) for k, v in m.c._parameters.items()} | {k: id(v) for k, v in m.c._buffers.items()}
@@ -683,12 +747,66 @@ def test_the_one_walk_of_install_lists_what_named_modules_lists():
     model.b = torch.nn.ModuleDict({"x": shared, "y": torch.nn.Sequential(torch.nn.Identity())})
     model.register_module("gone", None)  # a child slot set to None: skipped by both
     model.q = Toy()  # lin and sc have quant methods: processing units
-    names, first, units = survey(model, True)
+    model.process_weights_after_loading = lambda: None  # the model's own hook: "" is a unit
+    names, first, units, owned, reached = survey(model, {""})
     assert [(n, id(m)) for n, m in names.items()] == [(n, id(m)) for n, m in
                                                      model.named_modules(remove_duplicate=False)]
     assert [(n, id(m)) for n, m in first] == [(n, id(m)) for n, m in model.named_modules()]
-    assert units == processing_units(model) == {"q.lin", "q.sc"}
-    assert survey(model, False)[2] == set()
+    assert units == processing_units(model) == {"", "q.lin", "q.sc"}
+    assert owned == set(names) - {"q.lin", "q.sc"}  # q.lin and q.sc own themselves and are not re-processed
+    assert reached == list(names.items())  # the model's hook reaches every module under every name
+    assert survey(model, set())[2:] == (set(), set(), [])
+
+
+def _nested_units_model():
+    """A model with units inside units (a quant method module under a layer with a quant method, as vLLM's
+    fused-MoE methods are), a unit's module shared under a second name, and plain modules between them."""
+    shared = nn.Module()
+    shared.quant_method = Scaling()
+    model = nn.Module()
+    model.layers = nn.ModuleList()
+    for _ in range(3):
+        layer = nn.Module()
+        layer.mlp = nn.Module()
+        layer.mlp.quant_method = Scaling()
+        layer.mlp.experts = nn.Module()
+        layer.mlp.experts.quant_method = _QuantModule()  # a quant method module: a submodule, no unit itself
+        layer.mlp.experts.inner = nn.Module()
+        layer.mlp.experts.inner.quant_method = Scaling()
+        layer.mlp.experts.inner.leaf = nn.Linear(1, 1)
+        layer.norm = nn.LayerNorm(1)
+        layer.attn = nn.Module()
+        layer.attn.proj = nn.Linear(1, 1)
+        model.layers.append(layer)
+    model.layers[0].attn.shared = shared
+    model.layers[2].attn.shared = shared  # the same unit module under a second name: a unit under its first only
+    return model
+
+
+def test_the_walk_owns_what_the_nearest_unit_decides_for_every_choice_of_units_to_re_process():
+    """:func:`state.survey` tests for processing units only below re-processed ones; what it says each module
+    belongs to must still be what the rule says (:func:`state.owner_unit` over :func:`state.processing_units`,
+    as the daemon decides it), for every set of units to re-process, nested units and a module shared under two
+    names included; and a re-processed name that is not a unit must be missing from its units (the install's
+    error)."""
+    import itertools
+
+    from vllm_fastload.ipc.memory.state import owner_unit, processing_units, survey
+
+    model = _nested_units_model()
+    all_units = processing_units(model)
+    assert {"layers.0.mlp", "layers.0.mlp.experts.inner", "layers.0.attn.shared"} <= all_units
+    assert "layers.2.attn.shared" not in all_units
+    names = [n for n, _ in model.named_modules(remove_duplicate=False)]
+    picks = sorted(all_units)
+    choices = [set(c) for r in range(3) for c in itertools.combinations(picks, r)]
+    for again in choices:
+        _, _, units, owned, reached = survey(model, again)
+        assert owned == {n for n in names if owner_unit(n, all_units) in again}, again
+        assert units <= all_units and again <= units
+        assert {n for n, _ in reached} == {n for n in names if any(n == a or n.startswith(a + ".") for a in again)}
+    _, _, units, _, _ = survey(model, {"layers.1.norm", "layers.2.attn.shared"})
+    assert "layers.1.norm" not in units and "layers.2.attn.shared" not in units
 
 
 def test_member_lookup_finds_what_getattr_finds():
@@ -968,15 +1086,25 @@ def test_a_failed_install_gives_consumed_aliases_back():
 
 def test_the_meta_sweep_of_two_modules_sharing_one_parameter_dict_removes_the_tensor_once():
     """A shallow copy of a module shares its parameter dict: a skeleton tensor post-processing removed is removed
-    once (not a ``KeyError`` the fallback policy would not catch), and the cached one installed."""
+    once (not a ``KeyError`` the fallback policy would not catch), and the cached one installed; by the audit where
+    nothing is re-processed, by install where re-processing reaches them (both below a re-processed unit, each
+    a processed unit of its own)."""
     import copy
 
-    m = nn.Module()
-    m.a = nn.Linear(2, 2, device="meta")
-    m.b = copy.copy(m.a)
-    assert m.b._parameters is m.a._parameters
-    install(m, {"a.weight": ("param", torch.arange(4.0).view(2, 2))}, {}, [])
-    assert "bias" not in m.a._parameters and m.b.weight.tolist() == [[0.0, 1.0], [2.0, 3.0]]
+    from vllm_fastload.ipc.memory.state import audit
+
+    for below in (False, True):
+        m = nn.Module()
+        m.q = nn.Module()
+        m.q.quant_method = Scaling()
+        m.q.a = nn.Linear(2, 2, device="meta")
+        m.q.a.quant_method = Scaling()
+        m.q.b = copy.copy(m.q.a)
+        assert m.q.b._parameters is m.q.a._parameters
+        done = install(m, {"q.a.weight": ("param", torch.arange(4.0).view(2, 2))}, {}, ["q"] if below else [])
+        assert ("bias" in m.q.a._parameters) is not below
+        audit(m, None, done)
+        assert "bias" not in m.q.a._parameters and m.q.b.weight.tolist() == [[0.0, 1.0], [2.0, 3.0]]
 
 
 class _QuantModule(nn.Module, Packing):
@@ -1036,5 +1164,7 @@ def test_the_unit_test_looked_up_per_class_still_answers_per_module(monkeypatch)
             shuffled.add_module(k, model._modules[k])
         want = processing_units(shuffled)
         assert want == {"attr", "sub", "prop", "hooked", "attn_hooked"}
-        assert survey(shuffled, True)[2] == want  # cold for the first order, warm for the second
-        assert survey(shuffled, True)[2] == want
+        shuffled.process_weights_after_loading = lambda: None  # "" re-processed: every module is asked
+        assert survey(shuffled, {""})[2] == want | {""}  # cold for the first order, warm for the second
+        assert survey(shuffled, {""})[2] == want | {""}
+        del shuffled.process_weights_after_loading

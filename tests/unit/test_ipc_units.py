@@ -161,13 +161,13 @@ def test_a_reference_outside_re_processed_units_is_pointed_by_the_audits_walk(mo
 
     monkeypatch.setattr(state, "_SWAP_IMPL", None)
     eng = built(Shared, "meta")
-    replaced = install(eng, dict(exp.tensors), exp.aliases, exp.reprocess, exp.attrs, exp.object_attrs)
+    done = install(eng, dict(exp.tensors), exp.aliases, exp.reprocess, exp.attrs, exp.object_attrs)
     assert eng.experts.router.e_score_correction_bias is eng.gate.e_score_correction_bias  # re-processed unit
     assert eng.side.router.e_score_correction_bias.device.type == "meta"  # left for the audit
     reprocess_modules(eng, exp.reprocess, model_config=None)
     with pytest.raises(InstallError, match=r"side\.router\.e_score_correction_bias still refers to a meta-device"):
         audit(eng, exp.objects)
-    audit(eng, exp.objects, replaced)
+    audit(eng, exp.objects, done)
     assert eng.side.router.e_score_correction_bias is eng.gate.e_score_correction_bias
     assert torch.equal(eng.side.router.e_score_correction_bias, m.gate.e_score_correction_bias)
 

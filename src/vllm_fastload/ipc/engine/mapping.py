@@ -172,11 +172,11 @@ def map_model(vllm_config: Any, model_config: Any, prefix: str, path: str, confi
             with phases.part("views_s"):
                 tensors = _view_tensors(lease, config.mode)
             with phases.part("install_s"):
-                replaced = _apply_entries(model, tensors, lease.manifest)
+                done = _apply_entries(model, tensors, lease.manifest)
             del tensors  # copy mode: the model holds the clones; nothing else may view the mapping
             phases.lap("map_verify_install_s")
-            _reprocess(model, lease.manifest, model_config, transport, device, replaced)
-            del replaced
+            _reprocess(model, lease.manifest, model_config, transport, device, done)
+            del done
             phases.lap("reprocess_s")
             lease.attach(config.mode)
         except BaseException:
@@ -304,10 +304,10 @@ def _view_tensors(lease: MappedLease, mode: Mode) -> dict[str, tuple[str, Any]]:
     return dict(zip(table.names, zip(kinds, mapped)))
 
 
-def _apply_entries(model: Any, tensors: dict[str, tuple[str, Any]], manifest: Manifest) -> dict[int, Any]:
+def _apply_entries(model: Any, tensors: dict[str, tuple[str, Any]], manifest: Manifest) -> Any:
     """Install ``tensors``, the aliases and the attributes of ``manifest`` into the skeleton ``model``
-    (:func:`.state.install`, whose :class:`.state.InstallError` it raises). Returns install's replaced skeleton
-    tensors, for :func:`_reprocess`'s audit."""
+    (:func:`.state.install`, whose :class:`.state.InstallError` it raises). Returns what install leaves to
+    :func:`_reprocess`'s audit (:class:`.state.Installed`)."""
     from ..memory.state import install
 
     # consume: map_model drops ``tensors`` right after, so install may take the aliases over as they are
@@ -324,17 +324,18 @@ def _record_restore_device(model: Any, device: Any) -> None:
 
 
 def _reprocess(model: Any, manifest: Manifest, model_config: Any, transport: Transport, device: Any,
-               replaced: dict[int, Any]) -> None:
+               done: Any) -> None:
     """Run post-processing of the processing units the daemon marked, on the installed tensors, wait until the
-    device is done (copies in ``copy`` mode included), then audit the model (:func:`.state.audit`: no meta tensor
-    left once the references to ``replaced`` skeleton tensors were pointed at the installed ones, every object the
-    daemon's post-processing bound bound again), whose :class:`.state.InstallError` it raises: the fallback
+    device is done (copies in ``copy`` mode included), then audit the model (:func:`.state.audit` with ``done``,
+    install's :class:`.state.Installed`: no meta tensor left once the references to replaced skeleton tensors were
+    pointed at the installed ones and the skeleton tensors the daemon did not export were removed, every object
+    the daemon's post-processing bound bound again), whose :class:`.state.InstallError` it raises: the fallback
     policy's case, not an engine that dies at its first forward."""
     from ..memory.state import audit, reprocess_modules
 
     reprocess_modules(model, manifest.reprocess, model_config)
     transport.synchronize(device)
-    audit(model, manifest.objects, replaced)
+    audit(model, manifest.objects, done)
 
 
 def _send_release(lease: MappedLease, device: Any) -> None:

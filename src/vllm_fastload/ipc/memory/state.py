@@ -39,7 +39,7 @@ from __future__ import annotations
 import functools
 import inspect
 import sys
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -447,49 +447,56 @@ def _is_unit(m: nn.Module) -> bool:
 _UNIT_CLASSES: dict[type, tuple[bool, bool, bool]] = {}
 
 
-def survey(model: nn.Module, units: bool) -> tuple[dict[str, nn.Module], list[tuple[str, nn.Module]], set[str]]:
+def survey(model: nn.Module, again: set[str]) -> tuple[dict[str, nn.Module], list[tuple[str, nn.Module]],
+                                                      set[str], set[str], list[tuple[str, nn.Module]]]:
     """One walk of ``model`` for :func:`install`: ``(every name -> module`` in
     ``named_modules(remove_duplicate=False)``'s order and names (pre-order; a module reachable under two names is
-    listed under both), ``the first name of each module`` (what ``named_modules()`` yields), ``the processing
-    units`` (with ``units``, :func:`processing_units`; else empty)). Three walks in one, without nested
-    generators: a model of thousands of layers is walked on the engine's load path."""
+    listed under both), ``the first name of each module`` (what ``named_modules()`` yields), ``units``, ``owned``,
+    ``seen by re-processing``).
+
+    ``again``: the processing units to re-process. ``owned``: the module names whose :func:`owner_unit` (over
+    :func:`processing_units`) is in ``again``, the modules whose tensors must come from the cache as the skeleton
+    built them. ``units``: the processing units among the modules where that answer depends on it, the names in
+    ``again`` and the modules below one (all of them when ``""``, the model's own hook, is in ``again``); a name of
+    ``again`` missing from it is not a processing unit of this model (:func:`_checked_reprocess`). A module
+    elsewhere can own nothing re-processed whatever it is, so the unit test (a few attribute lookups) runs for
+    the modules under re-processed units only: on vLLM's CPU backend every linear layer is one, the rest of a
+    model of thousands of layers is not. ``seen by re-processing``: the modules of ``again`` and every module
+    below one, under each of those names (what a unit's re-processing can reach; all for ``""``). Each module is
+    walked once, with the name path its owner follows, and without nested generators: this runs on the engine's
+    load path."""
     names: dict[str, nn.Module] = {}
     first: list[tuple[str, nn.Module]] = []
-    found: set[str] = set()
+    units: set[str] = set()
+    owned: set[str] = set()
+    reached: list[tuple[str, nn.Module]] = []
     seen: set[int] = set()
-    stack: list[tuple[str, nn.Module]] = [("", model)]
+    # (name, module, the parent's place: 0 below no re-processed unit, 1 below one but owned by a closer unit that
+    # is not re-processed, 2 owned: its owner unit is in ``again``)
+    stack: list[tuple[str, nn.Module, int]] = [("", model, 0)]
     pop, push, add_seen, add_first, is_unit = stack.pop, stack.extend, seen.add, first.append, _is_unit
     while stack:
-        name, m = pop()
+        name, m, place = pop()
         names[name] = m
         i = id(m)
-        if i not in seen:
+        fresh = i not in seen
+        if fresh:
             add_seen(i)
             add_first((name, m))
-            if units and is_unit(m):
-                found.add(name)
+        if place or name in again:
+            # as processing_units: only a module's first name is a unit; the model with a hook of its own is one
+            if fresh and (is_unit(m) or (not name and hasattr(model, "process_weights_after_loading"))):
+                units.add(name)
+                place = 2 if name in again else 1  # a unit owns itself and what it holds, unless a closer unit does
+            if place == 2:
+                owned.add(name)
+            if place:  # under every name: re-processing reaches a shared module through each
+                reached.append((name, m))
         children = m._modules
         if children:
             prefix = name + "." if name else ""
-            push([(prefix + k, c) for k, c in reversed(children.items()) if c is not None])
-    if units and hasattr(model, "process_weights_after_loading"):
-        found.add("")
-    return names, first, found
-
-
-def owned_by(names: Iterable[str], units: set[str], again: set[str]) -> set[str]:
-    """The module names of ``names`` (in :func:`survey`'s pre-order) whose :func:`owner_unit` is in ``again``:
-    one pass, each module taking its parent's owner unless it is a unit itself (the parent comes first in
-    pre-order)."""
-    owner: dict[str, str | None] = {}
-    for name in names:
-        if name in units:
-            owner[name] = name
-        elif name:
-            owner[name] = owner.get(name.rpartition(".")[0])
-        else:
-            owner[name] = None
-    return {name for name, unit in owner.items() if unit is not None and unit in again}
+            push([(prefix + k, c, place) for k, c in reversed(children.items()) if c is not None])
+    return names, first, units, owned, reached
 
 
 def owner_unit(name: str, units: set[str]) -> str | None:
@@ -619,22 +626,24 @@ class InstallError(CacheUnavailable):
 
 def install(model: nn.Module, tensors: dict[str, tuple[str, torch.Tensor]], aliases: dict[str, str],
             reprocess: list[str], attrs: dict[str, dict[str, Any]] | None = None,
-            object_attrs: dict[str, dict[str, Any]] | None = None, consume: bool = False) -> dict[int, torch.Tensor]:
+            object_attrs: dict[str, dict[str, Any]] | None = None, consume: bool = False) -> Installed:
     """Put ``tensors`` (name -> (kind, tensor)) into a skeleton ``model`` built on the meta device.
 
     Parameters keep the Python attributes of the skeleton's parameter (``weight_loader``, ``output_dim``...).
     For reprocess modules each tensor must match the skeleton's shape and dtype (it is pre-post-processing
     state), and every parameter and buffer must be in the cache. Skeleton tensors of other modules that the
-    daemon did not export were removed by post-processing and are removed here too. Plain attributes of processed
-    modules (``attrs``, JSON as made by :func:`plain_attrs`) are set on the skeleton; they never replace a method,
-    property or submodule, nor a skeleton tensor unless the value is ``None`` (post-processing removed it).
+    daemon did not export were removed by post-processing and are removed too: here in the modules re-processing
+    can see (the re-processed units and every module below one), which must not find them; elsewhere by
+    :func:`audit`, which checks every module's tensors anyway, so they are not walked twice. Plain attributes of
+    processed modules (``attrs``, JSON as made by :func:`plain_attrs`) are set on the skeleton; they never replace a
+    method, property or submodule, nor a skeleton tensor unless the value is ``None`` (post-processing removed it).
     ``object_attrs`` (dotted paths from :func:`collect`) are set on the skeleton's vLLM objects along the same
     path, with the same limits.
     References other objects hold to replaced skeleton tensors (:func:`repoint_stale`) are pointed at the installed
     ones here only inside the modules of re-processed units, whose re-processing may read them (all modules when
     the model-level hook is re-processed); the others are left to :func:`audit`, whose walk of the whole model
-    comes anyway, so the model is walked once instead of twice. Returns what :func:`audit` needs for that: id of
-    each replaced skeleton tensor -> what replaced it. Raises :class:`InstallError`.
+    comes anyway, so the model is walked once instead of twice. Returns what :func:`audit` needs for both
+    (:class:`Installed`). Raises :class:`InstallError`.
 
     The tensors of ``tensors`` are left as they were, unless ``consume``: then a given tensor that is no autograd
     view (what :func:`.layout.views` makes) may itself be exchanged with the skeleton's (its object then holds the
@@ -645,13 +654,14 @@ def install(model: nn.Module, tensors: dict[str, tuple[str, torch.Tensor]], alia
     # enter from here: install only reads tensor metadata and moves tensors, so subclass dispatch is off
     with torch._C.DisableTorchFunctionSubclass():
         # nothing to re-process (a GPU engine of a dense model): no unit to check or own
-        names, modules, units = survey(model, bool(reprocess))
-        again = _checked_reprocess(reprocess, units)
-        placer = _Placer(names, units, again, consume)
+        again = set(reprocess)
+        names, modules, units, owned, reached = survey(model, again)
+        _checked_reprocess(again, units)
+        placer = _Placer(names, owned, consume)
         try:
             placer.put_tensors(tensors)
             placer.put_aliases(aliases)
-            _drop_meta(modules, placer.owned)
+            _drop_meta(reached, placer.owned)
             _set_attrs(placer.modules, attrs or {})
             _set_object_attrs(placer.modules, object_attrs or {})
         except BaseException:
@@ -663,20 +673,30 @@ def install(model: nn.Module, tensors: dict[str, tuple[str, torch.Tensor]], alia
         if placer.held_elsewhere():
             holders = modules if "" in again else [(name, m) for name, m in modules if name in placer.owned]
             repoint_stale(model, placer.replaced, holders)
-    return placer.replaced
+    return Installed(placer.replaced, placer.installed, None if "" in again else {name for name, _ in reached})
 
 
-def _checked_reprocess(reprocess: list[str], units: set[str]) -> set[str]:
-    """The processing units the daemon marked for re-processing, each one of this model's ``units``. Raises
-    :class:`InstallError` naming one that is not (re-processing would run nothing there: the module would keep
-    pre-processing state)."""
-    again = set(reprocess)
+@dataclass
+class Installed:
+    """What :func:`install` leaves to :func:`audit`: ``replaced`` (id of each replaced skeleton tensor -> what
+    replaced it, for the references install did not repoint), ``installed`` (each cached name -> the tensor put
+    there) and ``swept`` (the modules whose skeleton tensors the daemon did not export install removed; None: all
+    of them). In the other modules such a tensor is still on the meta device until the audit removes it."""
+
+    replaced: dict[int, torch.Tensor]
+    installed: dict[str, torch.Tensor]
+    swept: set[str] | None
+
+
+def _checked_reprocess(again: set[str], units: set[str]) -> None:
+    """Check that each processing unit the daemon marked for re-processing (``again``) is one of this model's
+    (``units``, :func:`survey`'s). Raises :class:`InstallError` naming one that is not (re-processing would run
+    nothing there: the module would keep pre-processing state)."""
     unknown = sorted(again - units)
     if unknown:
         raise InstallError(f"the daemon marks {unknown[0]!r} for re-processing, but post-processing runs nothing for "
                            f"it in this model (no quant method, attention layer or model hook); the daemon's manifest "
                            f"is not from this model or this vLLM")
-    return again
 
 
 class _Placer:
@@ -685,10 +705,10 @@ class _Placer:
     skeleton tensor -> what took its place (the skeleton tensors that kept their identity, :func:`_take_over`,
     are not in it: nothing refers to a stale object there)."""
 
-    def __init__(self, modules: dict[str, nn.Module], units: set[str], again: set[str], consume: bool = False):
+    def __init__(self, modules: dict[str, nn.Module], owned: set[str], consume: bool = False):
         self.modules = modules
         self.consume = consume  # put_tensors may exchange a given plain tensor itself (install's ``consume``)
-        self.owned = owned_by(modules, units, again) if again else set()
+        self.owned = owned
         self.installed: dict[str, torch.Tensor] = {}
         self.replaced: dict[int, torch.Tensor] = {}
         # the replaced skeleton tensors by id (a tied parameter replaced under two names once), alive until
@@ -929,10 +949,11 @@ _CLASS_NAMES: dict[type, frozenset[str]] = {}
 
 
 def _drop_meta(modules: list[tuple[str, nn.Module]], owned: set[str]) -> None:
-    """Remove the skeleton tensors still on the meta device (``modules``: the model's, each once: :func:`survey`):
-    post-processing removed them in the daemon, and re-processing (a model-level hook, an attention layer's
-    processing that picks its path by which attributes exist) must not see them. Raises :class:`InstallError` for
-    one of an ``owned`` (re-processed) module, which must have come from the cache."""
+    """Remove the skeleton tensors still on the meta device in ``modules`` (what re-processing can see,
+    :func:`survey`'s; a module may come under several names): post-processing removed them in the daemon, and
+    re-processing (a model-level hook, an attention layer's processing that picks its path by which attributes
+    exist) must not see them. Raises :class:`InstallError` for one of an ``owned`` (re-processed) module, under
+    any of its names, which must have come from the cache; then nothing is removed."""
     gone = []  # found first, removed after: no copy of each module's dicts to delete from while iterating them
     for name, m in modules:
         params, buffers = m._parameters, m._buffers
@@ -944,12 +965,11 @@ def _drop_meta(modules: list[tuple[str, nn.Module]], owned: set[str]) -> None:
             for leaf, t in buffers.items():
                 if t is not None and t.is_meta:
                     gone.append((name, buffers, leaf))
-    for name, store, leaf in gone:
-        if leaf not in store:  # two modules sharing one dict (a shallow copy of a module): removed already
-            continue
+    for name, _, leaf in gone:
         if name in owned:
             raise InstallError(f"{name}.{leaf} was not in the cache (its module is re-processed here)")
-        del store[leaf]
+    for _, store, leaf in gone:
+        store.pop(leaf, None)  # one module under two names, or two sharing one dict: listed twice
 
 
 def _set_attrs(modules: dict[str, nn.Module], attrs: dict[str, dict[str, Any]]) -> None:
@@ -1060,21 +1080,28 @@ def _repoint(holder: Any, key: Any, new: torch.Tensor) -> bool:
     return True
 
 
-def audit(model: nn.Module, objects: dict[str, list[str]] | None = None,
-          replaced: dict[int, torch.Tensor] | None = None) -> None:
+def audit(model: nn.Module, objects: dict[str, list[str]] | None = None, done: Installed | None = None) -> None:
     """After install and re-processing, before the engine uses the model: no parameter, buffer or tensor that a
     module or its vLLM objects reach is on the meta device, and every object post-processing bound in the daemon
-    (``objects``: module -> dotted paths, the manifest's) is bound again. ``replaced`` (what :func:`install`
+    (``objects``: module -> dotted paths, the manifest's) is bound again. ``done`` (what :func:`install`
     returned): a reference to a replaced skeleton tensor is pointed at what replaced it on the way (the references
-    install left for this walk) instead of being refused. Raises :class:`InstallError` naming the first tensor or
-    object that is missing."""
+    install left for this walk) instead of being refused, and a skeleton parameter or buffer the daemon did not
+    export, in a module install did not sweep, is removed (post-processing removed it; install's docstring). A
+    meta tensor under a cached name there was put on the meta device after install: refused, as is any in a
+    swept module. Raises :class:`InstallError` naming the first tensor or object that is missing."""
     modules = dict(model.named_modules(remove_duplicate=False))
-    replaced = replaced or {}
+    replaced = done.replaced if done is not None else {}
+    installed = done.installed if done is not None else {}
+    swept = done.swept if done is not None else None
     seen: dict[int, int] = {}
     for name, m in modules.items():
-        for leaf, t in [*m._parameters.items(), *m._buffers.items()]:
-            if t is not None and t.device.type == "meta":
-                raise InstallError(f"{name}.{leaf} is still on the meta device after the mapping (not in the cache)")
+        for store in (m._parameters, m._buffers):
+            for leaf, t in list(store.items()):
+                if t is not None and t.device.type == "meta":
+                    full = f"{name}.{leaf}" if name else leaf
+                    if swept is None or name in swept or full in installed:
+                        raise InstallError(f"{full} is still on the meta device after the mapping (not in the cache)")
+                    del store[leaf]
         for path, holder, key, t in list(_tensor_refs(m, seen)):
             if t.device.type == "meta":
                 new = replaced.get(id(t))

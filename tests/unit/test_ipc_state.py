@@ -783,6 +783,39 @@ def _nested_units_model():
     return model
 
 
+def test_the_module_index_finds_what_named_modules_names_and_install_walks_nothing_when_nothing_is_re_processed(
+        monkeypatch):
+    """:class:`state.ModuleIndex` resolves a name when asked: every name ``named_modules(remove_duplicate=False)``
+    gives (a module shared under two names, a nested one) finds that module, a name no module has (a slot set to
+    None, a made-up one, a parameter's name) finds None. An install with nothing to re-process finds the modules
+    this way and never walks the model (:func:`state.survey`), and installs what the walk would."""
+    from vllm_fastload.ipc.memory import state
+
+    shared = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU())
+    model = torch.nn.Module()
+    model.a = torch.nn.ModuleList([torch.nn.Linear(2, 2), shared])
+    model.b = torch.nn.ModuleDict({"x": shared})
+    model.register_module("gone", None)
+    index = state.ModuleIndex(model)
+    for name, m in reversed(list(model.named_modules(remove_duplicate=False))):  # children asked before parents
+        assert index[name] is m and index.get(name) is m
+    for missing in ("gone", "gone.x", "a.5", "b.x.0.weight", "nope"):
+        assert index.get(missing) is None and index[missing] is None and missing not in index
+
+    def no_walk(*a, **k):
+        raise AssertionError("install walked the model with nothing to re-process")
+
+    with torch.device("meta"):
+        eng = Toy()
+    m = Toy()
+    for p in m.parameters():
+        p.data.normal_()
+    want = {k: v.clone() for k, v in m.state_dict().items()}
+    monkeypatch.setattr(state, "survey", no_walk)
+    install(eng, {k: ("param" if k in dict(m.named_parameters()) else "buffer", v) for k, v in want.items()}, {}, [])
+    assert {k: v.tolist() for k, v in eng.state_dict().items()} == {k: v.tolist() for k, v in want.items()}
+
+
 def test_the_walk_owns_what_the_nearest_unit_decides_for_every_choice_of_units_to_re_process():
     """:func:`state.survey` tests for processing units only below re-processed ones; what it says each module
     belongs to must still be what the rule says (:func:`state.owner_unit` over :func:`state.processing_units`,

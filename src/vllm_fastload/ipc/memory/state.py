@@ -447,7 +447,31 @@ def _is_unit(m: nn.Module) -> bool:
 _UNIT_CLASSES: dict[type, tuple[bool, bool, bool]] = {}
 
 
-def survey(model: nn.Module, again: set[str]) -> tuple[dict[str, nn.Module], list[tuple[str, nn.Module]],
+class ModuleIndex(dict):
+    """Module name -> module of ``model``, by the names ``named_modules(remove_duplicate=False)`` gives (every path
+    to a module; ``""`` the model itself). A name not in the dict is resolved when asked (``index[name]`` or
+    :meth:`get`) from its parent's ``_modules`` and kept; a name no module has gives None (and is not kept). So
+    an engine that re-processes nothing installs without walking the whole model: only the modules its tensors
+    name, and their parents, are looked up."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__({"": model})
+
+    def __missing__(self, name: str) -> nn.Module | None:
+        parent_name, _, leaf = name.rpartition(".")
+        parent = self[parent_name]
+        m = parent._modules.get(leaf) if parent is not None else None
+        if m is not None:
+            self[name] = m
+        return m
+
+    def get(self, name: str, default: Any = None) -> Any:  # type: ignore[override]
+        """``index[name]``, or ``default`` where no module has that name."""
+        m = self[name]
+        return default if m is None else m
+
+
+def survey(model: nn.Module, again: set[str]) -> tuple[ModuleIndex, list[tuple[str, nn.Module]],
                                                       set[str], set[str], list[tuple[str, nn.Module]]]:
     """One walk of ``model`` for :func:`install`: ``(every name -> module`` in
     ``named_modules(remove_duplicate=False)``'s order and names (pre-order; a module reachable under two names is
@@ -465,7 +489,7 @@ def survey(model: nn.Module, again: set[str]) -> tuple[dict[str, nn.Module], lis
     below one, under each of those names (what a unit's re-processing can reach; all for ``""``). Each module is
     walked once, with the name path its owner follows, and without nested generators: this runs on the engine's
     load path."""
-    names: dict[str, nn.Module] = {}
+    names = ModuleIndex(model)
     first: list[tuple[str, nn.Module]] = []
     units: set[str] = set()
     owned: set[str] = set()
@@ -653,10 +677,12 @@ def install(model: nn.Module, tensors: dict[str, tuple[str, torch.Tensor]], alia
     # vLLM's parameter classes define __torch_function__, which every .shape, .dtype and .is_meta of theirs would
     # enter from here: install only reads tensor metadata and moves tensors, so subclass dispatch is off
     with torch._C.DisableTorchFunctionSubclass():
-        # nothing to re-process (a GPU engine of a dense model): no unit to check or own
         again = set(reprocess)
-        names, modules, units, owned, reached = survey(model, again)
-        _checked_reprocess(again, units)
+        if again:
+            names, modules, units, owned, reached = survey(model, again)
+            _checked_reprocess(again, units)
+        else:  # nothing to re-process (a GPU engine of a dense model): no unit to check or own, no walk
+            names, modules, owned, reached = ModuleIndex(model), [], set(), []
         placer = _Placer(names, owned, consume)
         try:
             placer.put_tensors(tensors)
@@ -705,7 +731,7 @@ class _Placer:
     skeleton tensor -> what took its place (the skeleton tensors that kept their identity, :func:`_take_over`,
     are not in it: nothing refers to a stale object there)."""
 
-    def __init__(self, modules: dict[str, nn.Module], owned: set[str], consume: bool = False):
+    def __init__(self, modules: ModuleIndex, owned: set[str], consume: bool = False):
         self.modules = modules
         self.consume = consume  # put_tensors may exchange a given plain tensor itself (install's ``consume``)
         self.owned = owned
@@ -748,7 +774,7 @@ class _Placer:
         for full, (kind, t) in tensors.items():
             if swap is not None and type(t) is plain:
                 mod_name, _, leaf = full.rpartition(".")
-                m = modules.get(mod_name)
+                m = modules[mod_name]  # no method call: a known name is a plain dict lookup
                 if m is not None:
                     mine = mod_name in owned
                     if kind == "param":

@@ -217,25 +217,151 @@ def test_the_audit_removes_only_what_the_daemon_did_not_export_and_install_did_n
         seg.close()
 
 
-def test_install_sweeps_a_module_shared_into_a_re_processed_unit_under_its_second_name():
-    """Re-processing reaches a module through every name it has: one whose first name is outside every
-    re-processed unit but which a re-processed unit also holds is swept by install (a missing tensor of it refused
-    as the re-processed unit's), not left for the audit."""
+def test_a_module_shared_into_a_re_processed_unit_is_swept_there_and_owned_by_its_first_name():
+    """Re-processing reaches a module through every name it has, so install sweeps it under each (not left for
+    the audit); whose tensors must come from the cache is the daemon's rule, by the module's first name: first
+    outside the re-processed unit, a skeleton tensor it lacks is removed; first inside, it is refused."""
     from vllm_fastload.ipc.memory.state import survey
 
-    shared = nn.Module()
-    shared.w = nn.Parameter(torch.empty(1, device="meta"))
-    model = nn.Module()
-    model.a = nn.Module()
-    model.a.s = shared
-    model.b = nn.Module()
-    model.b.quant_method = Scaling()
-    model.b.s = shared
+    def build(outside_first):
+        shared = nn.Module()
+        shared.w = nn.Parameter(torch.empty(1, device="meta"))
+        a, b = nn.Module(), nn.Module()
+        a.s = b.s = shared
+        b.quant_method = Scaling()
+        model = nn.Module()
+        for name in ("a", "b") if outside_first else ("b", "a"):  # pre-order: the first child's s comes first
+            model.add_module(name, a if name == "a" else b)
+        return model, shared
+
+    model, shared = build(outside_first=True)
     _, _, units, owned, reached = survey(model, {"b"})
-    assert units == {"b"} and owned == {"b", "b.s"}
-    assert [n for n, _ in reached] == ["b", "b.s"]
+    assert units == {"b"} and owned == {"b", "b.s"}  # by name, as the daemon names the tensors it exports
+    assert [(n, first) for n, _, first in reached] == [("b", True), ("b.s", False)]
+    done = install(model, {}, {}, ["b"])
+    assert "w" not in shared._parameters and done.swept == {"b", "b.s"}
+    model, shared = build(outside_first=False)
     with pytest.raises(InstallError, match=r"b\.s\.w was not in the cache"):
         install(model, {}, {}, ["b"])
+    assert "w" in shared._parameters
+
+
+def _mapped(build, exp, after_install, run, want):
+    """The engine's side of ``exp`` (install into ``build()`` on the meta device, ``after_install(eng)``,
+    re-processing, audit) over a memfd segment, then ``run(eng)`` must equal ``want`` exactly. Returns the model."""
+    from vllm_fastload.ipc.memory.state import audit
+
+    seg, mm, tensors = transported(exp)
+    try:
+        with torch.device("meta"):
+            eng = build()
+        done = install(eng, tensors, exp.aliases, exp.reprocess, exp.attrs, exp.object_attrs)
+        if after_install is not None:
+            after_install(eng)
+        reprocess_modules(eng, exp.reprocess, model_config=None)
+        audit(eng, exp.objects, done)
+        assert torch.equal(run(eng), want)
+    finally:
+        del mm
+        seg.close()
+    return eng
+
+
+class _DropsInputScale(Scaling):
+    """A processed unit whose post-processing deletes a parameter (as Marlin FP8 deletes ``input_scale``)."""
+
+    def process_weights_after_loading(self, layer):
+        super().process_weights_after_loading(layer)
+        del layer.input_scale
+
+
+class _ReadsSharedKv(Scaling):
+    """A unit that binds a closure over a module it shares with another unit (as an MLA layer holds its
+    ``kv_b_proj``): re-processed by the engine."""
+
+    def apply(self, layer, x, bias=None):
+        return layer.fn(x)
+
+    def process_weights_after_loading(self, layer):
+        w, own = layer.kv.weight * layer.kv.scale, layer.weight
+        layer.fn = lambda x: x @ (w.t() @ own)
+
+
+class _MlaLike(nn.Module):
+    def __init__(self):
+        super().__init__()
+        kv = nn.Module()
+        kv.weight = nn.Parameter(torch.empty(4, 3), requires_grad=False)
+        kv.input_scale = nn.Parameter(torch.empty(1), requires_grad=False)
+        kv.quant_method = _DropsInputScale()
+        self.kv = kv
+        self.mla = nn.Module()
+        self.mla.weight = nn.Parameter(torch.empty(4, 4), requires_grad=False)
+        self.mla.quant_method = _ReadsSharedKv()
+        self.mla.kv = kv  # the same module under a second name, inside the re-processed unit
+
+
+def test_a_processed_unit_shared_into_a_re_processed_one_maps_as_the_daemon_computed_it():
+    """From a helper's attack on a11c0f5: ``kv`` (processed: rescaled, ``input_scale`` deleted) is also
+    ``mla.kv`` inside the re-processed ``mla``. The daemon exports it under its first name as processed; install
+    must not refuse its missing ``input_scale`` under the second name (a disk fallback on every such layer), and
+    the engine's re-processed ``mla`` computes what the daemon's did."""
+
+    torch.manual_seed(0)
+    m = _MlaLike()
+    for p in m.parameters():
+        p.data.uniform_(0.5, 2.0)
+    snap = snapshot(m)
+    m.kv.quant_method.process_weights_after_loading(m.kv)
+    m.mla.quant_method.process_weights_after_loading(m.mla)
+    exp = collect(m, snap)
+    assert exp.reprocess == ["mla"] and "kv.input_scale" not in exp.tensors
+    def swept(eng):
+        assert "input_scale" not in eng.kv._parameters  # before re-processing
+
+    x = torch.randn(2, 3)
+    _mapped(_MlaLike, exp, swept, lambda eng: eng.mla.quant_method.apply(eng.mla, x),
+            m.mla.quant_method.apply(m.mla, x))
+
+
+class _ToPlainFloat(Scaling):
+    """Post-processing that replaces a parameter by a plain value of the same name (exported in ``attrs``)."""
+
+    def apply(self, layer, x, bias=None):
+        return (x @ layer.weight.t()) * layer.scale * layer.act_scale
+
+    def process_weights_after_loading(self, layer):
+        super().process_weights_after_loading(layer)
+        v = float(layer.act_scale.item())
+        del layer.act_scale
+        layer.act_scale = v
+
+
+def test_a_parameter_post_processing_replaced_by_a_plain_value_gets_the_value_where_nothing_is_re_processed():
+    """From the same attack: outside the modules re-processing sees, install leaves the skeleton tensors the cache
+    did not fill to the audit; the plain value that replaced one in the daemon must still be set (not skipped
+    because a meta parameter of that name was still there, then removed by the audit with the value lost)."""
+
+    def build():
+        m = nn.Module()
+        m.lin = nn.Module()
+        m.lin.weight = nn.Parameter(torch.empty(4, 3), requires_grad=False)
+        m.lin.act_scale = nn.Parameter(torch.empty(()), requires_grad=False)
+        m.lin.quant_method = _ToPlainFloat()
+        return m
+
+    torch.manual_seed(0)
+    m = build()
+    for p in m.parameters():
+        p.data.uniform_(0.5, 2.0)
+    snap = snapshot(m)
+    m.lin.quant_method.process_weights_after_loading(m.lin)
+    exp = collect(m, snap)
+    assert exp.reprocess == [] and isinstance(exp.attrs["lin"]["act_scale"], float)
+    x = torch.randn(2, 3)
+    eng = _mapped(build, exp, None, lambda eng: eng.lin.quant_method.apply(eng.lin, x),
+                  m.lin.quant_method.apply(m.lin, x))
+    assert "act_scale" not in eng.lin._parameters and eng.lin.act_scale == m.lin.act_scale
 
 
 class FoldingScale(Scaling):
@@ -754,7 +880,9 @@ def test_the_one_walk_of_install_lists_what_named_modules_lists():
     assert [(n, id(m)) for n, m in first] == [(n, id(m)) for n, m in model.named_modules()]
     assert units == processing_units(model) == {"", "q.lin", "q.sc"}
     assert owned == set(names) - {"q.lin", "q.sc"}  # q.lin and q.sc own themselves and are not re-processed
-    assert reached == list(names.items())  # the model's hook reaches every module under every name
+    # the model's hook reaches every module under every name
+    assert [(n, m) for n, m, _ in reached] == list(names.items())
+    assert [n for n, _, first in reached if first] == [n for n, _ in first]
     assert survey(model, set())[2:] == (set(), set(), [])
 
 
@@ -799,8 +927,17 @@ def test_the_module_index_finds_what_named_modules_names_and_install_walks_nothi
     index = state.ModuleIndex(model)
     for name, m in reversed(list(model.named_modules(remove_duplicate=False))):  # children asked before parents
         assert index[name] is m and index.get(name) is m
-    for missing in ("gone", "gone.x", "a.5", "b.x.0.weight", "nope"):
+    odd = (".a", ".a.0", "a..0", "a.", ".", "..a", "a.0.", "." * 1200 + "a", "a." * 1200 + "0")
+    for missing in ("gone", "gone.x", "a.5", "b.x.0.weight", "nope", *odd):  # no recursion for deep names
         assert index.get(missing) is None and index[missing] is None and missing not in index
+    with torch.device("meta"):
+        eng = Toy()
+    for name in (".sc.weight", "sc..weight", "sc.weight.", "." * 1200 + "w", "sc." * 1200 + "w"):
+        # from a helper's attack on 0190eb7: ".sc.weight" was installed over sc.weight, a deep name raised
+        # RecursionError (no fallback); each is an InstallError naming the tensor
+        with pytest.raises(InstallError, match=r"cached tensor .* has no module"):
+            install(eng, {name: ("param", torch.zeros(2, 3))}, {}, [])
+        assert eng.sc.weight.is_meta
 
     def no_walk(*a, **k):
         raise AssertionError("install walked the model with nothing to re-process")
@@ -837,7 +974,7 @@ def test_the_walk_owns_what_the_nearest_unit_decides_for_every_choice_of_units_t
         _, _, units, owned, reached = survey(model, again)
         assert owned == {n for n in names if owner_unit(n, all_units) in again}, again
         assert units <= all_units and again <= units
-        assert {n for n, _ in reached} == {n for n in names if any(n == a or n.startswith(a + ".") for a in again)}
+        assert {n for n, _, _ in reached} == {n for n in names if any(n == a or n.startswith(a + ".") for a in again)}
     _, _, units, _, _ = survey(model, {"layers.1.norm", "layers.2.attn.shared"})
     assert "layers.1.norm" not in units and "layers.2.attn.shared" not in units
 

@@ -458,11 +458,25 @@ class ModuleIndex(dict):
         super().__init__({"": model})
 
     def __missing__(self, name: str) -> nn.Module | None:
-        parent_name, _, leaf = name.rpartition(".")
-        parent = self[parent_name]
-        m = parent._modules.get(leaf) if parent is not None else None
-        if m is not None:
-            self[name] = m
+        # up to the nearest name already known (the model's ``""`` at the latest), then down through ``_modules``;
+        # a loop, not recursion: a manifest's name may have any number of segments. An empty segment (``".a"``,
+        # ``"a..b"``, ``"a."``) is no module's name.
+        path: list[tuple[str, str]] = []
+        key = name
+        while True:
+            parent_name, sep, leaf = key.rpartition(".")
+            if not leaf or (sep and not parent_name):
+                return None
+            path.append((key, leaf))
+            m = dict.get(self, parent_name)
+            if m is not None:
+                break
+            key = parent_name
+        for key, leaf in reversed(path):
+            m = m._modules.get(leaf)
+            if m is None:
+                return None
+            self[key] = m
         return m
 
     def get(self, name: str, default: Any = None) -> Any:  # type: ignore[override]
@@ -472,7 +486,7 @@ class ModuleIndex(dict):
 
 
 def survey(model: nn.Module, again: set[str]) -> tuple[ModuleIndex, list[tuple[str, nn.Module]],
-                                                      set[str], set[str], list[tuple[str, nn.Module]]]:
+                                                      set[str], set[str], list[tuple[str, nn.Module, bool]]]:
     """One walk of ``model`` for :func:`install`: ``(every name -> module`` in
     ``named_modules(remove_duplicate=False)``'s order and names (pre-order; a module reachable under two names is
     listed under both), ``the first name of each module`` (what ``named_modules()`` yields), ``units``, ``owned``,
@@ -485,15 +499,17 @@ def survey(model: nn.Module, again: set[str]) -> tuple[ModuleIndex, list[tuple[s
     ``again`` missing from it is not a processing unit of this model (:func:`_checked_reprocess`). A module
     elsewhere can own nothing re-processed whatever it is, so the unit test (a few attribute lookups) runs for
     the modules under re-processed units only: on vLLM's CPU backend every linear layer is one, the rest of a
-    model of thousands of layers is not. ``seen by re-processing``: the modules of ``again`` and every module
-    below one, under each of those names (what a unit's re-processing can reach; all for ``""``). Each module is
-    walked once, with the name path its owner follows, and without nested generators: this runs on the engine's
-    load path."""
+    model of thousands of layers is not. ``owned`` is by name, as the daemon's export names tensors; a module
+    shared under a second name belongs where its first name puts it (the daemon exports it there, as
+    :func:`collect` does). ``seen by re-processing``: ``(name, module, whether name is its first)`` for the
+    modules of ``again`` and every module below one, under each of those names (what a unit's re-processing can
+    reach; all for ``""``). Each module is walked once per name, with the name path its owner follows, and without
+    nested generators: this runs on the engine's load path."""
     names = ModuleIndex(model)
     first: list[tuple[str, nn.Module]] = []
     units: set[str] = set()
     owned: set[str] = set()
-    reached: list[tuple[str, nn.Module]] = []
+    reached: list[tuple[str, nn.Module, bool]] = []
     seen: set[int] = set()
     # (name, module, the parent's place: 0 below no re-processed unit, 1 below one but owned by a closer unit that
     # is not re-processed, 2 owned: its owner unit is in ``again``)
@@ -515,7 +531,7 @@ def survey(model: nn.Module, again: set[str]) -> tuple[ModuleIndex, list[tuple[s
             if place == 2:
                 owned.add(name)
             if place:  # under every name: re-processing reaches a shared module through each
-                reached.append((name, m))
+                reached.append((name, m, fresh))
         children = m._modules
         if children:
             prefix = name + "." if name else ""
@@ -699,7 +715,7 @@ def install(model: nn.Module, tensors: dict[str, tuple[str, torch.Tensor]], alia
         if placer.held_elsewhere():
             holders = modules if "" in again else [(name, m) for name, m in modules if name in placer.owned]
             repoint_stale(model, placer.replaced, holders)
-    return Installed(placer.replaced, placer.installed, None if "" in again else {name for name, _ in reached})
+    return Installed(placer.replaced, placer.installed, None if "" in again else {name for name, _, _ in reached})
 
 
 @dataclass
@@ -974,27 +990,30 @@ _CLASS_HAS: dict[tuple[type, str], bool] = {}
 _CLASS_NAMES: dict[type, frozenset[str]] = {}
 
 
-def _drop_meta(modules: list[tuple[str, nn.Module]], owned: set[str]) -> None:
+def _drop_meta(modules: list[tuple[str, nn.Module, bool]], owned: set[str]) -> None:
     """Remove the skeleton tensors still on the meta device in ``modules`` (what re-processing can see,
-    :func:`survey`'s; a module may come under several names): post-processing removed them in the daemon, and
-    re-processing (a model-level hook, an attention layer's processing that picks its path by which attributes
-    exist) must not see them. Raises :class:`InstallError` for one of an ``owned`` (re-processed) module, under
-    any of its names, which must have come from the cache; then nothing is removed."""
+    :func:`survey`'s ``(name, module, first name)``; a module may come under several names): post-processing
+    removed them in the daemon, and re-processing (a model-level hook, an attention layer's processing that picks
+    its path by which attributes exist) must not see them. Raises :class:`InstallError` for one of a module
+    ``owned`` under its first name (re-processed: its tensors must have come from the cache); then nothing is
+    removed. Under a second name a module keeps its first name's owner (the daemon's rule, :func:`collect`): a
+    processed unit that a re-processed one also holds lost such tensors to its own post-processing."""
+    strict = {id(m) for name, m, first in modules if first and name in owned}
     gone = []  # found first, removed after: no copy of each module's dicts to delete from while iterating them
-    for name, m in modules:
+    for name, m, _ in modules:
         params, buffers = m._parameters, m._buffers
         if params:
             for leaf, t in params.items():
                 if t is not None and t.is_meta:
-                    gone.append((name, params, leaf))
+                    gone.append((name, m, params, leaf))
         if buffers:
             for leaf, t in buffers.items():
                 if t is not None and t.is_meta:
-                    gone.append((name, buffers, leaf))
-    for name, _, leaf in gone:
-        if name in owned:
+                    gone.append((name, m, buffers, leaf))
+    for name, m, _, leaf in gone:
+        if id(m) in strict:
             raise InstallError(f"{name}.{leaf} was not in the cache (its module is re-processed here)")
-    for _, store, leaf in gone:
+    for _, _, store, leaf in gone:
         store.pop(leaf, None)  # one module under two names, or two sharing one dict: listed twice
 
 
@@ -1014,7 +1033,11 @@ def _set_attrs(modules: dict[str, nn.Module], attrs: dict[str, dict[str, Any]]) 
             if leaf in m._parameters or leaf in m._buffers:
                 if enc is None and leaf in m._parameters and m._parameters[leaf] is None:
                     continue
-                if enc is None:  # post-processing replaced a skeleton parameter by None (e.g. input_scale)
+                held = m._parameters.get(leaf) if leaf in m._parameters else m._buffers.get(leaf)
+                # post-processing replaced a skeleton parameter by None (e.g. input_scale) or by a plain value (a
+                # skeleton tensor the cache did not fill is still on the meta device: outside the modules
+                # re-processing sees, install leaves those to the audit); a tensor from the cache stays
+                if enc is None or (held is not None and held.is_meta):
                     m._parameters.pop(leaf, None)
                     m._buffers.pop(leaf, None)
                 else:

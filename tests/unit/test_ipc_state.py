@@ -1338,3 +1338,62 @@ def test_the_unit_test_looked_up_per_class_still_answers_per_module(monkeypatch)
         assert survey(shuffled, {""})[2] == want | {""}  # cold for the first order, warm for the second
         assert survey(shuffled, {""})[2] == want | {""}
         del shuffled.process_weights_after_loading
+
+
+def _random_module_graph(rng):
+    """A random module tree for the walk's property test: shared modules (no cycles), None slots, ModuleList and
+    ModuleDict, units nested in units, quant-method modules, sometimes the model's own hook."""
+    mods = [nn.Module()]
+    for i in range(rng.randint(3, 12)):
+        parent = rng.choice(mods)
+        r = rng.random()
+        if r < 0.2 and len(mods) > 2:
+            child = rng.choice(mods[1:])  # shared under a second name, unless that makes a cycle
+            if child is parent or any(c is parent for c in child.modules()):
+                continue
+        elif r < 0.25:
+            parent.register_module(f"n{i}", None)
+            continue
+        else:
+            child = rng.choice([nn.Module, nn.ModuleList, nn.ModuleDict])()
+            if rng.random() < 0.35:
+                object.__setattr__(child, "quant_method", Scaling())
+            elif rng.random() < 0.05:
+                child.quant_method = _QuantModule()
+        if isinstance(parent, nn.ModuleList):
+            parent.append(child)
+        else:
+            parent.add_module(f"c{i}", child)
+        mods.append(child)
+    if rng.random() < 0.3:
+        mods[0].process_weights_after_loading = lambda: None
+    return mods[0]
+
+
+def test_the_walk_and_the_module_index_agree_with_the_rules_on_random_module_graphs():
+    """From a helper's fuzzing of a11c0f5 / 0190eb7, kept as a seeded test: on random module graphs, for every
+    choice of up to two units to re-process (and a name that may be none), :func:`state.survey`'s ``owned`` is
+    the daemon's rule (:func:`state.owner_unit` over :func:`state.processing_units`), its ``units`` miss exactly
+    the re-processed names that are no unit, ``reached`` is every name at or below a re-processed one, and
+    :class:`state.ModuleIndex` finds each name's module as ``named_modules`` does."""
+    import itertools
+    import random
+
+    from vllm_fastload.ipc.memory.state import ModuleIndex, owner_unit, processing_units, survey
+
+    for seed in range(80):
+        rng = random.Random(seed)
+        model = _random_module_graph(rng)
+        named = list(model.named_modules(remove_duplicate=False))
+        names = [n for n, _ in named]
+        index = ModuleIndex(model)
+        assert all(index[n] is m for n, m in reversed(named)), seed
+        all_units = processing_units(model)
+        picks = sorted(all_units) + [rng.choice(names)]
+        for again in (set(c) for r in range(3) for c in itertools.combinations(picks, r)):
+            _, _, units, owned, reached = survey(model, again)
+            assert owned == {n for n in names if owner_unit(n, all_units) in again}, (seed, again)
+            assert units <= all_units and again - units == again - all_units, (seed, again)
+            if again <= all_units:
+                below = {n for n in names if any(a == "" or n == a or n.startswith(a + ".") for a in again)}
+                assert {n for n, _, _ in reached} == below, (seed, again)

@@ -998,7 +998,6 @@ def _drop_meta(modules: list[tuple[str, nn.Module, bool]], owned: set[str]) -> N
     ``owned`` under its first name (re-processed: its tensors must have come from the cache); then nothing is
     removed. Under a second name a module keeps its first name's owner (the daemon's rule, :func:`collect`): a
     processed unit that a re-processed one also holds lost such tensors to its own post-processing."""
-    strict = {id(m) for name, m, first in modules if first and name in owned}
     gone = []  # found first, removed after: no copy of each module's dicts to delete from while iterating them
     for name, m, _ in modules:
         params, buffers = m._parameters, m._buffers
@@ -1010,6 +1009,9 @@ def _drop_meta(modules: list[tuple[str, nn.Module, bool]], owned: set[str]) -> N
             for leaf, t in buffers.items():
                 if t is not None and t.is_meta:
                     gone.append((name, m, buffers, leaf))
+    if not gone:
+        return
+    strict = {id(m) for name, m, first in modules if first and name in owned}
     for name, m, _, leaf in gone:
         if id(m) in strict:
             raise InstallError(f"{name}.{leaf} was not in the cache (its module is re-processed here)")

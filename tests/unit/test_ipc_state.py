@@ -246,6 +246,20 @@ def test_a_module_shared_into_a_re_processed_unit_is_swept_there_and_owned_by_it
     assert "w" in shared._parameters
 
 
+def _exported(m):
+    """The daemon's side for ``m``: weights drawn uniform in [0.5, 2), a snapshot, every unit's quant method
+    post-processing in module order (as vLLM runs it), then the export (:func:`collect`)."""
+    torch.manual_seed(0)
+    for p in m.parameters():
+        p.data.uniform_(0.5, 2.0)
+    snap = snapshot(m)
+    for mod in m.modules():
+        qm = getattr(mod, "quant_method", None)
+        if isinstance(qm, QuantizeMethodBase) and not isinstance(mod, QuantizeMethodBase):
+            qm.process_weights_after_loading(mod)
+    return collect(m, snap)
+
+
 def _mapped(build, exp, after_install, run, want):
     """The engine's side of ``exp`` (install into ``build()`` on the meta device, ``after_install(eng)``,
     re-processing, audit) over a memfd segment, then ``run(eng)`` must equal ``want`` exactly. Returns the model."""
@@ -306,16 +320,10 @@ def test_a_processed_unit_shared_into_a_re_processed_one_maps_as_the_daemon_comp
     ``mla.kv`` inside the re-processed ``mla``. The daemon exports it under its first name as processed; install
     must not refuse its missing ``input_scale`` under the second name (a disk fallback on every such layer), and
     the engine's re-processed ``mla`` computes what the daemon's did."""
-
-    torch.manual_seed(0)
     m = _MlaLike()
-    for p in m.parameters():
-        p.data.uniform_(0.5, 2.0)
-    snap = snapshot(m)
-    m.kv.quant_method.process_weights_after_loading(m.kv)
-    m.mla.quant_method.process_weights_after_loading(m.mla)
-    exp = collect(m, snap)
+    exp = _exported(m)  # kv processed first, then mla (module order)
     assert exp.reprocess == ["mla"] and "kv.input_scale" not in exp.tensors
+
     def swept(eng):
         assert "input_scale" not in eng.kv._parameters  # before re-processing
 
@@ -350,13 +358,8 @@ def test_a_parameter_post_processing_replaced_by_a_plain_value_gets_the_value_wh
         m.lin.quant_method = _ToPlainFloat()
         return m
 
-    torch.manual_seed(0)
     m = build()
-    for p in m.parameters():
-        p.data.uniform_(0.5, 2.0)
-    snap = snapshot(m)
-    m.lin.quant_method.process_weights_after_loading(m.lin)
-    exp = collect(m, snap)
+    exp = _exported(m)
     assert exp.reprocess == [] and isinstance(exp.attrs["lin"]["act_scale"], float)
     x = torch.randn(2, 3)
     eng = _mapped(build, exp, None, lambda eng: eng.lin.quant_method.apply(eng.lin, x),

@@ -226,3 +226,82 @@ def test_a_consumer_keeping_every_slot_gets_an_error_not_a_hang(tmp_path):
     with pytest.raises(RuntimeError, match="every slot is still held by the consumer; give each piece back"):
         with uring.UringRing([(str(p), *_ranges(len(data), 4096))], _slots(2), 2) as ring:
             list(ring)  # never recycles
+
+
+# --- registered slots (READV_FIXED) -----------------------------------------------------------------------------
+def _kernel_has_readv_fixed():
+    major, minor = (int(x) for x in os.uname().release.split(".")[:2])
+    return (major, minor) >= (6, 15)  # IORING_OP_READV_FIXED came with Linux 6.15
+
+
+@needs_uring
+@pytest.mark.skipif(not _kernel_has_readv_fixed(), reason=f"kernel {os.uname().release} has no READV_FIXED")
+def test_the_slots_are_registered_and_read_as_fixed_buffers(tmp_path, monkeypatch):
+    import liburing
+
+    p, data = _file(tmp_path, 40_000)
+    calls = []
+    real = liburing.io_uring_prep_readv_fixed
+    monkeypatch.setattr(liburing, "io_uring_prep_readv_fixed", lambda *a: calls.append(a[3]) or real(*a))
+    with uring.UringRing([(str(p), *_ranges(len(data), 4096))], _slots(3), 3, 1000) as ring:
+        got = [(piece.range_index, bytes(piece.data.numpy())) for piece in ring if ring.recycle(piece.slot) is None]
+        assert ring.fixed
+    assert sorted(got) == [(r, data[r * 4096:(r + 1) * 4096]) for r in range(10)]
+    parts = sum(-(-n // 1000) for n in _ranges(len(data), 4096)[1])  # 49: nine ranges of five, one of four
+    assert len(calls) == parts and set(calls) == {0, 1, 2}  # every request into its slot's registered buffer
+
+
+@needs_uring
+def test_a_kernel_without_readv_fixed_gets_plain_reads_of_the_same_bytes(tmp_path, monkeypatch):
+    """What a kernel before 6.15 answers to READV_FIXED (EINVAL), made here by a plain readv at an offset no file
+    has: the request goes again as readv, and so does every later one."""
+    import liburing
+
+    p, data = _file(tmp_path, 40_000)
+    refused = []
+    real = liburing.io_uring_prep_readv
+
+    def einval(sqe, fd, iov, index, offset):
+        refused.append(offset)
+        real(sqe, fd, iov, 2**64 - 2)  # a negative file position: EINVAL
+
+    monkeypatch.setattr(liburing, "io_uring_prep_readv_fixed", einval)
+    with uring.UringRing([(str(p), *_ranges(len(data), 4096))], _slots(2), 2) as ring:
+        ring.start()
+        assert ring.fixed
+        got = [(piece.range_index, bytes(piece.data.numpy())) for piece in ring if ring.recycle(piece.slot) is None]
+        assert not ring.fixed
+    assert sorted(got) == [(r, data[r * 4096:(r + 1) * 4096]) for r in range(10)]
+    assert 1 <= len(refused) <= 2  # the requests in flight when the first EINVAL came back, no later one
+
+
+@needs_uring
+def test_registering_refused_reads_with_plain_readv(tmp_path, monkeypatch):
+    import errno
+
+    import liburing
+
+    def refuse(ring, iovecs):
+        raise OSError(errno.ENOMEM, "Cannot allocate memory")  # RLIMIT_MEMLOCK too small
+
+    monkeypatch.setattr(liburing, "io_uring_register_buffers", refuse)
+    p, data = _file(tmp_path, 20_000)
+    with uring.UringRing([(str(p), *_ranges(len(data), 4096))], _slots(2), 2) as ring:
+        got = [(piece.range_index, bytes(piece.data.numpy())) for piece in ring if ring.recycle(piece.slot) is None]
+        assert not ring.fixed
+    assert sorted(got) == [(r, data[r * 4096:(r + 1) * 4096]) for r in range(5)]
+
+
+@needs_uring
+def test_a_real_einval_of_a_plain_read_is_still_an_error(tmp_path, monkeypatch):
+    """The retry as readv happens once per request: a readv that fails with EINVAL too is raised, naming the
+    file."""
+    import liburing
+
+    monkeypatch.setattr(uring, "FIXED_BUFFERS", False)
+    real = liburing.io_uring_prep_readv
+    monkeypatch.setattr(liburing, "io_uring_prep_readv", lambda sqe, fd, iov, off: real(sqe, fd, iov, 2**64 - 2))
+    p, _ = _file(tmp_path, 8192)
+    with pytest.raises(OSError, match=f"Invalid argument: reading 4096 bytes at byte 0 of {p}"):
+        with uring.UringRing([(str(p), [0, 4096], [4096, 4096])], _slots(1), 1) as ring:
+            list(ring)

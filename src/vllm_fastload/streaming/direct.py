@@ -682,3 +682,5 @@ def _pread_pieces(chunks: list, arena: Optional[torch.Tensor], ring: Ring, copy_
         if stats is not None:
             stats["pinned_extra_bytes"] = 0
             stats["reader_threads"] = reader.threads
+            if ring.uring:
+                stats["uring_fixed_buffers"] = reader.fixed  # the slots registered, READV_FIXED reads

@@ -24,6 +24,7 @@ the loader then reads with :mod:`.preader`.
 
 from __future__ import annotations
 
+import errno
 import functools
 import os
 import time
@@ -51,6 +52,13 @@ PART_BYTES = _part_bytes()
 #: Most read requests in flight: a ring of this many entries (the kernel refuses more than 32768), and what
 #: ``concurrency`` admits.
 MAX_DEPTH = 4096
+#: Whether a ring registers its slots with the kernel (``io_uring_register_buffers``) and reads into them with
+#: ``IORING_OP_READV_FIXED`` (Linux 6.15 on): the kernel then copies into pages it pinned once instead of looking
+#: the slot's user pages up for every request (instanttensor's reader registers its pinned ring the same way).
+#: Where registering is refused (``RLIMIT_MEMLOCK``, memory the kernel cannot pin) or the kernel lacks the opcode
+#: (``EINVAL``), the ring reads with plain ``readv``. ``FASTLOAD_URING_FIXED=0`` turns it off, for the benchmarks
+#: that compare both.
+FIXED_BUFFERS = os.environ.get("FASTLOAD_URING_FIXED", "1") != "0"
 
 
 @functools.lru_cache(maxsize=1)
@@ -115,10 +123,14 @@ class UringRing:
         # slot being read -> [work index, requests not yet completed, byte offset of the next request to submit]
         self._filling: dict[int, list] = {}
         self._open: deque[int] = deque()  # slots with requests still to submit, oldest first
-        # request id -> [slot, first byte in the slot, end byte, bytes read so far, iovec the kernel writes through]
+        # request id -> [slot, first byte in the slot, end byte, bytes read so far, iovec the kernel writes through,
+        # whether it went as READV_FIXED]
         self._inflight: dict[int, list] = {}
         self._ids = 0
         self._next = 0
+        #: whether reads go into the slots as registered buffers (:data:`FIXED_BUFFERS`; set by :meth:`start`)
+        self.fixed = False
+        self._registered: Any = None  # the slots' iovecs while registered (the kernel holds their pages)
         self._fds: list[int] = []
         self._ring: Any = None
         self._lib: Any = None
@@ -153,6 +165,14 @@ class UringRing:
             self._close_fds()
             raise
         self._ring, self._cqe = ring, liburing.Cqe()
+        if FIXED_BUFFERS:
+            iovecs = liburing.Iovec(self._views)
+            try:
+                liburing.io_uring_register_buffers(ring, iovecs)
+            except (OSError, ValueError, TypeError):
+                pass  # refused (memlock limit, memory that cannot be pinned): plain readv reads the same bytes
+            else:
+                self._registered, self.fixed = iovecs, True
 
     def recycle(self, slot: int, event: Any = None) -> None:
         """Give ``slot`` back; it is read into again after ``event`` (a CUDA event recorded after the copies out
@@ -174,7 +194,11 @@ class UringRing:
         iov = lib.Iovec([self._views[slot][begin + done:end]])
         req[4] = iov
         sqe = lib.io_uring_get_sqe(self._ring)
-        lib.io_uring_prep_readv(sqe, self._fds[fid], iov, off + begin + done)
+        req[5] = self.fixed
+        if self.fixed:
+            lib.io_uring_prep_readv_fixed(sqe, self._fds[fid], iov, slot, off + begin + done)
+        else:
+            lib.io_uring_prep_readv(sqe, self._fds[fid], iov, off + begin + done)
         sqe.flags |= lib.IOSQE_ASYNC
         sqe.user_data = rid
 
@@ -200,7 +224,7 @@ class UringRing:
             n = self._work[state[0]][3]
             begin = state[2]
             end = min(n, begin + self._part)
-            req = [slot, begin, end, 0, None]
+            req = [slot, begin, end, 0, None, False]
             rid = self._ids
             self._prep(rid, req)
             self._ids += 1
@@ -237,6 +261,15 @@ class UringRing:
         return EOFError(f"{self._paths[fid]} ended at byte {at}, {off + n - at} bytes short of the range "
                         f"[{off}, {off + n}) the header promised")
 
+    def _again(self, rid: int, req: list) -> None:
+        """Queue request ``rid``'s unread rest again, under a new id: ids in flight stay in submission order
+        (:meth:`close` relies on it)."""
+        del self._inflight[rid]
+        rid = self._ids
+        self._prep(rid, req)
+        self._ids += 1
+        self._inflight[rid] = req
+
     def _reap(self) -> tuple[list[Piece], int]:
         """``(pieces, completions taken)``: the ranges whose requests all completed, as pieces (a short read is
         submitted again for its rest); never blocks. Every completion seen is taken off the ring before a failed
@@ -254,15 +287,16 @@ class UringRing:
             except OSError as e:
                 res = -(e.errno or 5)
             req = self._inflight[rid]
+            if res == -errno.EINVAL and req[5] and error is None:
+                # a kernel before 6.15 has no READV_FIXED: this request again, and every later one, as plain readv
+                self.fixed = False
+                self._again(rid, req)
+                again = True
+                continue
             if res > 0:
                 req[3] += res
                 if req[1] + req[3] < req[2] and error is None:
-                    # the rest under a new id: ids in flight stay in submission order (close relies on it)
-                    del self._inflight[rid]
-                    rid = self._ids
-                    self._prep(rid, req)
-                    self._ids += 1
-                    self._inflight[rid] = req
+                    self._again(rid, req)  # the rest of a short read
                     again = True
                     continue
             if (res <= 0 or req[1] + req[3] < req[2]) and error is None:
@@ -335,8 +369,8 @@ class UringRing:
                     lib.io_uring_cq_advance(self._ring, ready)
                 elif self._inflight:
                     self._wait()
-            lib.io_uring_queue_exit(self._ring)
-            self._ring = None
+            lib.io_uring_queue_exit(self._ring)  # also unregisters the slots
+            self._ring, self._registered = None, None
         self._close_fds()
 
     def _close_fds(self) -> None:

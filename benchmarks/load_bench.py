@@ -50,8 +50,8 @@ LOADERS = {
     "runai_fastload_uring48": ("runai_streamer", {}),  # 48 slots, all in flight
     # 16 MiB slots and read requests, 16 in flight
     "runai_fastload_uring16m": ("runai_streamer", {"FASTLOAD_URING_PART_BYTES": str(16 << 20)}),
-    # the io_uring reader without registering its slots (plain readv, as before READV_FIXED)
-    "runai_fastload_uringplain": ("runai_streamer", {"FASTLOAD_URING_FIXED": "0"}),
+    # the io_uring reader with its slots registered (READV_FIXED reads; FASTLOAD_URING_FIXED=1)
+    "runai_fastload_uringfixed": ("runai_streamer", {"FASTLOAD_URING_FIXED": "1"}),
     # ipc_cache needs a `vllm-fastload preload` daemon for the same model/TP; started by main() when asked for.
     # ipc_copy releases the daemon's memory, so it must come last.
     "ipc_zero_copy": ("ipc_cache", {}),

@@ -228,7 +228,7 @@ def test_a_consumer_keeping_every_slot_gets_an_error_not_a_hang(tmp_path):
             list(ring)  # never recycles
 
 
-# --- registered slots (READV_FIXED) -----------------------------------------------------------------------------
+# --- registered slots (READV_FIXED, FASTLOAD_URING_FIXED=1) ------------------------------------------------------
 def _kernel_has_readv_fixed():
     major, minor = (int(x) for x in os.uname().release.split(".")[:2])
     return (major, minor) >= (6, 15)  # IORING_OP_READV_FIXED came with Linux 6.15
@@ -239,6 +239,7 @@ def _kernel_has_readv_fixed():
 def test_the_slots_are_registered_and_read_as_fixed_buffers(tmp_path, monkeypatch):
     import liburing
 
+    monkeypatch.setattr(uring, "FIXED_BUFFERS", True)
     p, data = _file(tmp_path, 40_000)
     calls = []
     real = liburing.io_uring_prep_readv_fixed
@@ -257,6 +258,7 @@ def test_a_kernel_without_readv_fixed_gets_plain_reads_of_the_same_bytes(tmp_pat
     has: the request goes again as readv, and so does every later one."""
     import liburing
 
+    monkeypatch.setattr(uring, "FIXED_BUFFERS", True)
     p, data = _file(tmp_path, 40_000)
     refused = []
     real = liburing.io_uring_prep_readv
@@ -284,6 +286,7 @@ def test_registering_refused_reads_with_plain_readv(tmp_path, monkeypatch):
     def refuse(ring, iovecs):
         raise OSError(errno.ENOMEM, "Cannot allocate memory")  # RLIMIT_MEMLOCK too small
 
+    monkeypatch.setattr(uring, "FIXED_BUFFERS", True)
     monkeypatch.setattr(liburing, "io_uring_register_buffers", refuse)
     p, data = _file(tmp_path, 20_000)
     with uring.UringRing([(str(p), *_ranges(len(data), 4096))], _slots(2), 2) as ring:

@@ -53,12 +53,11 @@ PART_BYTES = _part_bytes()
 #: ``concurrency`` admits.
 MAX_DEPTH = 4096
 #: Whether a ring registers its slots with the kernel (``io_uring_register_buffers``) and reads into them with
-#: ``IORING_OP_READV_FIXED`` (Linux 6.15 on): the kernel then copies into pages it pinned once instead of looking
-#: the slot's user pages up for every request (instanttensor's reader registers its pinned ring the same way).
-#: Where registering is refused (``RLIMIT_MEMLOCK``, memory the kernel cannot pin) or the kernel lacks the opcode
-#: (``EINVAL``), the ring reads with plain ``readv``. ``FASTLOAD_URING_FIXED=0`` turns it off, for the benchmarks
-#: that compare both.
-FIXED_BUFFERS = os.environ.get("FASTLOAD_URING_FIXED", "1") != "0"
+#: ``IORING_OP_READV_FIXED`` (Linux 6.15 on), as instanttensor's reader registers its pinned ring. Off unless
+#: ``FASTLOAD_URING_FIXED=1``: on this project's CPU machine it read slower than plain ``readv`` (CHANGELOG.md), and
+#: the GPU host has not measured it. Where registering is refused (``RLIMIT_MEMLOCK``, memory the kernel cannot
+#: pin) or the kernel lacks the opcode (``EINVAL``), the ring reads with plain ``readv``.
+FIXED_BUFFERS = os.environ.get("FASTLOAD_URING_FIXED", "0") == "1"
 
 
 @functools.lru_cache(maxsize=1)

@@ -280,7 +280,8 @@ def write_outputs(results: dict, out: Path) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", required=True, type=Path)
-    ap.add_argument("--make", choices=["8b", "deep", "tiny"], help="create the model directory first (random weights)")
+    ap.add_argument("--make", choices=["8b", "deep", "deep1k", "deep100k", "tiny"],
+                    help="create the model directory first (random weights)")
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--gmu", type=float, default=0.5)
     ap.add_argument("--loaders", default=f"auto,runai_builtin,runai_fastload,{PEERS}",

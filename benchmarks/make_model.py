@@ -4,6 +4,8 @@
     python benchmarks/make_model.py OUT --shape small   # 8 layers, ~0.4 GB (KV accounting tests)
     python benchmarks/make_model.py OUT --shape tiny    # 2 layers, ~20 MB, for correctness tests
     python benchmarks/make_model.py OUT --shape deep    # 2444 layers, 22,003 tensors, ~0.5 GB (per-tensor costs)
+    python benchmarks/make_model.py OUT --shape deep1k  # the same layers: 111 of them, ~1k tensors
+    python benchmarks/make_model.py OUT --shape deep100k  # 11,111 of them, ~100k tensors, ~2.2 GB
 
 Weights are drawn on the GPU when there is one (fast), scaled small so greedy decoding is well defined.
 """
@@ -26,6 +28,11 @@ SHAPES = {
     # 22,003 tensors of 0.25-32 KiB: the per-tensor costs of a load (issue 28: "many tensors"), 0.5 GB
     "deep": dict(hidden_size=128, intermediate_size=128, num_hidden_layers=2444, num_attention_heads=2,
                  num_key_value_heads=1, vocab_size=4096, shards=2),
+    # the same layers, as many as give ~1k and ~100k tensors (the other two sizes of issue 28's target)
+    "deep1k": dict(hidden_size=128, intermediate_size=128, num_hidden_layers=111, num_attention_heads=2,
+                   num_key_value_heads=1, vocab_size=4096, shards=1),
+    "deep100k": dict(hidden_size=128, intermediate_size=128, num_hidden_layers=11111, num_attention_heads=2,
+                     num_key_value_heads=1, vocab_size=4096, shards=4),
     "tiny": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, vocab_size=4096, shards=2),
 }

@@ -737,6 +737,28 @@ def test_checksum_windows_match_an_independent_computation():
     assert len(set(got)) == len(spans)
 
 
+def test_the_checksum_check_imports_nothing_an_engine_would_not():
+    """``np.unique`` imports ``numpy.ma`` on its first call, 5-10 ms of an engine's weights phase on the CPU machine
+    (nothing else in a vLLM engine imports it); the windows' width classes are found without it. In a fresh
+    interpreter, windows of several widths."""
+    import subprocess
+    import sys
+
+    code = """if True:
+        import sys
+        import torch
+        from vllm_fastload.ipc.memory import layout
+        from vllm_fastload.ipc.wire.messages import TensorRow, TensorTable
+        assert "numpy.ma" not in sys.modules, "imported before the check"
+        rows = {f"t{n}": TensorRow("uint8", [n], [1], 0, n, 0, "param") for n in (3, 9, 40, 100, 300, 2000)}
+        layout.sample_checksums(torch.arange(4096, dtype=torch.int64).to(torch.uint8), TensorTable.of(rows))
+        print("numpy.ma" in sys.modules)
+    """
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split()[-1] == "False"
+
+
 @pytest.mark.parametrize("size", [1, 8, 9, 512, 513, 544, 608, 768, 1024, 1535, 1536])
 def test_a_changed_byte_anywhere_in_a_span_of_up_to_three_windows_changes_its_checksum(size):
     """Overlapping windows gave a byte two odd weights, an even sum: flipping its top bit (an fp32/bf16 sign) went

@@ -228,8 +228,14 @@ def _window_sums(buf: torch.Tensor, starts: Any, lens: Any, transport: Any) -> A
     out = np.zeros(len(starts), dtype=np.uint64)
     width = np.maximum(8, 2 ** np.ceil(np.log2(np.maximum(lens, 1))).astype(np.int64))
     with np.errstate(over="ignore"):
-        for wd in np.unique(width).tolist():
+        # the classes are the powers of two from 8 to the widest window (SAMPLE): a few comparisons, where
+        # np.unique would import numpy.ma on its first call (5-10 ms of the weights phase; nothing else in an
+        # engine imports it)
+        top = int(width.max()) if len(width) else 0
+        for wd in (8 << k for k in range(max(0, top.bit_length() - 3))):
             idx = np.flatnonzero(width == wd)
+            if not len(idx):
+                continue
             step = max(1, BATCH_BYTES // wd)
             for k in range(0, len(idx), step):
                 sel = idx[k:k + step]

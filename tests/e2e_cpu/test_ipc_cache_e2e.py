@@ -111,6 +111,10 @@ def test_zero_copy_matches_default_and_restart_maps_again(demo_model, sock_dir, 
             r = report(e2e_logs, run)
             assert r["fallback_reason"] is None and r["note"].startswith("no disk read (re-processing ")
             assert r["tensors"] == st.tensors and r["extra"]["weights_phase_s"] < r["wall_s"]
+            e = r["extra"]  # the weights phase: fetch, map, verify, install, release; not the first-use imports
+            spans = e["connect_manifest_s"] + e["map_verify_install_s"] + e["release_s"]
+            assert e["weights_phase_s"] == round(spans, 4)
+            assert e["imports_s"] >= 0  # reported on its own
             assert r["content_digest"] == digest and f"content {digest}" in log  # the engine's line names it
     code, text = daemon.http("/metrics")
     assert 'vllm_fastload_attaches_total{rank="0"} 2.0' in text and "vllm_fastload_attaches_total counter" in text

@@ -82,7 +82,8 @@ from vllm import LLM, SamplingParams
 t_import = time.perf_counter() - t0
 args = json.loads(sys.argv[1])
 kw = dict(model=args["model"], load_format=args["load_format"], enforce_eager=True, skip_tokenizer_init=True,
-          tensor_parallel_size=args["tp"], max_model_len=1024, gpu_memory_utilization=args["gmu"])
+          tensor_parallel_size=args["tp"], max_model_len=args["max_model_len"],
+          gpu_memory_utilization=args["gmu"])
 if args.get("extra"):
     kw["model_loader_extra_config"] = args["extra"]
 if args.get("dtype"):
@@ -118,7 +119,8 @@ PATTERNS = {
 }
 
 
-def run_one(name: str, model: str, tp: int, gmu: float, report: Path, extra: dict, dtype: str | None = None) -> dict:
+def run_one(name: str, model: str, tp: int, gmu: float, report: Path, extra: dict, dtype: str | None = None,
+            max_model_len: int = 1024) -> dict:
     """One loader in a fresh process; returns parsed timings (seconds) and the greedy token ids."""
     fmt, env_over = LOADERS[name]
     env = {**os.environ, **env_over, "PYTHONUNBUFFERED": "1"}
@@ -146,7 +148,8 @@ def run_one(name: str, model: str, tp: int, gmu: float, report: Path, extra: dic
             ex["pinned_slot_bytes"] = 16 << 20
     if name.startswith("ipc_"):
         ex = {"socket_dir": SOCKET_DIR[0], "mode": name[4:], "report_path": str(report), "fallback": False}
-    args = {"model": model, "load_format": fmt, "tp": tp, "gmu": gmu, "extra": ex, "dtype": dtype}
+    args = {"model": model, "load_format": fmt, "tp": tp, "gmu": gmu, "extra": ex, "dtype": dtype,
+            "max_model_len": max_model_len}
     t, spawned = time.perf_counter(), time.time()
     p = subprocess.run([sys.executable, "-c", CHILD, json.dumps(args)], capture_output=True, text=True, env=env,
                        timeout=900)
@@ -283,6 +286,8 @@ def main() -> int:
     ap.add_argument("--make", choices=["8b", "deep", "deep1k", "deep100k", "tiny"],
                     help="create the model directory first (random weights)")
     ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--max-model-len", type=int, default=1024,
+                    help="each engine's (and the daemon's); deep100k on a 24 GiB CPU host needs 128")
     ap.add_argument("--gmu", type=float, default=0.5)
     ap.add_argument("--loaders", default=f"auto,runai_builtin,runai_fastload,{PEERS}",
                     help="comma-separated; peers whose package is not importable are skipped with a note")
@@ -344,7 +349,8 @@ def start_daemon(a: argparse.Namespace, results: dict):
     SOCKET_DIR.append(str(sock))
     a.out.mkdir(parents=True, exist_ok=True)
     t = time.perf_counter()
-    args = ["--tensor-parallel-size", str(a.tp), "--max-model-len", "1024"] + (["--dtype", a.dtype] if a.dtype else [])
+    args = ["--tensor-parallel-size", str(a.tp), "--max-model-len", str(a.max_model_len)]
+    args += ["--dtype", a.dtype] if a.dtype else []
     if a.daemon_extra:
         args += ["--model-loader-extra-config", a.daemon_extra]
     daemon = PreloadDaemon(str(a.model), sock, args, log_path=a.out / "preload.log").ready_or_raise()
@@ -354,7 +360,8 @@ def start_daemon(a: argparse.Namespace, results: dict):
 
 def run_loader(name: str, a: argparse.Namespace, results: dict) -> None:
     """Run one loader ``--repeats`` times, keep the median run in ``results``."""
-    runs = [run_one(name, str(a.model), a.tp, a.gmu, a.out / f"{name}.report.json", json.loads(a.extra), a.dtype)
+    runs = [run_one(name, str(a.model), a.tp, a.gmu, a.out / f"{name}.report.json", json.loads(a.extra), a.dtype,
+                    a.max_model_len)
             for _ in range(a.repeats)]
     key = "model_loading_s" if runs[0].get("model_loading_s") is not None else "llm_init_s"
     runs.sort(key=lambda r: r[key] or 0)

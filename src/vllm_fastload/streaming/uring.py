@@ -223,11 +223,7 @@ class UringRing:
             n = self._work[state[0]][3]
             begin = state[2]
             end = min(n, begin + self._part)
-            req = [slot, begin, end, 0, None, False]
-            rid = self._ids
-            self._prep(rid, req)
-            self._ids += 1
-            self._inflight[rid] = req
+            self._queue([slot, begin, end, 0, None, False])
             state[2] = end
             if end >= n:
                 self._open.popleft()
@@ -260,14 +256,18 @@ class UringRing:
         return EOFError(f"{self._paths[fid]} ended at byte {at}, {off + n - at} bytes short of the range "
                         f"[{off}, {off + n}) the header promised")
 
-    def _again(self, rid: int, req: list) -> None:
-        """Queue request ``rid``'s unread rest again, under a new id: ids in flight stay in submission order
-        (:meth:`close` relies on it)."""
-        del self._inflight[rid]
+    def _queue(self, req: list) -> None:
+        """Queue ``req`` (its unread rest) under the next id: ids in flight stay in submission order (:meth:`close`
+        relies on it)."""
         rid = self._ids
         self._prep(rid, req)
         self._ids += 1
         self._inflight[rid] = req
+
+    def _again(self, rid: int, req: list) -> None:
+        """Queue request ``rid``'s unread rest again, under a new id (:meth:`_queue`)."""
+        del self._inflight[rid]
+        self._queue(req)
 
     def _reap(self) -> tuple[list[Piece], int]:
         """``(pieces, completions taken)``: the ranges whose requests all completed, as pieces (a short read is

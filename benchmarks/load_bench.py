@@ -156,7 +156,10 @@ def run_one(name: str, model: str, tp: int, gmu: float, report: Path, extra: dic
     wall = time.perf_counter() - t
     log = p.stdout + p.stderr
     if p.returncode != 0:
-        raise RuntimeError(f"{name} failed (exit {p.returncode}):\n{log[-4000:]}")
+        # the whole log next to the report: the root cause of an engine that failed to start is far above its tail
+        failed = report.with_name(f"{name}.failed.log")
+        failed.write_text(log)
+        raise RuntimeError(f"{name} failed (exit {p.returncode}; whole log in {failed}):\n{log[-4000:]}")
     res = {"loader": name, "process_s": wall}
     for key, rx in PATTERNS.items():
         m = rx.findall(log)

@@ -1,4 +1,5 @@
-"""The engine process's garbage-collector heap at the start of a load (``"freeze_gc"``, both load formats).
+"""The process heap around a load: the garbage collector's at the start of an engine's load (``"freeze_gc"``,
+both load formats), and the C library's after the preload daemon dropped its model (:func:`trim_malloc`).
 
 vLLM's model runner measures the load's device memory with ``DeviceMemoryProfiler`` (``vllm/utils/mem_utils.py``,
 vLLM 0.26), which runs a full ``gc.collect()`` when it starts and two when it ends; vLLM 0.26's second (default)
@@ -24,8 +25,10 @@ collections around the load, so there is nothing to gain.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import gc
 from collections.abc import Iterator
+from typing import Optional
 
 from .log import logger
 
@@ -70,3 +73,39 @@ def gc_paused() -> Iterator[None]:
     finally:
         if was:
             gc.enable()
+
+
+def _rss_anon_bytes() -> Optional[int]:
+    """This process's resident anonymous memory in bytes (``RssAnon`` of ``/proc/self/status``, kB; Linux
+    ``proc(5)``), None where the file or the field is missing."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("RssAnon:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def trim_malloc() -> Optional[int]:
+    """Hand the C library's free heap memory back to the kernel: glibc's ``malloc_trim(0)`` (``malloc_trim(3)``:
+    since glibc 2.8 it releases the free pages of every arena, not only the top of the heap). Returns the bytes of
+    resident anonymous memory that went (``RssAnon`` before minus after, 0 or more), or None where the C library
+    has no ``malloc_trim`` (musl) or ``/proc`` cannot say.
+
+    Why: a model's tensors on the CPU are ``malloc`` blocks of tens to hundreds of kB. glibc serves blocks above its
+    mmap threshold with their own mapping, but raises that threshold to the size of each such block freed (up to
+    32 MiB, ``mallopt(3)`` ``M_MMAP_THRESHOLD``), so most of a model lands in the heap, and freeing it leaves the
+    pages with the process. The preload daemon drops its loaded model after packing it into the export segment;
+    without this its resident memory stayed at about twice the segment's size beside it (CHANGELOG.md)."""
+    try:
+        trim = ctypes.CDLL(None).malloc_trim  # the symbols the process has loaded: the C library's among them
+    except (OSError, AttributeError):
+        return None
+    before = _rss_anon_bytes()
+    trim(0)
+    after = _rss_anon_bytes()
+    if before is None or after is None:
+        return None
+    return max(before - after, 0)

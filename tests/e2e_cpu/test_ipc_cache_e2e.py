@@ -115,6 +115,9 @@ def test_zero_copy_matches_default_and_restart_maps_again(demo_model, sock_dir, 
             spans = e["connect_manifest_s"] + e["map_verify_install_s"] + e["release_s"]
             assert e["weights_phase_s"] == round(spans, 4)
             assert e["imports_s"] >= 0  # reported on its own
+            # the fetch's two steps are parts of its phase (rounded to 0.1 ms each)
+            assert e["lease_s"] > 0 and e["map_s"] > 0
+            assert e["lease_s"] + e["map_s"] <= e["connect_manifest_s"] + 0.0002
             assert r["content_digest"] == digest and f"content {digest}" in log  # the engine's line names it
     code, text = daemon.http("/metrics")
     assert 'vllm_fastload_attaches_total{rank="0"} 2.0' in text and "vllm_fastload_attaches_total counter" in text
@@ -122,6 +125,7 @@ def test_zero_copy_matches_default_and_restart_maps_again(demo_model, sock_dir, 
     while daemon.log().count(" zero_copy mode) detached") < 2 and time.monotonic() < deadline:
         time.sleep(0.5)
     log = daemon.log()
+    assert "of freed host heap to the kernel (malloc_trim)" in log  # the dropped model's heap, not kept resident
     assert log.count("attached in zero_copy mode") == 2 and log.count(" zero_copy mode) detached") == 2
 
 

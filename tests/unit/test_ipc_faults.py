@@ -22,7 +22,7 @@ from tests.conftest import unix_listener
 from tests.unit.ipc_fake_daemon import fingerprint, make_state, weights
 from vllm_fastload.errors import FastloadError
 from vllm_fastload.ipc.daemon.server import RankServer, acquire
-from vllm_fastload.ipc.engine.mapping import fetch
+from vllm_fastload.ipc.engine.mapping import _Phases, fetch
 from vllm_fastload.ipc.memory.layout import view_at
 from vllm_fastload.ipc.wire import protocol
 from vllm_fastload.ipc.wire.client import CacheUnavailable, status_of
@@ -167,7 +167,9 @@ def test_client_gone_mid_manifest_leaves_the_daemon_serving_others(big_server, r
     assert thread_errors == []
     st = status_of(str(srv.path))
     assert st.clients == 0 and st.state == "ready"
-    lease = fetch(str(srv.path), FP, 2, 10)
+    phases = _Phases()
+    lease = fetch(str(srv.path), FP, 2, 10, phases=phases)
+    assert set(phases) == {"lease_s", "map_s"} and phases["lease_s"] > 0  # the seconds of its two steps
     assert lease.attach("zero_copy") == 1
     assert torch.equal(view_at(lease.segment.buf, lease.manifest.tensors["w"]), weights()["w"])
     assert len(lease.manifest.tensors) == 8001

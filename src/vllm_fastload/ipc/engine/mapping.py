@@ -60,11 +60,14 @@ def zero_copy_leases() -> list[MappedLease]:
 
 
 def fetch(path: str, fingerprint: dict, connect_timeout_s: float, state_timeout_s: float, device: Any = None,
-          spec: Optional[SocketDirSpec] = None, transport: Optional[Transport] = None) -> MappedLease:
+          spec: Optional[SocketDirSpec] = None, transport: Optional[Transport] = None,
+          phases: Optional[_Phases] = None) -> MappedLease:
     """The daemon's lease at ``path`` (:func:`~vllm_fastload.ipc.wire.client.open_lease`: connect, hello with
     ``fingerprint``, the validated manifest; ``spec``: the socket's directory and where it came from) with its
     segment mapped on ``device`` (a ``torch.device``; default CPU) by ``transport`` (default: the device's,
-    :func:`~vllm_fastload.ipc.memory.backends.get_transport`).
+    :func:`~vllm_fastload.ipc.memory.backends.get_transport`). ``phases``: where the seconds of the two steps go
+    (``lease_s``: connect, hello and the validated manifest; ``map_s``: the segment mapped), as parts of the
+    caller's running phase.
 
     Raises what ``open_lease`` raises, :class:`~vllm_fastload.errors.ManifestError` when the segment does not fit
     the device, and :class:`.transport.NoTransport` for a device without a transport (before connecting)."""
@@ -72,9 +75,12 @@ def fetch(path: str, fingerprint: dict, connect_timeout_s: float, state_timeout_
 
     device = torch.device(device or "cpu")
     transport = transport or get_transport(device)
-    lease = open_lease(path, fingerprint, connect_timeout_s, state_timeout_s, spec)
+    phases = _Phases() if phases is None else phases
+    with phases.part("lease_s"):
+        lease = open_lease(path, fingerprint, connect_timeout_s, state_timeout_s, spec)
     try:
-        segment = transport.open(lease.take_fd(), lease.manifest.segment, device)
+        with phases.part("map_s"):
+            segment = transport.open(lease.take_fd(), lease.manifest.segment, device)
     except BaseException:
         lease.close()
         raise
@@ -147,7 +153,8 @@ def map_model(vllm_config: Any, model_config: Any, prefix: str, path: str, confi
         phases.lap("imports_s")
         plan, fp = _fingerprint(vllm_config, model_config)
         phases.lap("fingerprint_s")
-        lease = fetch(path, fp.to_dict(), config.connect_timeout_s, config.state_timeout_s, device, spec, transport)
+        lease = fetch(path, fp.to_dict(), config.connect_timeout_s, config.state_timeout_s, device, spec, transport,
+                      phases)
         phases.lap("connect_manifest_s")
         registered: list = []
         try:

@@ -103,6 +103,7 @@ def trim_malloc() -> Optional[int]:
         trim = ctypes.CDLL(None).malloc_trim  # the symbols the process has loaded: the C library's among them
     except (OSError, AttributeError):
         return None
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int  # int malloc_trim(size_t pad)
     before = _rss_anon_bytes()
     trim(0)
     after = _rss_anon_bytes()

@@ -1056,6 +1056,54 @@ def test_repoint_reaches_a_shared_object_first_reached_at_the_depth_limit():
     assert y.t is new
 
 
+def test_module_paths_are_named_modules_without_removing_duplicates():
+    """The audit's stack walk gives torch's names and order: a shared module under each path (with its
+    subtree), None children left out, the model as ``""``."""
+    from vllm_fastload.ipc.memory.state import module_paths
+
+    shared = nn.Sequential(nn.Linear(1, 1), nn.ReLU())
+    model = nn.Module()
+    model.a = nn.Sequential(nn.Linear(1, 1), shared)
+    model.gap = None
+    model.register_module("none_child", None)
+    model.b = nn.ModuleDict({"x": shared, "y": nn.ModuleList([nn.Identity(), shared])})
+    got = module_paths(model)
+    want = dict(model.named_modules(remove_duplicate=False))
+    assert list(got) == list(want) and all(got[k] is want[k] for k in want)
+    assert "b.y.1.0" in got and got["b.y.1.0"] is shared[0]
+
+
+def test_tensor_refs_lists_every_reference_depth_first():
+    """Each tensor a module reaches outside its parameters and buffers, in attributes, dicts, lists and tuples and
+    in the vLLM objects below it, with the holder and key that refer to it."""
+    from vllm_fastload.ipc.memory.state import _tensor_refs
+
+    t = [torch.full((1,), float(i)) for i in range(6)]  # distinct values: a wrong tensor compares unequal
+    obj, inner = _Held(), _Held()
+    inner.deep = t[5]
+    obj.first, obj.inner, obj.pair = t[2], inner, (t[3], 7)
+    m = nn.Linear(1, 1)
+    m.cache, m.table, m.parts, m.obj, m.size = t[0], {"k": t[1], "n": 3}, [t[4]], obj, 5
+    # a module's own attributes come in set order (its dict less nn.Module's bookkeeping): compare by path
+    refs = {path: (holder, key, x) for path, holder, key, x in _tensor_refs(m)}
+    assert refs == {"cache": (m, "cache", t[0]), "table['k']": (m.table, "k", t[1]), "parts[0]": (m.parts, 0, t[4]),
+                    "obj.first": (obj, "first", t[2]), "obj.inner.deep": (inner, "deep", t[5]),
+                    "obj.pair[0]": (obj.pair, 0, t[3])}
+    order = [path for path, _, _, _ in _tensor_refs(m)]  # below the module: depth first, in attribute order
+    assert order.index("obj.first") < order.index("obj.inner.deep") < order.index("obj.pair[0]")
+
+
+def test_nothing_to_re_process_walks_no_module(monkeypatch):
+    """A GPU engine of a dense model re-processes nothing: no walk of its (tens of thousands of) modules."""
+    model = nn.Linear(1, 1)
+
+    def walked(*a, **k):
+        raise AssertionError("named_modules walked")
+
+    monkeypatch.setattr(model, "named_modules", walked)
+    reprocess_modules(model, [], None)
+
+
 def test_state_objects_are_decided_per_class_as_defined():
     from vllm_fastload.ipc.memory.state import _is_state_object, _state_object
 

@@ -1069,35 +1069,56 @@ def _set_object_attrs(modules: dict[str, nn.Module], object_attrs: dict[str, dic
             object.__setattr__(obj, leaf, decode_plain(enc))
 
 
-def _tensor_refs(m: nn.Module, seen: dict[int, int] | None = None) -> Iterator[tuple[str, Any, str, torch.Tensor]]:
+def _tensor_refs(m: nn.Module, seen: dict[int, int] | None = None) -> list[tuple[str, Any, str, torch.Tensor]]:
     """Every tensor a module reaches outside its parameters and buffers: its own tensor attributes and the tensor
     attributes of the vLLM objects hanging off it (:func:`object_state`'s walk), also inside lists, tuples and
-    dicts there: ``(path, holder, key, tensor)``, where ``holder[key]`` (a container) or ``holder.key`` (an object)
-    is the reference. ``seen``: id of each object already walked -> the depth it was walked from, shared across
-    the modules of one walk of the model so that an object many modules hold (a quant method, a kernel) is walked
-    once (again only when reached nearer to a module, where the depth limit lets the walk go further); None: per
-    module."""
-    def items(obj: Any) -> Iterator[tuple[Any, Any]]:
-        if isinstance(obj, dict):
-            yield from obj.items()
-        elif isinstance(obj, (list, tuple)):
-            yield from enumerate(obj)
+    dicts there: ``(path, holder, key, tensor)``, depth first, where ``holder[key]`` (a container) or ``holder.key``
+    (an object) is the reference. ``seen``: id of each object already walked -> the depth it was walked from,
+    shared across the modules of one walk of the model so that an object many modules hold (a quant method, a
+    kernel) is walked once (again only when reached nearer to a module, where the depth limit lets the walk go
+    further); None: per module. A list filled by plain calls, not nested generators: the audit asks it of every
+    module of the model (half of the audit's time went to generator frames)."""
+    out: list[tuple[str, Any, str, torch.Tensor]] = []
+    _collect_refs(m, "", 0, {} if seen is None else seen, out)
+    return out
 
-    seen = {} if seen is None else seen
 
-    def walk(obj: Any, prefix: str, depth: int) -> Iterator[tuple[str, Any, str, torch.Tensor]]:
-        for k, v in _attributes(obj, prefix, leaves=False):
-            if isinstance(v, torch.Tensor):
-                yield _dotted(prefix, k), obj, k, v
-            elif isinstance(v, (dict, list, tuple)):
-                for i, x in items(v):
-                    if isinstance(x, torch.Tensor):
-                        yield f"{_dotted(prefix, k)}[{i!r}]", v, i, x
-            elif _state_object(v) and depth < STATE_DEPTH and seen.get(id(v), STATE_DEPTH) > depth:
-                seen[id(v)] = depth
-                yield from walk(v, _dotted(prefix, k), depth + 1)
+def _collect_refs(obj: Any, prefix: str, depth: int, seen: dict[int, int],
+                  out: list[tuple[str, Any, str, torch.Tensor]]) -> None:
+    """:func:`_tensor_refs`' walk of ``obj`` (reached at dotted ``prefix``, ``depth`` objects below the module)."""
+    tensor = torch.Tensor
+    for k, v in _attributes(obj, prefix, leaves=False):
+        if isinstance(v, tensor):
+            out.append((_dotted(prefix, k), obj, k, v))
+        elif isinstance(v, dict):
+            for i, x in v.items():
+                if isinstance(x, tensor):
+                    out.append((f"{_dotted(prefix, k)}[{i!r}]", v, i, x))
+        elif isinstance(v, (list, tuple)):
+            for i, x in enumerate(v):
+                if isinstance(x, tensor):
+                    out.append((f"{_dotted(prefix, k)}[{i!r}]", v, i, x))
+        elif _state_object(v) and depth < STATE_DEPTH and seen.get(id(v), STATE_DEPTH) > depth:
+            seen[id(v)] = depth
+            _collect_refs(v, _dotted(prefix, k), depth + 1, seen, out)
 
-    yield from walk(m, "", 0)
+
+def module_paths(model: nn.Module) -> dict[str, nn.Module]:
+    """Every path to a module of ``model`` -> the module: the names and the order of
+    ``dict(model.named_modules(remove_duplicate=False))`` (pre-order, a module reachable under two names under
+    both, ``""`` the model), walked with a stack instead of torch's generator per module (a model of tens of
+    thousands of modules spent more in those frames than in the work the walk serves)."""
+    out: dict[str, nn.Module] = {}
+    stack: list[tuple[str, nn.Module]] = [("", model)]
+    pop, push = stack.pop, stack.extend
+    while stack:
+        name, m = pop()
+        out[name] = m
+        children = m._modules
+        if children:
+            prefix = name + "." if name else ""
+            push([(prefix + k, c) for k, c in reversed(children.items()) if c is not None])
+    return out
 
 
 def repoint_stale(model: nn.Module, replaced: dict[int, torch.Tensor],
@@ -1113,7 +1134,7 @@ def repoint_stale(model: nn.Module, replaced: dict[int, torch.Tensor],
     for _, m in modules if modules is not None else model.named_modules():
         if not m.__dict__.keys() - _MODULE_INTERNALS:
             continue  # nothing beyond nn.Module's bookkeeping: no reference to walk
-        for _path, holder, key, t in list(_tensor_refs(m, seen)):
+        for _path, holder, key, t in _tensor_refs(m, seen):
             new = replaced.get(id(t))
             if new is not None and t.device.type == "meta":
                 _repoint(holder, key, new)  # one held in a tuple stays: audit() names it
@@ -1140,7 +1161,7 @@ def audit(model: nn.Module, objects: dict[str, list[str]] | None = None, done: I
     export, in a module install did not sweep, is removed (post-processing removed it; install's docstring). A
     meta tensor under a cached name there was put on the meta device after install: refused, as is any in a
     swept module. Raises :class:`InstallError` naming the first tensor or object that is missing."""
-    modules = dict(model.named_modules(remove_duplicate=False))
+    modules = module_paths(model)
     replaced = done.replaced if done is not None else {}
     installed = done.installed if done is not None else {}
     swept = done.swept if done is not None else None
@@ -1153,7 +1174,7 @@ def audit(model: nn.Module, objects: dict[str, list[str]] | None = None, done: I
                     if swept is None or name in swept or full in installed:
                         raise InstallError(f"{full} is still on the meta device after the mapping (not in the cache)")
                     del store[leaf]
-        for path, holder, key, t in list(_tensor_refs(m, seen)):
+        for path, holder, key, t in _tensor_refs(m, seen):
             if t.device.type == "meta":
                 new = replaced.get(id(t))
                 if new is not None and _repoint(holder, key, new):
@@ -1181,6 +1202,8 @@ def reprocess_modules(model: nn.Module, names: list[str], model_config: Any) -> 
     ``process_weights_after_loading`` loop: quant method, deferred attention layers, the model-level hook), in
     the model's module order, as vLLM runs them."""
     wanted = set(names)
+    if not wanted:
+        return  # nothing to re-process (a GPU engine of a dense model): no walk of the model
     for name, m in model.named_modules():
         if name not in wanted:
             continue

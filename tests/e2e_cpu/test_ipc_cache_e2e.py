@@ -115,8 +115,8 @@ def test_zero_copy_matches_default_and_restart_maps_again(demo_model, sock_dir, 
             spans = e["connect_manifest_s"] + e["map_verify_install_s"] + e["release_s"]
             assert e["weights_phase_s"] == round(spans, 4)
             assert e["imports_s"] >= 0  # reported on its own
-            # the fetch's two steps are parts of its phase (rounded to 0.1 ms each)
-            assert e["lease_s"] > 0 and e["map_s"] > 0
+            # the fetch's two steps are parts of its phase, each rounded to 0.1 ms (mapping a memfd takes less: 0.0)
+            assert e["lease_s"] >= 0 and e["map_s"] >= 0
             assert e["lease_s"] + e["map_s"] <= e["connect_manifest_s"] + 0.0002
             assert r["content_digest"] == digest and f"content {digest}" in log  # the engine's line names it
     code, text = daemon.http("/metrics")

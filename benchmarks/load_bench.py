@@ -150,14 +150,21 @@ def run_one(name: str, model: str, tp: int, gmu: float, report: Path, extra: dic
         ex = {"socket_dir": SOCKET_DIR[0], "mode": name[4:], "report_path": str(report), "fallback": False}
     args = {"model": model, "load_format": fmt, "tp": tp, "gmu": gmu, "extra": ex, "dtype": dtype,
             "max_model_len": max_model_len}
+    # the whole log of an engine that fails goes next to its report (the root cause of a failed start is far above
+    # the tail the exception shows); one from an earlier run of this loader is not this run's
+    failed = report.with_name(f"{name}.failed.log")
+    failed.unlink(missing_ok=True)
     t, spawned = time.perf_counter(), time.time()
-    p = subprocess.run([sys.executable, "-c", CHILD, json.dumps(args)], capture_output=True, text=True, env=env,
-                       timeout=900)
+    try:
+        p = subprocess.run([sys.executable, "-c", CHILD, json.dumps(args)], capture_output=True, text=True, env=env,
+                           timeout=900)
+    except subprocess.TimeoutExpired as e:
+        out = [x.decode(errors="replace") if isinstance(x, bytes) else (x or "") for x in (e.stdout, e.stderr)]
+        failed.write_text("".join(out))
+        raise RuntimeError(f"{name} did not finish within 900 s; what it wrote is in {failed}") from None
     wall = time.perf_counter() - t
     log = p.stdout + p.stderr
     if p.returncode != 0:
-        # the whole log next to the report: the root cause of an engine that failed to start is far above its tail
-        failed = report.with_name(f"{name}.failed.log")
         failed.write_text(log)
         raise RuntimeError(f"{name} failed (exit {p.returncode}; whole log in {failed}):\n{log[-4000:]}")
     res = {"loader": name, "process_s": wall}

@@ -90,9 +90,10 @@ def _rss_anon_bytes() -> Optional[int]:
 
 def trim_malloc() -> Optional[int]:
     """Hand the C library's free heap memory back to the kernel: glibc's ``malloc_trim(0)`` (``malloc_trim(3)``:
-    since glibc 2.8 it releases the free pages of every arena, not only the top of the heap). Returns the bytes of
-    resident anonymous memory that went (``RssAnon`` before minus after, 0 or more), or None where the C library
-    has no ``malloc_trim`` (musl) or ``/proc`` cannot say.
+    since glibc 2.8 it releases the free pages of every arena, not only the top of the heap). Returns about how many
+    bytes of resident anonymous memory went (``RssAnon`` before minus after, 0 or more; other threads allocating
+    meanwhile count too), or None where the process has no ``malloc_trim`` (musl) or ``/proc`` cannot say. Raises
+    nothing. Only what is already free is returned: memory held by reference cycles needs ``gc.collect()`` first.
 
     Why: a model's tensors on the CPU are ``malloc`` blocks of tens to hundreds of kB. glibc serves blocks above its
     mmap threshold with their own mapping, but raises that threshold to the size of each such block freed (up to
@@ -101,7 +102,7 @@ def trim_malloc() -> Optional[int]:
     without this its resident memory stayed at about twice the segment's size beside it (CHANGELOG.md)."""
     try:
         trim = ctypes.CDLL(None).malloc_trim  # the symbols the process has loaded: the C library's among them
-    except (OSError, AttributeError):
+    except Exception:  # noqa: BLE001 - no such symbol (musl), or no dlopen(NULL) on this platform
         return None
     trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int  # int malloc_trim(size_t pad)
     before = _rss_anon_bytes()

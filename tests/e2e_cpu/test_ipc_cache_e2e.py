@@ -9,6 +9,7 @@ import contextlib
 import json
 import mmap
 import os
+import re
 import signal
 import socket
 import time
@@ -125,7 +126,9 @@ def test_zero_copy_matches_default_and_restart_maps_again(demo_model, sock_dir, 
     while daemon.log().count(" zero_copy mode) detached") < 2 and time.monotonic() < deadline:
         time.sleep(0.5)
     log = daemon.log()
-    assert "of freed host heap to the kernel (malloc_trim)" in log  # the dropped model's heap, not kept resident
+    # the dropped model's heap (0.2 GiB on the CPU machine), not kept resident
+    returned = re.search(r"returned ([0-9.]+) GiB of freed host heap to the kernel \(malloc_trim\)", log)
+    assert returned and float(returned.group(1)) >= 0.05, returned
     assert log.count("attached in zero_copy mode") == 2 and log.count(" zero_copy mode) detached") == 2
 
 

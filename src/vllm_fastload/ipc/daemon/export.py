@@ -115,15 +115,26 @@ def build_and_export(vllm_config: Any, local_rank: int, rank: int, world_size: i
     return segment, manifest, time.perf_counter() - t0
 
 
-def _trim_heap(rank: int) -> None:
-    """Give the host memory the dropped model left in the C library's heap back to the kernel
-    (:func:`~vllm_fastload.heap.trim_malloc`); one INFO line with the bytes and seconds. On the CPU that is about
-    twice the segment's size, which the daemon would otherwise keep resident while it serves."""
+def _trim_heap(rank: int) -> Optional[int]:
+    """Give the host memory the dropped model left in the C library's heap back to the kernel: collect the
+    model's reference cycles first (vLLM's parameters hold their modules' bound ``weight_loader`` methods, so a
+    dropped model is freed by the cycle collector, not when its last name goes), then
+    :func:`~vllm_fastload.heap.trim_malloc`; one INFO line with the bytes and seconds. On the CPU that is about
+    twice the segment's size, which the daemon would otherwise keep resident while it serves. Returns the bytes
+    (None where they cannot be told); never raises: the export does not depend on it."""
+    import gc
+
     t = time.perf_counter()
-    freed = trim_malloc()
+    try:
+        gc.collect()
+        freed = trim_malloc()
+    except Exception as e:  # noqa: BLE001 - a memory hand-back must not fail the export
+        logger.warning("fastload: rank %d could not return the dropped model's host heap (%s)", rank, e)
+        return None
     if freed is not None:
         logger.info("fastload: rank %d returned %.2f GiB of freed host heap to the kernel (malloc_trim) in %.2f s",
                     rank, freed / 2**30, time.perf_counter() - t)
+    return freed
 
 
 def _processed_export(vllm_config: Any, device: Any) -> tuple[Any, Optional[str]]:

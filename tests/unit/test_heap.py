@@ -144,7 +144,8 @@ TRIM_CHILD = """
 import ctypes, json, sys, torch
 from torch import nn
 from vllm_fastload.heap import _rss_anon_bytes, trim_malloc
-from vllm_fastload.ipc.daemon.export import _trim_heap
+from vllm_fastload.ipc.daemon.export import _release_dropped_model
+from vllm_fastload.ipc.memory.memfd import MemfdTransport
 # glibc's mmap threshold fixed at 32 MiB: the 192 KiB tensors come from the heap whatever the environment set
 # (M_MMAP_THRESHOLD is -3 in malloc.h), as they do once glibc's adaptive threshold has risen; and no automatic
 # trim of the heap's top on free (M_TRIM_THRESHOLD, -1, at 1 GiB), as with the adaptive threshold risen: what
@@ -170,7 +171,7 @@ before = _rss_anon_bytes()
 del layers
 dropped = _rss_anon_bytes()
 plain = trim_malloc()  # the cycles still hold the parameters: nothing to hand back yet
-freed = _trim_heap(0)
+freed = _release_dropped_model(MemfdTransport(), torch.device("cpu"), 0)
 print(json.dumps({"before": before, "dropped": dropped, "plain": plain, "freed": freed,
                   "after": _rss_anon_bytes()}))
 """
@@ -180,7 +181,7 @@ print(json.dumps({"before": before, "dropped": dropped, "plain": plain, "freed":
 def test_the_daemon_hands_a_dropped_models_heap_back():
     """A model's worth of CPU parameters of a few hundred kB each, in reference cycles as vLLM's layers are (what
     the preload daemon drops after packing its segment), stays resident after its last name goes: the cycles hold
-    it, and once collected glibc keeps the pages in its heap. The daemon's ``_trim_heap`` collects, then
+    it, and once collected glibc keeps the pages in its heap. The daemon's ``_release_dropped_model`` collects, then
     ``trim_malloc`` gives the pages to the kernel and says how many bytes went. Run in a fresh interpreter with
     ``MALLOC_*`` settings removed: the test's own heap is not the subject."""
     import json

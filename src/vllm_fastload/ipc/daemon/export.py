@@ -105,8 +105,7 @@ def build_and_export(vllm_config: Any, local_rank: int, rank: int, world_size: i
         segment, entries = pack(tensors, device, {k: kind for k, (kind, _) in exp.tensors.items()}, transport)
         del tensors
         exp.tensors.clear()
-        transport.free_cached(device)
-        _trim_heap(rank)
+        _release_dropped_model(transport, device, rank)
     manifest = Manifest(type="manifest", version=protocol.PROTOCOL_VERSION, fingerprint=fp.to_dict(),
                         fingerprint_short=fp.short(), segment=transport.describe(segment, device), tensors=entries,
                         aliases=exp.aliases, reprocess=exp.reprocess, attrs=exp.attrs, object_attrs=exp.object_attrs,
@@ -115,18 +114,20 @@ def build_and_export(vllm_config: Any, local_rank: int, rank: int, world_size: i
     return segment, manifest, time.perf_counter() - t0
 
 
-def _trim_heap(rank: int) -> Optional[int]:
-    """Give the host memory the dropped model left in the C library's heap back to the kernel: collect the
-    model's reference cycles first (vLLM's parameters hold their modules' bound ``weight_loader`` methods, so a
-    dropped model is freed by the cycle collector, not when its last name goes), then
-    :func:`~vllm_fastload.heap.trim_malloc`; one INFO line with the bytes and seconds. On the CPU that is about
-    twice the segment's size, which the daemon would otherwise keep resident while it serves. Returns the bytes
-    (None where they cannot be told); never raises: the export does not depend on it."""
+def _release_dropped_model(transport: Transport, device: Any, rank: int) -> Optional[int]:
+    """Give back the memory of the model the daemon dropped after packing: collect its reference cycles once
+    (vLLM's parameters hold their modules' bound ``weight_loader`` methods, so a dropped model is freed by the cycle
+    collector, not when its last name goes), then the device's cached blocks (``transport.free_cached``), then the
+    host memory left in the C library's heap (:func:`~vllm_fastload.heap.trim_malloc`; on the CPU about twice the
+    segment's size, which the daemon would otherwise keep resident while it serves), with one INFO line. Returns
+    the heap bytes handed back (None where they cannot be told). The heap hand-back never raises: the export does
+    not depend on it."""
     import gc
 
+    gc.collect()
+    transport.free_cached(device)
     t = time.perf_counter()
     try:
-        gc.collect()
         freed = trim_malloc()
     except Exception as e:  # noqa: BLE001 - a memory hand-back must not fail the export
         logger.warning("fastload: rank %d could not return the dropped model's host heap (%s)", rank, e)

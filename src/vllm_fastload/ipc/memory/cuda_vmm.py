@@ -313,12 +313,10 @@ class CudaVmmTransport(Transport):
         torch.cuda.synchronize(device)
 
     def free_cached(self, device: Any) -> None:
-        """Collect the dropped model's cycles, then give PyTorch's cached blocks back to the driver."""
-        import gc
-
+        """Give PyTorch's cached blocks back to the driver (the daemon collected the dropped model's cycles
+        first)."""
         import torch
 
-        gc.collect()
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
 

@@ -1090,12 +1090,8 @@ def _collect_refs(obj: Any, prefix: str, depth: int, seen: dict[int, int],
     for k, v in _attributes(obj, prefix, leaves=False):
         if isinstance(v, tensor):
             out.append((_dotted(prefix, k), obj, k, v))
-        elif isinstance(v, dict):
-            for i, x in v.items():
-                if isinstance(x, tensor):
-                    out.append((f"{_dotted(prefix, k)}[{i!r}]", v, i, x))
-        elif isinstance(v, (list, tuple)):
-            for i, x in enumerate(v):
+        elif isinstance(v, (dict, list, tuple)):
+            for i, x in v.items() if isinstance(v, dict) else enumerate(v):
                 if isinstance(x, tensor):
                     out.append((f"{_dotted(prefix, k)}[{i!r}]", v, i, x))
         elif _state_object(v) and depth < STATE_DEPTH and seen.get(id(v), STATE_DEPTH) > depth:

@@ -99,7 +99,8 @@ class Transport:
         """Wait until work queued on ``device`` (copies, post-processing) is done."""
 
     def free_cached(self, device: torch.device) -> None:
-        """Daemon: hand memory the dropped model still holds in caches back to the device."""
+        """Daemon, once the dropped model's reference cycles were collected: hand memory it still holds in caches
+        back to the device."""
 
     def read_windows(self, buf: torch.Tensor, starts: list[int], lens: list[int], width: int) -> Any:
         """The byte windows ``buf[s:s + n]`` as rows of a ``(len(starts), width)`` ``numpy.uint8`` array (each

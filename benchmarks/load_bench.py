@@ -50,6 +50,9 @@ LOADERS = {
     "runai_fastload_uring48": ("runai_streamer", {}),  # 48 slots, all in flight
     # 16 MiB slots and read requests, 16 in flight
     "runai_fastload_uring16m": ("runai_streamer", {"FASTLOAD_URING_PART_BYTES": str(16 << 20)}),
+    # the io_uring reader with every H2D copy on a timeline (FASTLOAD_H2D_TIMELINE, streaming/timeline.py): where
+    # the copy engine stood idle and why; the timeline lands beside the report, its account in the results
+    "runai_fastload_uringtl": ("runai_streamer", {}),
     # the io_uring reader with its slots registered (READV_FIXED reads; FASTLOAD_URING_FIXED=1)
     "runai_fastload_uringfixed": ("runai_streamer", {"FASTLOAD_URING_FIXED": "1"}),
     # ipc_cache needs a `vllm-fastload preload` daemon for the same model/TP; started by main() when asked for.
@@ -148,6 +151,10 @@ def run_one(name: str, model: str, tp: int, gmu: float, report: Path, extra: dic
             ex["pinned_slot_bytes"] = 16 << 20
     if name.startswith("ipc_"):
         ex = {"socket_dir": SOCKET_DIR[0], "mode": name[4:], "report_path": str(report), "fallback": False}
+    timeline = report.with_name(f"{name}.timeline.json")
+    timeline.unlink(missing_ok=True)
+    if name.endswith("tl"):
+        env["FASTLOAD_H2D_TIMELINE"] = str(timeline)
     args = {"model": model, "load_format": fmt, "tp": tp, "gmu": gmu, "extra": ex, "dtype": dtype,
             "max_model_len": max_model_len}
     # the whole log of an engine that fails goes next to its report (the root cause of a failed start is far above
@@ -180,6 +187,8 @@ def run_one(name: str, model: str, tp: int, gmu: float, report: Path, extra: dic
         res["report"] = {k: r.get(k) for k in ("bytes", "wall_s", "read_wait_s", "gb_per_s", "content_digest", "extra")}
         if name.startswith("ipc_"):
             res["ipc_weights_s"] = r["extra"].get("weights_phase_s")
+    if timeline.exists():
+        res["timeline"] = json.loads(timeline.read_text())["summary"]
     res["log_tail"] = "\n".join(line for line in log.splitlines() if "fastload" in line or "took" in line)[-2000:]
     return res
 
@@ -256,6 +265,14 @@ def write_outputs(results: dict, out: Path) -> None:
             vals = [rep.get(k, rep["extra"].get(k, "-")) for k in keys]
             vals = [round(v, 3) if isinstance(v, float) else v for v in vals]
             lines.append(f"| {r['loader']} | {rep['wall_s']:.3f} | " + " | ".join(str(v) for v in vals) + " |")
+    timed = [r for r in rows if r.get("timeline")]
+    if timed:
+        lines += ["", "H2D timelines (streaming/timeline.py; seconds, from the loading thread's first request):", ""]
+        for r in timed:
+            tl = {k: v for k, v in r["timeline"].items() if k != "largest_gaps"}
+            gaps = ", ".join(f"{g['gap_s'] * 1e3:.2f} ms at {g['at_s']:.3f} s (read {g['read_wait_s'] * 1e3:.2f})"
+                             for g in r["timeline"].get("largest_gaps", []))
+            lines.append(f"- {r['loader']}: `{json.dumps(tl)}`; largest gaps: {gaps or '-'}")
     fan = [r for r in rows if r.get("fanout")]
     if fan:
         lines += ["", "Fan-out (TP > 1; rank 0's line):", ""] + [f"- {r['loader']}: `{r['fanout']}`" for r in fan]

@@ -118,3 +118,31 @@ def test_inside_a_memory_pool_buffers_stay_out_of_it_and_are_reused(tmp_path, pa
         return
     assert left_in_pool == [], f"{len(left_in_pool)} segment(s) of the streamer's buffers left in the pool"
     assert grew <= 8 * size, f"device memory grew by {grew / 2**20:.0f} MiB for {n} x {size // 2**20} MiB tensors"
+
+
+def test_the_h2d_timeline_times_every_copy_on_the_gpu(tmp_path, monkeypatch):
+    """``FASTLOAD_H2D_TIMELINE``: real CUDA events, one row per copy, copies in stream order, and an account whose
+    parts add up (streaming/timeline.py)."""
+    import json
+
+    out = tmp_path / "timeline.json"
+    monkeypatch.setenv("FASTLOAD_H2D_TIMELINE", str(out))
+    expected = write_zoo(tmp_path / "model.safetensors")
+    header = read_header(str(tmp_path / "model.safetensors"))
+    times, stats = StageTimes(), {}
+    got = dict(direct.stream_to_device([header], torch.device("cuda", torch.cuda.current_device()),
+                                       direct.Ring(4096, 2, 2), times, None, stats))
+    torch.cuda.synchronize()
+    assert_zoo_bit_exact(got, expected)
+    doc = json.loads(out.read_text())
+    rows, s = doc["copies"], doc["summary"]
+    _, where, _ = direct.split_into_pieces([header], 4096)
+    assert len(rows) == sum(len(places) for places in where) == s["copies"]
+    assert sum(r[5] for r in rows) == times.bytes == s["bytes"]
+    for prev, row in zip(rows, rows[1:]):
+        assert row[3] >= prev[4] - 1e-6  # one stream: a copy starts after the one before it ended
+    for ask, got_s, issued, start, end, _ in rows:
+        assert 0 <= ask <= got_s <= issued and start < end
+        assert start >= ask - 1e-3  # the GPU started it after the thread asked for its bytes (clocks tied)
+    assert s["idle_s"] == pytest.approx(s["idle_read_s"] + s["idle_issue_s"] + s["idle_launch_s"], abs=1e-5)
+    assert s["span_s"] >= s["copying_s"] + s["idle_s"] - 1e-5

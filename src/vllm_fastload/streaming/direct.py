@@ -64,6 +64,8 @@ import torch
 from ..checkpoint import SafetensorsHeader, torch_dtypes
 from .devmem import copy_target
 from .runai_env import MAX_PADS, ring_env
+from .timeline import CopyTimeline
+from .timeline import requested as requested_timeline
 from .timing import StageTimes, next_timed
 
 #: Slots of the arena beyond runai's ring depth: a released slot can wait for its copies while runai refills.
@@ -433,6 +435,11 @@ def stream_tensors(headers: list[SafetensorsHeader], device: torch.device, ring:
         arena = allocate_arena(ring.slot_bytes, ring.slots, device.index)
     if use_pinned and stats is not None:
         stats["pinned_bytes"] = arena.numel()
+    timeline_path = requested_timeline() if use_pinned else None
+    if timeline_path:
+        times.timeline = CopyTimeline(timeline_path, copy_stream)
+        if stats is not None:
+            stats["h2d_timeline"] = timeline_path
     if ring.threads is None:
         source = _runai_pieces(requests, arena if use_pinned else None, ring, copy_stream, times, stats)
     else:
@@ -469,6 +476,8 @@ def _issue(source: Iterator[tuple], where: list, info: dict, device: torch.devic
             while not stopped():
                 item, waited = next_timed(pieces)
                 times.read_wait_s += waited
+                if times.timeline is not None:
+                    times.timeline.got(waited)
                 if item is None:
                     break
                 file_id, range_index, host, done = item

@@ -45,6 +45,8 @@ class StageTimes:
     h2d_s: Optional[float] = None
     memcpy_s: Optional[float] = None
     consumer_wait_s: Optional[float] = None
+    #: a :class:`.timeline.CopyTimeline` every copy of :meth:`h2d_copy` is recorded in (a benchmark's diagnostic)
+    timeline: Optional[Any] = field(default=None, repr=False)
     _events: list = field(default_factory=list, repr=False)
     _copied_bytes: int = field(default=0, repr=False)
     _timed_bytes: int = field(default=0, repr=False)
@@ -71,10 +73,13 @@ class StageTimes:
         memory) on CUDA ``stream`` (None: the current stream, already the copy stream) and return an event recorded
         after it. ``timed``: between two timing events whose GPU seconds join ``h2d_s`` at :meth:`settle_h2d`;
         an untimed copy only counts its bytes, and :meth:`settle_h2d` scales the timed copies' seconds up to every
-        copied byte (a path that issues thousands of copies times a sample: every event is a driver call)."""
+        copied byte (a path that issues thousands of copies times a sample: every event is a driver call). With a
+        :attr:`timeline` every copy is timed through it instead."""
         import torch
 
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            if self.timeline is not None:
+                return self._timeline_copy(dst, src)
             if timed:
                 start = torch.cuda.Event(enable_timing=True)
                 start.record()
@@ -88,9 +93,21 @@ class StageTimes:
             self._timed_bytes += n
         return end
 
+    def _timeline_copy(self, dst: Any, src: Any) -> Any:
+        end = self.timeline.copy(dst, src)
+        n = dst.numel() * dst.element_size()
+        self._copied_bytes += n
+        self._timed_bytes += n
+        self._events.append((self.timeline.last_start, end))
+        return end
+
     def settle_h2d(self) -> None:
         """Sum the GPU seconds of the timed copies :meth:`h2d_copy` issued into ``h2d_s``, scaled by copied bytes
-        over timed bytes (their streams must have finished them), and forget their events."""
+        over timed bytes (their streams must have finished them), and forget their events. A :attr:`timeline` is
+        written to its file then and dropped."""
+        if self.timeline is not None:
+            timeline, self.timeline = self.timeline, None
+            timeline.write()
         timed = sum(s.elapsed_time(e) for s, e in self._events) / 1e3
         self.h2d_s = timed * self._copied_bytes / self._timed_bytes if self._timed_bytes else timed
         self._events.clear()

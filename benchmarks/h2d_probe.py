@@ -4,7 +4,9 @@ Copies 16 GiB to the GPU in ``--chunk`` MiB pieces cycling through a ring of ``-
 direct read path's slots), from (a) PyTorch's pinned allocator (``cudaHostAlloc``), (b) this package's
 ``streaming.hostmem.page_locked`` (anonymous mapping, ``MADV_HUGEPAGE``, ``cudaHostRegister``), (c) the same
 without ``MADV_HUGEPAGE``. GPU time from CUDA events, alternating the kinds ``--repeat`` times; also how much of
-each ring the kernel backs with huge pages (``/proc/self/smaps`` AnonHugePages). Usage:
+each ring the kernel backs with huge pages (``/proc/self/smaps`` AnonHugePages), and what issuing one copy costs
+the issuing thread (host microseconds of ``copy_(non_blocking=True)``, alone and with the event the direct read
+path records after each copy, in bursts of one ring with the stream drained between bursts). Usage:
 ``PYTHONPATH=src python3 benchmarks/h2d_probe.py [--chunk 8] [--slots 16]``.
 """
 
@@ -59,6 +61,28 @@ def run(ring: torch.Tensor, dst: torch.Tensor, chunk: int, slots: int, total: in
     return total / (a.elapsed_time(b) / 1000) / 1e9
 
 
+def issue_us(ring: torch.Tensor, dst: torch.Tensor, chunk: int, slots: int, bursts: int, event: bool) -> list:
+    """Host microseconds per ``copy_`` issue (with ``event``: plus creating and recording a CUDA event after it),
+    ``bursts`` bursts of ``slots`` copies, the stream synchronized between bursts (so no issue waits for a full
+    queue)."""
+    import time
+
+    s = torch.cuda.Stream()
+    out = []
+    with torch.cuda.stream(s):
+        for b in range(bursts):
+            for k in range(slots):
+                o = ((b * slots + k) * chunk) % dst.numel()
+                d, src = dst[o:o + chunk], ring[k * chunk:(k + 1) * chunk]
+                t = time.perf_counter()
+                d.copy_(src, non_blocking=True)
+                if event:
+                    torch.cuda.Event().record()
+                out.append((time.perf_counter() - t) * 1e6)
+            s.synchronize()
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--chunk", type=int, default=8)
@@ -82,6 +106,16 @@ def main() -> None:
     print("|---|---|---|")
     for k, r in rings.items():
         print(f"| {k} | {huge_bytes(r.data_ptr())} | {', '.join(f'{v:.1f}' for v in got[k])} |")
+    import statistics
+
+    print("\n| ring | issue us per copy_ (median, p90) | copy_ + event record (median, p90) |")
+    print("|---|---|---|")
+    for k, r in rings.items():
+        cols = []
+        for event in (False, True):
+            us = sorted(issue_us(r, dst, chunk, slots, 32, event))
+            cols.append(f"{statistics.median(us):.1f}, {us[int(len(us) * 0.9)]:.1f}")
+        print(f"| {k} | {cols[0]} | {cols[1]} |")
 
 
 if __name__ == "__main__":

@@ -3,8 +3,8 @@
 Greedy ids of a random-weight model agree as long as no step's two best logits are nearly tied; a tensor that is
 slightly off (a norm weight of the wrong layer, a cache in another precision) can pass them for many tokens. This
 compares what a greedy-id test cannot: every tensor the model reaches (each module's parameters, buffers and tensor
-attributes, under every module path; not the attention layers' ``kv_cache``) by dtype, shape, stride and a SHA-256 of its bytes, and the chosen tokens'
-logprobs, of each loader against the first (``auto``).
+attributes, under every module path; not the attention layers' ``kv_cache``) by dtype, shape, stride and a SHA-256
+of its bytes, and the chosen tokens' logprobs, of each loader against the first (``auto``).
 
 Each loader runs in a fresh process (``vllm.LLM(..., enforce_eager=True)``, the model reached through
 ``LLM.collective_rpc``, which pickles the function: benchmark-only, ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``).

@@ -2,9 +2,10 @@
 
 Greedy ids of a random-weight model agree as long as no step's two best logits are nearly tied; a tensor that is
 slightly off (a norm weight of the wrong layer, a cache in another precision) can pass them for many tokens. This
-compares what a greedy-id test cannot: every tensor the model reaches (each module's parameters, buffers and tensor
-attributes, under every module path; not the attention layers' ``kv_cache``) by dtype, shape, stride and a SHA-256
-of its bytes, and the chosen tokens' logprobs, of each loader against the first (``auto``).
+compares what a greedy-id test cannot: every tensor the model reaches (``benchmarks/model_state.py``: each module's
+parameters, buffers and tensor attributes, under every module path; not the attention layers' ``kv_cache``) by
+dtype, shape, stride and a SHA-256 of its bytes, and the chosen tokens' logprobs, of each loader against the first
+(``auto``).
 
 Each loader runs in a fresh process (``vllm.LLM(..., enforce_eager=True)``, the model reached through
 ``LLM.collective_rpc``, which pickles the function: benchmark-only, ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``).
@@ -29,10 +30,10 @@ import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
 
 CHILD = r"""
-import hashlib, json, sys
-import torch
+import json, sys
 from vllm import LLM, SamplingParams
 a = json.loads(sys.argv[1])
 kw = dict(model=a["model"], load_format=a["fmt"], enforce_eager=True, skip_tokenizer_init=True, max_model_len=512,
@@ -41,31 +42,7 @@ if a.get("dtype"):
     kw["dtype"] = a["dtype"]
 llm = LLM(**kw)
 
-def state(worker):
-    runner = worker.model_runner
-    model = runner.get_model() if hasattr(runner, "get_model") else runner.model
-    out = {}
-    def put(name, kind, t):
-        if t.is_meta:
-            out[name] = [kind, str(t.dtype), list(t.shape), list(t.stride()), "meta"]
-            return
-        raw = t.detach().contiguous().view(-1).view(torch.uint8).cpu().numpy().tobytes() if t.numel() else b""
-        out[name] = [kind, str(t.dtype), list(t.shape), list(t.stride()), hashlib.sha256(raw).hexdigest()]
-    with torch.no_grad():
-        for mn, m in model.named_modules(remove_duplicate=False):
-            p = mn + "." if mn else ""
-            for k, v in m._parameters.items():
-                if v is not None:
-                    put(p + k, "param", v)
-            for k, v in m._buffers.items():
-                if v is not None:
-                    put(p + k, "buffer", v)
-            for k, v in vars(m).items():
-                # the KV cache is the engine's own fresh memory, sized by free memory: not model state
-                if k != "kv_cache" and isinstance(v, torch.Tensor) and k not in m._parameters and k not in m._buffers:
-                    put(p + k, "attr", v)
-    return out
-
+exec(a["state_src"])  # defines state(worker): benchmarks/model_state.py
 st = llm.collective_rpc(state)[0]
 prompts = [{"prompt_token_ids": p} for p in ([1, 5, 9, 200, 31], [7, 7, 7, 1000], [42])]
 outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, detokenize=False, logprobs=0))
@@ -89,7 +66,10 @@ def run(model: Path, name: str, socket_dir: str | None, gmu: float, dtype: str |
     fmt, extra = LOADERS[name]
     if fmt == "ipc_cache":
         extra = dict(extra, socket_dir=socket_dir)
-    arg = json.dumps({"model": str(model), "fmt": fmt, "extra": extra, "gmu": gmu, "dtype": dtype})
+    from model_state import STATE_SRC
+
+    arg = json.dumps({"model": str(model), "fmt": fmt, "extra": extra, "gmu": gmu, "dtype": dtype,
+                      "state_src": STATE_SRC})
     p = subprocess.run([sys.executable, "-c", CHILD, arg], capture_output=True, text=True, timeout=900,
                        env={**os.environ, "PYTHONUNBUFFERED": "1", "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"})
     text = p.stdout + p.stderr

@@ -26,6 +26,8 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+#: io-wq workers of the runai_fastload_uringw loaders: all CPUs but two
+IOWQ_WORKERS = str(max(1, (os.cpu_count() or 3) - 2))
 LOADERS = {
     "auto": ("auto", {}),
     "runai_builtin": ("runai_streamer", {"VLLM_PLUGINS": ""}),
@@ -53,6 +55,10 @@ LOADERS = {
     # the io_uring reader with every H2D copy on a timeline (FASTLOAD_H2D_TIMELINE, streaming/timeline.py): where
     # the copy engine stood idle and why; the timeline lands beside the report, its account in the results
     "runai_fastload_uringtl": ("runai_streamer", {}),
+    # the io_uring reader with at most CPUs - 2 io-wq workers copying (FASTLOAD_URING_IOWQ_WORKERS), leaving the
+    # loading thread a CPU to issue copies from (docs/benchmarks.md, the H2D timeline), and the same on a timeline
+    "runai_fastload_uringw": ("runai_streamer", {"FASTLOAD_URING_IOWQ_WORKERS": IOWQ_WORKERS}),
+    "runai_fastload_uringwtl": ("runai_streamer", {"FASTLOAD_URING_IOWQ_WORKERS": IOWQ_WORKERS}),
     # the io_uring reader with its slots registered (READV_FIXED reads; FASTLOAD_URING_FIXED=1)
     "runai_fastload_uringfixed": ("runai_streamer", {"FASTLOAD_URING_FIXED": "1"}),
     # ipc_cache needs a `vllm-fastload preload` daemon for the same model/TP; started by main() when asked for.
@@ -257,7 +263,8 @@ def write_outputs(results: dict, out: Path) -> None:
     stages = [r for r in rows if r["loader"].startswith("runai_fastload") and r.get("report")]
     if stages:
         keys = ("read_wait_s", "memcpy_s", "slot_wait_s", "h2d_s", "pinned_alloc_s", "pinned_alloc_wait_s",
-                "pinned_bytes", "pinned_extra_bytes", "consumer_wait_s", "concurrency", "fs_strategy")
+                "pinned_bytes", "pinned_extra_bytes", "consumer_wait_s", "concurrency", "fs_strategy",
+                "uring_iowq_workers")
         lines += ["", "Stage timings of our loader (load report; seconds, bytes):", "",
                   "| loader | wall s | " + " | ".join(keys) + " |", "|---" * (len(keys) + 2) + "|"]
         for r in stages:

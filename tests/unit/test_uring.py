@@ -308,3 +308,57 @@ def test_a_real_einval_of_a_plain_read_is_still_an_error(tmp_path, monkeypatch):
     with pytest.raises(OSError, match=f"Invalid argument: reading 4096 bytes at byte 0 of {p}"):
         with uring.UringRing([(str(p), [0, 4096], [4096, 4096])], _slots(1), 1) as ring:
             list(ring)
+
+
+@needs_uring
+def test_an_io_wq_worker_limit_holds_while_the_ring_reads_and_the_old_one_comes_back(tmp_path, monkeypatch):
+    """``FASTLOAD_URING_IOWQ_WORKERS``: the thread's io-wq takes at most that many bounded workers while the ring
+    reads (asked back from the kernel), the bytes are the file's, and closing puts the thread's old limit back."""
+    import liburing
+
+    p, data = _file(tmp_path, 40_000)
+    probe = liburing.Ring()
+    liburing.io_uring_queue_init(4, probe)
+    try:
+        with uring.UringRing([(str(p), *_ranges(len(data), 4096))], _slots(1), 1) as warm:
+            list(warm.recycle(piece.slot) for piece in warm)  # the thread's io-wq exists: its limit is known
+        before = uring.iowq_max_workers(probe.ring_fd, 0)
+        assert before[0] > 1
+        monkeypatch.setattr(uring, "IOWQ_WORKERS", 1)
+        seen = []
+        with uring.UringRing([(str(p), *_ranges(len(data), 4096))], _slots(3), 3) as ring:
+            for piece in ring:
+                seen.append((piece.range_index, bytes(piece.data.numpy())))
+                assert uring.iowq_max_workers(probe.ring_fd, 0)[0] == 1
+                ring.recycle(piece.slot)
+            assert ring.iowq_workers == 1
+        assert sorted(seen) == [(r, data[r * 4096:(r + 1) * 4096]) for r in range(10)]
+        assert uring.iowq_max_workers(probe.ring_fd, 0) == before
+    finally:
+        liburing.io_uring_queue_exit(probe)
+
+
+@needs_uring
+def test_without_the_variable_a_ring_leaves_the_worker_limit_alone(tmp_path, monkeypatch):
+    import liburing
+
+    monkeypatch.setattr(uring, "IOWQ_WORKERS", 0)
+    p, data = _file(tmp_path, 8192)
+    probe = liburing.Ring()
+    liburing.io_uring_queue_init(4, probe)
+    try:
+        with uring.UringRing([(str(p), *_ranges(len(data), 4096))], _slots(1), 1) as warm:
+            list(warm.recycle(piece.slot) for piece in warm)
+        before = uring.iowq_max_workers(probe.ring_fd, 0)
+        with uring.UringRing([(str(p), *_ranges(len(data), 4096))], _slots(2), 2) as ring:
+            for piece in ring:
+                assert uring.iowq_max_workers(probe.ring_fd, 0) == before
+                ring.recycle(piece.slot)
+        assert ring.iowq_workers is None
+    finally:
+        liburing.io_uring_queue_exit(probe)
+    # the variable: a positive integer, else unset
+    monkeypatch.setenv("FASTLOAD_URING_IOWQ_WORKERS", "x")
+    assert uring._env_int("FASTLOAD_URING_IOWQ_WORKERS", 0) == 0
+    monkeypatch.setenv("FASTLOAD_URING_IOWQ_WORKERS", "14")
+    assert uring._env_int("FASTLOAD_URING_IOWQ_WORKERS", 0) == 14

@@ -35,14 +35,19 @@ from typing import Any, Optional
 from .preader import Piece, plan_reads
 
 
-def _part_bytes(default: int = 8 << 20) -> int:
-    """``FASTLOAD_URING_PART_BYTES`` as a positive int, else ``default`` (unset, not a number, or <= 0)."""
-    raw = os.environ.get("FASTLOAD_URING_PART_BYTES", "")
+def _env_int(name: str, default: int) -> int:
+    """Environment variable ``name`` as a positive int, else ``default`` (unset, not a number, or <= 0)."""
+    raw = os.environ.get(name, "")
     try:
         value = int(raw)
     except ValueError:
         return default
     return value if value > 0 else default
+
+
+def _part_bytes(default: int = 8 << 20) -> int:
+    """``FASTLOAD_URING_PART_BYTES`` as a positive int, else ``default`` (unset, not a number, or <= 0)."""
+    return _env_int("FASTLOAD_URING_PART_BYTES", default)
 
 
 #: Bytes per read request: a range longer than this is read as several requests, each copied by its own io-wq
@@ -58,6 +63,31 @@ MAX_DEPTH = 4096
 #: the GPU host has not measured it. Where registering is refused (``RLIMIT_MEMLOCK``, memory the kernel cannot
 #: pin) or the kernel lacks the opcode (``EINVAL``), the ring reads with plain ``readv``.
 FIXED_BUFFERS = os.environ.get("FASTLOAD_URING_FIXED", "0") == "1"
+#: Most io-wq workers copying for the loading thread at once (``IORING_REGISTER_IOWQ_MAX_WORKERS``, bounded class,
+#: Linux 5.15 on; 0: the kernel's default, min(ring entries, 4 x CPUs)). The per-copy timeline of a TP=1 load on a
+#: 16-CPU host (docs/benchmarks.md) found the loading thread slow to issue copies while 16 workers copied, so a
+#: limit below the CPU count is a candidate to measure; unset unless ``FASTLOAD_URING_IOWQ_WORKERS`` gives one.
+#: The limit belongs to the thread's io-wq, shared by its rings: :meth:`UringRing.close` puts the old one back.
+IOWQ_WORKERS = _env_int("FASTLOAD_URING_IOWQ_WORKERS", 0)
+#: io_uring_register(2)'s system call number (the io_uring calls share 425-427 on every architecture) and opcode.
+_NR_IO_URING_REGISTER = 427
+_IORING_REGISTER_IOWQ_MAX_WORKERS = 19
+
+
+def iowq_max_workers(ring_fd: int, bounded: int, unbounded: int = 0) -> tuple[int, int]:
+    """Set the most io-wq workers (bounded: regular-file reads; unbounded) of the calling thread's io-wq, for the
+    io_uring instance ``ring_fd``; 0 leaves a class as it is. Returns the limits before the call (0, 0 when the
+    thread had no io-wq yet). Raises ``OSError`` as the kernel refused it (EINVAL before Linux 5.15). The liburing
+    package has no wrapper of this opcode, so it is the raw system call (io_uring_register(2))."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    counts = (ctypes.c_uint * 2)(bounded, unbounded)
+    if libc.syscall(ctypes.c_long(_NR_IO_URING_REGISTER), ctypes.c_int(ring_fd),
+                    ctypes.c_uint(_IORING_REGISTER_IOWQ_MAX_WORKERS), counts, ctypes.c_uint(2)) < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"io_uring_register(IOWQ_MAX_WORKERS): {os.strerror(err)}")
+    return counts[0], counts[1]
 
 
 @functools.lru_cache(maxsize=1)
@@ -129,6 +159,9 @@ class UringRing:
         self._next = 0
         #: whether reads go into the slots as registered buffers (:data:`FIXED_BUFFERS`; set by :meth:`start`)
         self.fixed = False
+        #: the io-wq worker limit this ring set (:data:`IOWQ_WORKERS`), None when it set none
+        self.iowq_workers: Optional[int] = None
+        self._iowq_before: Optional[tuple[int, int]] = None
         self._registered: Any = None  # the slots' iovecs while registered (the kernel holds their pages)
         self._fds: list[int] = []
         self._ring: Any = None
@@ -164,6 +197,13 @@ class UringRing:
             self._close_fds()
             raise
         self._ring, self._cqe = ring, liburing.Cqe()
+        if IOWQ_WORKERS:
+            try:
+                self._iowq_before = iowq_max_workers(ring.ring_fd, IOWQ_WORKERS)
+            except OSError:
+                pass  # an older kernel: the default number of workers reads the same bytes
+            else:
+                self.iowq_workers = IOWQ_WORKERS
         if FIXED_BUFFERS:
             iovecs = liburing.Iovec(self._views)
             try:
@@ -368,6 +408,12 @@ class UringRing:
                     lib.io_uring_cq_advance(self._ring, ready)
                 elif self._inflight:
                     self._wait()
+            if self._iowq_before is not None and any(self._iowq_before):
+                try:
+                    iowq_max_workers(self._ring.ring_fd, *self._iowq_before)
+                except OSError:
+                    pass  # it took the limit a moment ago: nothing to do if it refuses the old one
+                self._iowq_before = None
             lib.io_uring_queue_exit(self._ring)  # also unregisters the slots
             self._ring, self._registered = None, None
         self._close_fds()

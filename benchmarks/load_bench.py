@@ -59,6 +59,11 @@ LOADERS = {
     # loading thread a CPU to issue copies from (docs/benchmarks.md, the H2D timeline), and the same on a timeline
     "runai_fastload_uringw": ("runai_streamer", {"FASTLOAD_URING_IOWQ_WORKERS": IOWQ_WORKERS}),
     "runai_fastload_uringwtl": ("runai_streamer", {"FASTLOAD_URING_IOWQ_WORKERS": IOWQ_WORKERS}),
+    # the io_uring reader with an event after every second copy instead of each (FASTLOAD_H2D_EVENT_EVERY=2): fewer
+    # driver calls on the loading thread; both candidates together in uringwe2
+    "runai_fastload_uringe2": ("runai_streamer", {"FASTLOAD_H2D_EVENT_EVERY": "2"}),
+    "runai_fastload_uringwe2": ("runai_streamer", {"FASTLOAD_H2D_EVENT_EVERY": "2",
+                                                   "FASTLOAD_URING_IOWQ_WORKERS": IOWQ_WORKERS}),
     # the io_uring reader with its slots registered (READV_FIXED reads; FASTLOAD_URING_FIXED=1)
     "runai_fastload_uringfixed": ("runai_streamer", {"FASTLOAD_URING_FIXED": "1"}),
     # ipc_cache needs a `vllm-fastload preload` daemon for the same model/TP; started by main() when asked for.

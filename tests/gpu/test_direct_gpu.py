@@ -146,3 +146,23 @@ def test_the_h2d_timeline_times_every_copy_on_the_gpu(tmp_path, monkeypatch):
         assert start >= ask - 1e-3  # the GPU started it after the thread asked for its bytes (clocks tied)
     assert s["idle_s"] == pytest.approx(s["idle_read_s"] + s["idle_issue_s"] + s["idle_launch_s"], abs=1e-5)
     assert s["span_s"] >= s["copying_s"] + s["idle_s"] - 1e-5
+
+
+@pytest.mark.parametrize("uring", [False, True], ids=["pread", "uring"])
+def test_zoo_bit_exact_with_an_event_every_third_copy(tmp_path, monkeypatch, uring):
+    """``EVENT_EVERY`` on real CUDA: slots given back with a later copy's event are never read into before their
+    own copy finished (a slow consumer stream holds the copies back)."""
+    from vllm_fastload.streaming.uring import unavailable
+
+    if uring and unavailable():
+        pytest.skip(f"no io_uring here: {unavailable()}")
+    monkeypatch.setattr(direct, "EVENT_EVERY", 3)
+    expected = write_zoo(tmp_path / "model.safetensors")
+    got = {}
+    for name, t in direct.stream_to_device([read_header(str(tmp_path / "model.safetensors"))],
+                                           torch.device("cuda", torch.cuda.current_device()),
+                                           direct.Ring(4096, 3, 3, uring=uring), StageTimes(), None, {}):
+        got[name] = t
+        torch.cuda._sleep(1000)
+    torch.cuda.synchronize()
+    assert_zoo_bit_exact(got, expected)

@@ -282,3 +282,62 @@ def test_explicit_pread_on_object_storage_is_refused_naming_the_key(monkeypatch)
     with pytest.raises(ConfigError, match="fs_strategy 'pread_buffered' reads local files, but s3://b/m/x.safetensors "
                                           "is in object storage: use 'auto'"):
         _strategy(monkeypatch, {"fs_strategy": "pread_buffered"}, files=("s3://b/m/x.safetensors",))
+
+
+@pytest.mark.parametrize("every", [1, 2, 3])
+@pytest.mark.parametrize("uring", [False, True], ids=["pread", "uring"])
+def test_with_spaced_events_a_slot_goes_back_only_with_an_event_after_its_copy(tmp_path, fake_cuda, monkeypatch,  # noqa: F811
+                                                                             every, uring):
+    """``EVENT_EVERY``: a slot copied out of without an event of its own goes back to the reader with a later
+    copy's event (on the same stream, so that copy finishing means this one finished); never without one, never
+    with an event recorded before its copy. Fewer events than copies; each tensor's last copy still has one (the
+    consumer waits on it)."""
+    from tests.unit.test_direct_reader import FakeEvent
+    from vllm_fastload.streaming import uring as uring_mod
+
+    consumer, _ = fake_cuda
+    monkeypatch.setattr(direct, "EVENT_EVERY", every)
+    log = []
+
+    class OrderedEvent(FakeEvent):
+        def record(self, stream=None):
+            super().record(stream)
+            log.append(("event", self))
+
+    monkeypatch.setattr(torch.cuda, "Event", OrderedEvent)
+    arena = torch.empty(direct.arena_bytes(4096, 3), dtype=torch.uint8)
+    base = arena.data_ptr()
+    real_copy = StageTimes.h2d_copy
+
+    marked = []  # per copy: whether it has an event after it
+
+    def copy(self, dst, src, stream, timed=True, event=True):
+        log.append(("copy", (src.data_ptr() - base) // 4096))
+        end = real_copy(self, dst, src, stream, timed, event)
+        marked.append(end is not None)
+        return end
+
+    monkeypatch.setattr(StageTimes, "h2d_copy", copy)
+    reader = uring_mod.UringRing if _local_reader(uring) else preader.PreadRing
+    real_recycle = reader.recycle
+    monkeypatch.setattr(reader, "recycle", lambda self, slot, event=None: log.append(("recycle", slot, event))
+                        or real_recycle(self, slot, event))
+    expected = write_zoo(tmp_path / "model.safetensors")
+    headers = [read_header(str(tmp_path / "model.safetensors"))]
+    got = {n: t.clone() for n, t in direct.stream_to_device(headers, torch.device("cpu"),
+                                                            direct.Ring(4096, 3, 3, uring=uring), StageTimes(), arena)}
+    assert_zoo_bit_exact(got, expected)
+    where = {id(e[1]): i for i, e in enumerate(log) if e[0] == "event"}
+    copies = [e for e in log if e[0] == "copy"]
+    recycles = [(i, e) for i, e in enumerate(log) if e[0] == "recycle"]
+    assert len(recycles) == len(copies)  # every slot went back
+    for i, (_, slot, event) in recycles:
+        assert event is not None
+        last_copy = max(j for j in range(i) if log[j] == ("copy", slot))
+        assert last_copy < where[id(event)] < i  # recorded after the copy out of this slot, before the give-back
+    events = sum(marked)
+    if every == 1:
+        assert events == len(copies)
+    else:
+        assert device_buffers(tmp_path / "model.safetensors", 4096) <= events < len(copies)
+    assert consumer.waited == device_buffers(tmp_path / "model.safetensors", 4096)

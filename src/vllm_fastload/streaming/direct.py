@@ -51,6 +51,7 @@ stream; memory allocated on one stream and used on another needs ``record_stream
 from __future__ import annotations
 
 import contextlib
+import os
 import queue
 import threading
 import time
@@ -74,6 +75,22 @@ SPARE_SLOTS = 2
 PAGE = 4096
 #: One H2D copy in this many is timed with CUDA events (``StageTimes.h2d_copy``): each event is a driver call.
 H2D_SAMPLE = 8
+
+
+def _event_every() -> int:
+    """``FASTLOAD_H2D_EVENT_EVERY`` as an int >= 1 (unset or not a positive number: 1)."""
+    try:
+        return max(1, int(os.environ.get("FASTLOAD_H2D_EVENT_EVERY", "1")))
+    except ValueError:
+        return 1
+
+
+#: Our readers' slots (``ring.threads``) are given back with an event recorded after every this many copies
+#: instead of after each: a copy's slot is free once any later copy on the same stream finished. Fewer events are
+#: fewer driver calls on the loading thread, which the per-copy timeline found slow to issue copies on a busy
+#: 16-CPU host (docs/benchmarks.md); a copy that ends a tensor always gets its own (the consumer waits on it).
+#: 1 (each copy its event) unless ``FASTLOAD_H2D_EVENT_EVERY`` says otherwise: not yet measured on a GPU.
+EVENT_EVERY = _event_every()
 #: Finished tensors the copy-issue thread may hold ahead of the consumer, in ring spans (pinned_slots x
 #: pinned_slot_bytes): enough that a consumer's pause between two tensors does not stop the copies, small against
 #: the model (that memory is device memory the load holds beyond the consumer's).
@@ -471,6 +488,8 @@ def _issue(source: Iterator[tuple], where: list, info: dict, device: torch.devic
     building: dict[tuple[int, str], torch.Tensor] = {}  # tensors whose pieces are still being copied
     issued = 0
     use_pinned = copy_stream is not None
+    every = EVENT_EVERY
+    deferred: deque = deque()  # give-backs of slots copied out of without an event of their own
     try:
         with contextlib.closing(source) as pieces:
             while not stopped():
@@ -495,11 +514,19 @@ def _issue(source: Iterator[tuple], where: list, info: dict, device: torch.devic
                         building[key] = dst
                 end = None
                 if use_pinned:
-                    end = times.h2d_copy(dst[off:off + n], src, None, timed=issued % H2D_SAMPLE == 0)
+                    timed = issued % H2D_SAMPLE == 0
+                    # an event where the consumer needs one (the copy ends a tensor) or the slots do (every
+                    # ``every``-th copy); the slots of the copies between wait for the next event
+                    mark = every == 1 or timed or len(parts) > 1 or left[key] == 1 or issued % every == every - 1
+                    end = times.h2d_copy(dst[off:off + n], src, None, timed=timed, event=mark)
                     issued += 1
                 else:
                     dst[off:off + n].copy_(src)
-                if done is not None:
+                if done is not None and end is None and use_pinned:
+                    deferred.append(done)
+                elif done is not None:
+                    while deferred:
+                        deferred.popleft()(end)
                     done(end)
                 times.bytes += n
                 if len(parts) > 1:

@@ -68,13 +68,14 @@ class StageTimes:
         finally:
             setattr(self, stage, getattr(self, stage) + time.perf_counter() - t)
 
-    def h2d_copy(self, dst: Any, src: Any, stream: Any, timed: bool = True) -> Any:
+    def h2d_copy(self, dst: Any, src: Any, stream: Any, timed: bool = True, event: bool = True) -> Any:
         """Issue ``dst.copy_(src, non_blocking=True)`` (torch tensors of equal size, ``src`` in pinned host
         memory) on CUDA ``stream`` (None: the current stream, already the copy stream) and return an event recorded
         after it. ``timed``: between two timing events whose GPU seconds join ``h2d_s`` at :meth:`settle_h2d`;
         an untimed copy only counts its bytes, and :meth:`settle_h2d` scales the timed copies' seconds up to every
         copied byte (a path that issues thousands of copies times a sample: every event is a driver call). With a
-        :attr:`timeline` every copy is timed through it instead."""
+        :attr:`timeline` every copy is timed through it instead. ``event`` False (and not ``timed``, no timeline):
+        no event after the copy, None returned."""
         import torch
 
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
@@ -84,6 +85,9 @@ class StageTimes:
                 start = torch.cuda.Event(enable_timing=True)
                 start.record()
             dst.copy_(src, non_blocking=True)
+            if not (timed or event):
+                self._copied_bytes += dst.numel() * dst.element_size()
+                return None
             end = torch.cuda.Event(enable_timing=timed)
             end.record()
         n = dst.numel() * dst.element_size()

@@ -297,7 +297,9 @@ for line in sys.stdin:
 
 
 def _state_src() -> str:
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    bench = str(Path(__file__).resolve().parents[1] / "benchmarks")
+    if bench not in sys.path:
+        sys.path.insert(0, bench)
     from model_state import STATE_SRC
 
     return STATE_SRC

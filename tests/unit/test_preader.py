@@ -284,14 +284,15 @@ def test_explicit_pread_on_object_storage_is_refused_naming_the_key(monkeypatch)
         _strategy(monkeypatch, {"fs_strategy": "pread_buffered"}, files=("s3://b/m/x.safetensors",))
 
 
-@pytest.mark.parametrize("every", [1, 2, 3])
+@pytest.mark.parametrize("every, slots", [(1, 3), (2, 3), (3, 3), (3, 2), (8, 2)])
 @pytest.mark.parametrize("uring", [False, True], ids=["pread", "uring"])
 def test_with_spaced_events_a_slot_goes_back_only_with_an_event_after_its_copy(tmp_path, fake_cuda, monkeypatch,  # noqa: F811
-                                                                             every, uring):
+                                                                             every, slots, uring):
     """``EVENT_EVERY``: a slot copied out of without an event of its own goes back to the reader with a later
     copy's event (on the same stream, so that copy finishing means this one finished); never without one, never
     with an event recorded before its copy. Fewer events than copies; each tensor's last copy still has one (the
-    consumer waits on it)."""
+    consumer waits on it). More spacing than the ring has slots is cut to the slot count: otherwise every slot
+    would wait for an event and the reader could go on with none (pread threads wait forever, io_uring raises)."""
     from tests.unit.test_direct_reader import FakeEvent
     from vllm_fastload.streaming import uring as uring_mod
 
@@ -305,7 +306,7 @@ def test_with_spaced_events_a_slot_goes_back_only_with_an_event_after_its_copy(t
             log.append(("event", self))
 
     monkeypatch.setattr(torch.cuda, "Event", OrderedEvent)
-    arena = torch.empty(direct.arena_bytes(4096, 3), dtype=torch.uint8)
+    arena = torch.empty(direct.arena_bytes(4096, slots), dtype=torch.uint8)
     base = arena.data_ptr()
     real_copy = StageTimes.h2d_copy
 
@@ -324,8 +325,19 @@ def test_with_spaced_events_a_slot_goes_back_only_with_an_event_after_its_copy(t
                         or real_recycle(self, slot, event))
     expected = write_zoo(tmp_path / "model.safetensors")
     headers = [read_header(str(tmp_path / "model.safetensors"))]
-    got = {n: t.clone() for n, t in direct.stream_to_device(headers, torch.device("cpu"),
-                                                            direct.Ring(4096, 3, 3, uring=uring), StageTimes(), arena)}
+    got, failed = {}, []
+
+    def load():
+        try:
+            got.update((n, t.clone()) for n, t in direct.stream_to_device(
+                headers, torch.device("cpu"), direct.Ring(4096, slots, 3, uring=uring), StageTimes(), arena))
+        except BaseException as e:  # noqa: BLE001 - handed to the test's thread
+            failed.append(e)
+
+    worker = threading.Thread(target=load, daemon=True)  # a reader stuck for a slot must fail the test, not hang it
+    worker.start()
+    worker.join(60)
+    assert not worker.is_alive() and not failed, failed
     assert_zoo_bit_exact(got, expected)
     where = {id(e[1]): i for i, e in enumerate(log) if e[0] == "event"}
     copies = [e for e in log if e[0] == "copy"]

@@ -89,3 +89,18 @@ def test_without_the_variable_no_timeline_is_kept(tmp_path, fake_cuda, monkeypat
     write_zoo(tmp_path / "model.safetensors")
     _, times, stats = _stream(tmp_path / "model.safetensors", 4096, 3)
     assert "h2d_timeline" not in stats and times.timeline is None
+
+
+def test_a_timeline_that_cannot_be_written_leaves_the_load_whole(tmp_path, fake_cuda, monkeypatch, caplog):  # noqa: F811
+    """The diagnostic's file is a directory: the load still hands out every tensor and says why at WARNING."""
+    import logging
+
+    monkeypatch.setattr(torch.cuda, "Event", ClockedEvent)
+    monkeypatch.setenv("FASTLOAD_H2D_TIMELINE", str(tmp_path))  # a directory: write_text raises
+    expected = write_zoo(tmp_path / "model.safetensors")
+    with caplog.at_level(logging.WARNING, logger="vllm.fastload"):
+        got, times, _ = _stream(tmp_path / "model.safetensors", 4096, 3)
+    assert_zoo_bit_exact(got, expected)
+    assert times.timeline is None
+    assert any("could not write the H2D timeline" in r.getMessage() and str(tmp_path) in r.getMessage()
+               for r in caplog.records)

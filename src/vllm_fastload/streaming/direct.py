@@ -462,18 +462,22 @@ def stream_tensors(headers: list[SafetensorsHeader], device: torch.device, ring:
     else:
         source = _pread_pieces(chunks, arena if use_pinned else None, ring, copy_stream, times, stats)
     arena = None  # the reader holds it until it is closed
+    # slots held back for a later event stay fewer than the ring's (the reader needs one free to go on)
+    every = min(EVENT_EVERY, ring.slots) if ring.threads is not None else 1
     if use_pinned and ring.issue_thread:
         times.measures("consumer_wait_s")
         ahead = AHEAD_SPANS * ring.slots * ring.slot_bytes
-        with contextlib.closing(_IssueThread(source, where, info, device, consumer, copy_stream, times, ahead)) as th:
+        with contextlib.closing(_IssueThread(source, where, info, device, consumer, copy_stream, times, ahead,
+                                             every)) as th:
             yield from th
     else:
-        yield from _assemble(source, where, info, device, consumer, copy_stream, times)
+        yield from _assemble(source, where, info, device, consumer, copy_stream, times, every)
     times.settle_h2d()
 
 
 def _issue(source: Iterator[tuple], where: list, info: dict, device: torch.device, consumer: Any, copy_stream: Any,
-           times: StageTimes, stopped: Any = lambda: False) -> Iterator[tuple[tuple[int, str], torch.Tensor, Any]]:
+           times: StageTimes, stopped: Any = lambda: False,
+           every: int = 1) -> Iterator[tuple[tuple[int, str], torch.Tensor, Any]]:
     """Copy each range of ``source`` (``(file id, range index, host bytes, give back or None)``) to the device and
     yield ``(key, uint8 buffer, end)`` for every tensor whose last byte was issued; ``end`` is the event after
     that copy (the consumer's stream must wait for it before it reads the buffer), None for plain copies.
@@ -482,13 +486,14 @@ def _issue(source: Iterator[tuple], where: list, info: dict, device: torch.devic
     tensors into one buffer of its own, of which each tensor is a view (one allocation, copy and event per range).
     ``copy_stream`` None: plain copies in this thread; else asynchronous copies on it, which must be the current
     stream of the calling thread whenever this generator runs. Ends early when ``stopped()`` turns true (checked
-    per range); closing it closes ``source``."""
+    per range); closing it closes ``source``. ``every`` > 1 (pinned copies only): a slot is given back with the event
+    of a later copy, one recorded after every ``every``-th copy and after each tensor's last (:data:`EVENT_EVERY`);
+    at most ``every - 1`` slots wait for one, so ``every`` must not exceed the reader's slots."""
     # pieces still to come, per tensor that is read in pieces (or alone)
     left = Counter(parts[0].key for places in where for parts in places if len(parts) == 1)
     building: dict[tuple[int, str], torch.Tensor] = {}  # tensors whose pieces are still being copied
     issued = 0
     use_pinned = copy_stream is not None
-    every = EVENT_EVERY
     deferred: deque = deque()  # give-backs of slots copied out of without an event of their own
     try:
         with contextlib.closing(source) as pieces:
@@ -548,7 +553,7 @@ def _typed(key: tuple[int, str], buf: torch.Tensor, info: dict, dtypes: dict) ->
 
 
 def _assemble(source: Iterator[tuple], where: list, info: dict, device: torch.device, consumer: Any,
-              copy_stream: Any, times: StageTimes) -> Iterator[tuple[tuple[int, str], torch.Tensor]]:
+              copy_stream: Any, times: StageTimes, every: int = 1) -> Iterator[tuple[tuple[int, str], torch.Tensor]]:
     """:func:`_issue` in the consumer's thread: yield ``(key, tensor)`` once its last piece was issued, the
     consumer's stream waiting for the copies. The copy stream is the current stream while copies are issued, the
     consumer's whenever a tensor is handed out: one stream switch per tensor instead of a stream context per piece
@@ -558,7 +563,8 @@ def _assemble(source: Iterator[tuple], where: list, info: dict, device: torch.de
     waited = None  # the tensors of one range share its copy's event: the consumer waits for it once
     try:
         set_stream(copy_stream)
-        with contextlib.closing(_issue(source, where, info, device, consumer, copy_stream, times)) as done:
+        with contextlib.closing(_issue(source, where, info, device, consumer, copy_stream, times,
+                                       every=every)) as done:
             for key, buf, end in done:
                 if end is not None and end is not waited:
                     consumer.wait_event(end)
@@ -593,7 +599,7 @@ class _IssueThread:
     memory) are raised by the iterator."""
 
     def __init__(self, source: Iterator[tuple], where: list, info: dict, device: torch.device, consumer: Any,
-                 copy_stream: Any, times: StageTimes, ahead_bytes: int):
+                 copy_stream: Any, times: StageTimes, ahead_bytes: int, every: int = 1):
         self._info, self._consumer, self._times = info, consumer, times
         self._dtypes = torch_dtypes()
         self._device, self._copy_stream = device, copy_stream
@@ -602,7 +608,7 @@ class _IssueThread:
         self._stop = threading.Event()
         self._room = threading.Condition()
         self._ready: queue.SimpleQueue = queue.SimpleQueue()
-        self._issuing = _issue(source, where, info, device, consumer, copy_stream, times, self._stop.is_set)
+        self._issuing = _issue(source, where, info, device, consumer, copy_stream, times, self._stop.is_set, every)
         self._thread = threading.Thread(target=self._run, name="fastload-h2d-issue", daemon=True)
         self._thread.start()
 

@@ -111,7 +111,12 @@ class StageTimes:
         written to its file then and dropped."""
         if self.timeline is not None:
             timeline, self.timeline = self.timeline, None
-            timeline.write()
+            try:
+                timeline.write()
+            except OSError as e:  # a diagnostic must not fail a load whose weights are all in place
+                from ..log import logger
+
+                logger.warning("fastload: could not write the H2D timeline to %s (%s)", timeline.path, e)
         timed = sum(s.elapsed_time(e) for s, e in self._events) / 1e3
         self.h2d_s = timed * self._copied_bytes / self._timed_bytes if self._timed_bytes else timed
         self._events.clear()

@@ -67,9 +67,11 @@ FIXED_BUFFERS = os.environ.get("FASTLOAD_URING_FIXED", "0") == "1"
 #: Linux 5.15 on; 0: the kernel's default, min(ring entries, 4 x CPUs)). The per-copy timeline of a TP=1 load on a
 #: 16-CPU host (docs/benchmarks.md) found the loading thread slow to issue copies while 16 workers copied, so a
 #: limit below the CPU count is a candidate to measure; unset unless ``FASTLOAD_URING_IOWQ_WORKERS`` gives one.
-#: The limit belongs to the thread's io-wq, shared by its rings: :meth:`UringRing.close` puts the old one back.
+#: The limit belongs to the thread's io-wq, shared by its rings: :meth:`UringRing.close` puts the old one back (a
+#: load opens one ring at a time; two open at once on one thread and closed oldest first would leave the cap on).
 IOWQ_WORKERS = _env_int("FASTLOAD_URING_IOWQ_WORKERS", 0)
-#: io_uring_register(2)'s system call number (the io_uring calls share 425-427 on every architecture) and opcode.
+#: io_uring_register(2)'s system call number (427 on x86_64, aarch64 and every architecture of the generic table; the
+#: liburing wheels are built for those) and opcode.
 _NR_IO_URING_REGISTER = 427
 _IORING_REGISTER_IOWQ_MAX_WORKERS = 19
 

@@ -11,6 +11,7 @@
 #   bash benchmarks/device.sh sleepbench   # sleep / wake / reload seconds on the 16 GB model (sleep_bench.py) -> $OUT/sleep-8b
 #   bash benchmarks/device.sh content      # content digest cost on the 16 GB model: inspect, ours hashed, daemon -> $OUT/
 #   bash benchmarks/device.sh zoo [MODELS]  # model-zoo parity (zoo_bench.py): auto, ours, ipc_cache both modes -> $OUT/zoo
+#   bash benchmarks/device.sh candidates   # TP=1 read-path candidates (io-wq cap, spaced events) against the default and instanttensor, after their GPU tests -> $OUT/bench-tp1
 #   bash benchmarks/device.sh cmd 'CMD'    # CMD with this checkout's plugin installed and the staged vLLM on the path
 set -uo pipefail
 if [ "${1:-}" = pinprobe ]; then
@@ -98,6 +99,13 @@ case "${1:-tests}" in
       --loaders "${LOADERS:-auto,runai_streamer,ipc_zero_copy,ipc_copy}" --lanes "${LANES:-4}" --gmu "${GMU:-0.1}" \
       --kv-bytes "${KV_BYTES:-2147483648}" --models-dir /root/models/zoo --out "$OUT/zoo" 2>&1 | tee "$OUT/zoo.log"
     exit ${PIPESTATUS[0]} ;;
+  candidates)
+    # the opt-in candidates of the TP=1 read path (FASTLOAD_URING_IOWQ_WORKERS, FASTLOAD_H2D_EVENT_EVERY) in one call:
+    # their GPU tests first (the zoo bit-exact with spaced events, the timeline on CUDA), then one run per loader
+    python3 -m pytest -q -rs tests/gpu/test_direct_gpu.py -k "timeline or event_every" 2>&1 | tail -3
+    python3 benchmarks/load_bench.py --model /root/models/llama3-8b-shape --make 8b --tp 1 \
+      --loaders "${LOADERS:-runai_fastload_uring,runai_fastload_uringw,runai_fastload_uringe2,runai_fastload_uringwe2,runai_fastload_uringwtl,instanttensor_buffered}" \
+      --out "$OUT/bench-tp1" 2>&1 | tail -40; exit ${PIPESTATUS[0]} ;;
   bench)
     python3 benchmarks/load_bench.py --model /root/models/llama3-8b-shape --make 8b --tp "${2:-1}" \
       --extra "${EXTRA:-{\}}" --loaders "${LOADERS:-auto,runai_builtin,runai_fastload,instanttensor,instanttensor_buffered,fastsafetensors,ipc_zero_copy,ipc_copy}" --out "$OUT/bench-tp${2:-1}" 2>&1 | tee "$OUT/bench-tp${2:-1}.log"; exit ${PIPESTATUS[0]} ;;

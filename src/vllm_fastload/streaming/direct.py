@@ -51,7 +51,6 @@ stream; memory allocated on one stream and used on another needs ``record_stream
 from __future__ import annotations
 
 import contextlib
-import os
 import queue
 import threading
 import time
@@ -68,6 +67,7 @@ from .runai_env import MAX_PADS, ring_env
 from .timeline import CopyTimeline
 from .timeline import requested as requested_timeline
 from .timing import StageTimes, next_timed
+from .uring import env_int
 
 #: Slots of the arena beyond runai's ring depth: a released slot can wait for its copies while runai refills.
 SPARE_SLOTS = 2
@@ -75,22 +75,12 @@ SPARE_SLOTS = 2
 PAGE = 4096
 #: One H2D copy in this many is timed with CUDA events (``StageTimes.h2d_copy``): each event is a driver call.
 H2D_SAMPLE = 8
-
-
-def _event_every() -> int:
-    """``FASTLOAD_H2D_EVENT_EVERY`` as an int >= 1 (unset or not a positive number: 1)."""
-    try:
-        return max(1, int(os.environ.get("FASTLOAD_H2D_EVENT_EVERY", "1")))
-    except ValueError:
-        return 1
-
-
 #: Our readers' slots (``ring.threads``) are given back with an event recorded after every this many copies
 #: instead of after each: a copy's slot is free once any later copy on the same stream finished. Fewer events are
 #: fewer driver calls on the loading thread, which the per-copy timeline found slow to issue copies on a busy
 #: 16-CPU host (docs/benchmarks.md); a copy that ends a tensor always gets its own (the consumer waits on it).
 #: 1 (each copy its event) unless ``FASTLOAD_H2D_EVENT_EVERY`` says otherwise: not yet measured on a GPU.
-EVENT_EVERY = _event_every()
+EVENT_EVERY = env_int("FASTLOAD_H2D_EVENT_EVERY", 1)
 #: Finished tensors the copy-issue thread may hold ahead of the consumer, in ring spans (pinned_slots x
 #: pinned_slot_bytes): enough that a consumer's pause between two tensors does not stop the copies, small against
 #: the model (that memory is device memory the load holds beyond the consumer's).

@@ -35,8 +35,9 @@ from typing import Any, Optional
 from .preader import Piece, plan_reads
 
 
-def _env_int(name: str, default: int) -> int:
-    """Environment variable ``name`` as a positive int, else ``default`` (unset, not a number, or <= 0)."""
+def env_int(name: str, default: int) -> int:
+    """Environment variable ``name`` as a positive int, else ``default`` (unset, not a number, or <= 0): how the
+    streaming path's benchmark knobs (``FASTLOAD_URING_*``, ``FASTLOAD_H2D_EVENT_EVERY``) are read."""
     raw = os.environ.get(name, "")
     try:
         value = int(raw)
@@ -45,15 +46,10 @@ def _env_int(name: str, default: int) -> int:
     return value if value > 0 else default
 
 
-def _part_bytes(default: int = 8 << 20) -> int:
-    """``FASTLOAD_URING_PART_BYTES`` as a positive int, else ``default`` (unset, not a number, or <= 0)."""
-    return _env_int("FASTLOAD_URING_PART_BYTES", default)
-
-
 #: Bytes per read request: a range longer than this is read as several requests, each copied by its own io-wq
 #: worker. The default is the default slot size (one request per range): smaller requests measured slower on the
 #: H200 host (docs/benchmarks.md). ``FASTLOAD_URING_PART_BYTES`` overrides it, for the benchmarks that compare sizes.
-PART_BYTES = _part_bytes()
+PART_BYTES = env_int("FASTLOAD_URING_PART_BYTES", 8 << 20)
 #: Most read requests in flight: a ring of this many entries (the kernel refuses more than 32768), and what
 #: ``concurrency`` admits.
 MAX_DEPTH = 4096
@@ -69,7 +65,7 @@ FIXED_BUFFERS = os.environ.get("FASTLOAD_URING_FIXED", "0") == "1"
 #: limit below the CPU count is a candidate to measure; unset unless ``FASTLOAD_URING_IOWQ_WORKERS`` gives one.
 #: The limit belongs to the thread's io-wq, shared by its rings: :meth:`UringRing.close` puts the old one back (a
 #: load opens one ring at a time; two open at once on one thread and closed oldest first would leave the cap on).
-IOWQ_WORKERS = _env_int("FASTLOAD_URING_IOWQ_WORKERS", 0)
+IOWQ_WORKERS = env_int("FASTLOAD_URING_IOWQ_WORKERS", 0)
 #: io_uring_register(2)'s system call number (427 on x86_64, aarch64 and every architecture of the generic table; the
 #: liburing wheels are built for those) and opcode.
 _NR_IO_URING_REGISTER = 427

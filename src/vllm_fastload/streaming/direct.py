@@ -517,12 +517,13 @@ def _issue(source: Iterator[tuple], where: list, info: dict, device: torch.devic
                     issued += 1
                 else:
                     dst[off:off + n].copy_(src)
-                if done is not None and end is None and use_pinned:
-                    deferred.append(done)
-                elif done is not None:
-                    while deferred:
-                        deferred.popleft()(end)
-                    done(end)
+                if done is not None:
+                    if use_pinned and end is None:
+                        deferred.append(done)  # given back with the next copy's event
+                    else:
+                        while deferred:
+                            deferred.popleft()(end)
+                        done(end)
                 times.bytes += n
                 if len(parts) > 1:
                     for p in parts:

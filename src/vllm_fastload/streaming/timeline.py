@@ -52,26 +52,24 @@ class CopyTimeline:
         self._t0 = time.perf_counter()  # the host's time of the reference event, to within a synchronize's return
         self._rows: list[list[Any]] = []  # [ask, got, issued, start event, end event, bytes]
         self._asked = self._got = 0.0
-        self.last_start: Any = None  # the start event of the newest copy
 
     def got(self, waited_s: float) -> None:
         """The loading thread just got a piece from the reader after waiting ``waited_s`` seconds for it."""
         now = time.perf_counter() - self._t0
         self._asked, self._got = now - waited_s, now
 
-    def copy(self, dst: Any, src: Any) -> Any:
+    def copy(self, dst: Any, src: Any) -> tuple[Any, Any]:
         """Issue ``dst.copy_(src, non_blocking=True)`` on the current stream between two timing events; returns
-        the end event (what the caller waits on or records the slot's reuse with)."""
+        both (the end event: what the caller waits on or records the slot's reuse with)."""
         torch = self._torch
         start = torch.cuda.Event(enable_timing=True)
         end = torch.cuda.Event(enable_timing=True)
         start.record()
         dst.copy_(src, non_blocking=True)
         end.record()
-        self.last_start = start
         issued = time.perf_counter() - self._t0
         self._rows.append([self._asked, self._got, issued, start, end, dst.numel() * dst.element_size()])
-        return end
+        return start, end
 
     def write(self) -> dict:
         """Wait for the recorded copies, write ``{"summary": ..., "copies": [...]}`` to the path (each copy: ask,

@@ -78,31 +78,24 @@ class StageTimes:
         no event after the copy, None returned."""
         import torch
 
-        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            if self.timeline is not None:
-                return self._timeline_copy(dst, src)
-            if timed:
-                start = torch.cuda.Event(enable_timing=True)
-                start.record()
-            dst.copy_(src, non_blocking=True)
-            if not (timed or event):
-                self._copied_bytes += dst.numel() * dst.element_size()
-                return None
-            end = torch.cuda.Event(enable_timing=timed)
-            end.record()
         n = dst.numel() * dst.element_size()
         self._copied_bytes += n
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            if self.timeline is not None:
+                start, end = self.timeline.copy(dst, src)
+                timed = True
+            else:
+                if timed:
+                    start = torch.cuda.Event(enable_timing=True)
+                    start.record()
+                dst.copy_(src, non_blocking=True)
+                if not (timed or event):
+                    return None
+                end = torch.cuda.Event(enable_timing=timed)
+                end.record()
         if timed:
             self._events.append((start, end))
             self._timed_bytes += n
-        return end
-
-    def _timeline_copy(self, dst: Any, src: Any) -> Any:
-        end = self.timeline.copy(dst, src)
-        n = dst.numel() * dst.element_size()
-        self._copied_bytes += n
-        self._timed_bytes += n
-        self._events.append((self.timeline.last_start, end))
         return end
 
     def settle_h2d(self) -> None:

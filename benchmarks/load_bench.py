@@ -267,7 +267,8 @@ def write_outputs(results: dict, out: Path) -> None:
             f"{r.get('num_gpu_blocks') or '-'} | {r['ids'] == ref if ref else '-'} |")
     stages = [r for r in rows if r["loader"].startswith("runai_fastload") and r.get("report")]
     if stages:
-        keys = ("read_wait_s", "memcpy_s", "slot_wait_s", "h2d_s", "pinned_alloc_s", "pinned_alloc_wait_s",
+        keys = ("prepare_s", "first_tensor_s", "last_tensor_s", "read_wait_s", "memcpy_s", "slot_wait_s", "h2d_s",
+                "pinned_alloc_s", "pinned_alloc_wait_s",
                 "pinned_bytes", "pinned_extra_bytes", "consumer_wait_s", "concurrency", "fs_strategy",
                 "uring_iowq_workers")
         lines += ["", "Stage timings of our loader (load report; seconds, bytes):", "",

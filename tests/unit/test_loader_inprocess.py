@@ -72,6 +72,9 @@ def test_streams_every_tensor_bit_exact_and_reports(tmp_path):
     # the CPU path has no pinned slots, H2D copies or producer thread: none of those stages is reported
     assert not {"slot_wait_s", "h2d_s", "memcpy_s", "consumer_wait_s"} & set(r["extra"])
     assert r["read_wait_s"] > 0 and r["consume_s"] >= 0
+    # where the wall goes: preparation, then the first and the last tensor handed to the model, then the tail
+    ex = r["extra"]
+    assert 0 < ex["prepare_s"] <= ex["first_tensor_s"] <= ex["last_tensor_s"] <= r["wall_s"]
 
 
 def test_missing_parameter_is_an_error(tmp_path):

@@ -83,6 +83,20 @@ class _Load:
         return bool(self.checkpoint.duplicates)
 
 
+def _timed_edges(tensors: Iterator[tuple[str, Any]], report: LoadReport, t0: float) -> Iterator[tuple[str, Any]]:
+    """``tensors``, passed through, with two marks in ``report.extra`` (seconds since ``t0``, the load's start):
+    ``first_tensor_s``, when the first tensor was handed to vLLM (preparation, the read ring's start, the first
+    read and copy), and ``last_tensor_s``, when the last one was. What the wall holds beyond ``last_tensor_s`` is
+    the tail: vLLM's work on the last tensor, closing the reader, waiting for the copies, freeing pinned memory."""
+    last = None
+    for item in tensors:
+        last = time.perf_counter() - t0
+        report.extra.setdefault("first_tensor_s", round(last, 4))
+        yield item
+    if last is not None:
+        report.extra["last_tensor_s"] = round(last, 4)
+
+
 class RunaiStreamerLoader(BaseModelLoader):
     """Loads safetensors from local paths or ``s3://``/``gs://``/``az://`` with runai-model-streamer.
 
@@ -292,7 +306,7 @@ class RunaiStreamerLoader(BaseModelLoader):
                     if fan is not None:
                         fan.close()
 
-        return stream(), ckpt
+        return _timed_edges(stream(), report, t0), ckpt
 
     def _gpu_tensors(self, load: _Load, device: Any, why_not_direct: str | None) -> Iterator[tuple[str, Any]]:
         """GPU path. ``why_not_direct`` is None (:meth:`_reads_into_pinned`): tensor pieces are read straight into a

@@ -13,6 +13,15 @@ NO_CUDA = ("no CUDA GPU on this machine (CI has none): these tests need an NVIDI
            "`bash benchmarks/device.sh gpu` (runai_streamer) or `bash benchmarks/device.sh ipctests` (ipc_cache)")
 
 
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_logreport(report):
+    """A failed GPU test's traceback at once, not only in pytest's summary at the end: device calls run under a
+    time limit, and a call cut short after a failure (2026-12-06) came back without the reason."""
+    if report.failed and report.when == "call":
+        sys.stderr.write(f"\n--- FAILED {report.nodeid}\n{report.longreprtext[-6000:]}\n---\n")
+        sys.stderr.flush()
+
+
 def _models_dir(tmp_path_factory, name: str) -> Path:
     """``$FASTLOAD_GPU_MODELS/<name>`` when set (benchmarks/device.sh keeps models out of the pytest basetemp, which
     it puts under $OUT so the engines' and daemons' logs come back), else a pytest temporary directory."""

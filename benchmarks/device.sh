@@ -22,10 +22,12 @@ export PYTHONPATH=/root/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 # (re)install this checkout's plugin so its entry point is the one vLLM finds
 python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --no-cache-dir --upgrade --target /root/site . >/dev/null 2>&1 || echo "plugin install failed"
-# the peers' wheels (instanttensor, fastsafetensors for cp312) when carried in .whl (load_bench runs them if importable)
+# the wheels carried in .whl: the peers (instanttensor, fastsafetensors for cp312; load_bench runs them if
+# importable) and this package's liburing (the io_uring reader), which the staged bundle does not hold
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /root/site .whl/*.whl >/dev/null 2>&1 || echo "peer wheels install failed"
 fi
+PYTHONPATH=/root/site python3 -c "import liburing" 2>/dev/null || echo "WARNING: liburing cannot be imported: no io_uring reader here (its GPU tests skip, auto reads with the pread threads); carry its cp312 wheel in .whl (pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux_2_17_x86_64 liburing -d .whl)"
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv | tee "$OUT/nvidia-smi.txt"
 case "${1:-tests}" in
   cmd)

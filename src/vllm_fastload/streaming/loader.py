@@ -19,6 +19,7 @@ directory (``model_config.model``) and keeps the URI in ``model_config.model_wei
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections.abc import Iterator
@@ -89,10 +90,11 @@ def _timed_edges(tensors: Iterator[tuple[str, Any]], report: LoadReport, t0: flo
     read and copy), and ``last_tensor_s``, when the last one was. What the wall holds beyond ``last_tensor_s`` is
     the tail: vLLM's work on the last tensor, closing the reader, waiting for the copies, freeing pinned memory."""
     last = None
-    for item in tensors:
-        last = time.perf_counter() - t0
-        report.extra.setdefault("first_tensor_s", round(last, 4))
-        yield item
+    with contextlib.closing(tensors):  # closed with this generator, as ``yield from`` would (the reader, the fan-out)
+        for item in tensors:
+            last = time.perf_counter() - t0
+            report.extra.setdefault("first_tensor_s", round(last, 4))
+            yield item
     if last is not None:
         report.extra["last_tensor_s"] = round(last, 4)
 

@@ -249,7 +249,11 @@ def write_outputs(results: dict, out: Path) -> None:
         f"Machine: {results['machine']}; date {results['date']}; vLLM {results['vllm']}; torch {results['torch']}; "
         f"model {results['model']} ({results['model_gb']:.2f} GB); TP={results['tp']}; "
         f"H2D pinned {results['h2d'].get('pinned_h2d_gbps', '-')} GB/s, "
-        f"pageable {results['h2d'].get('pageable_h2d_gbps', '-')} GB/s",
+        f"pageable {results['h2d'].get('pageable_h2d_gbps', '-')} GB/s; page cache "
+        + (f"cold (dropped before every run; resident after: "
+           f"{sorted({r.get('resident_after_evict') for r in rows}, key=str)}), the disk's O_DIRECT reads "
+           f"{results['disk']['gbps']} GB/s (by threads: {results['disk']['by_threads']})"
+           if results.get("disk") else "warm"),
         "",
         "| loader | weights phase s | weights GB/s | \"Model loading took\" s | LLM() s | start -> ready s "
         "| start -> first token s | GPU used GiB (all processes) | KV blocks | greedy ids equal auto |",
@@ -323,7 +327,7 @@ def write_outputs(results: dict, out: Path) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", required=True, type=Path)
-    ap.add_argument("--make", choices=["8b", "deep", "deep1k", "deep100k", "tiny"],
+    ap.add_argument("--make", choices=["8b", "1b", "deep", "deep1k", "deep100k", "tiny"],
                     help="create the model directory first (random weights)")
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--max-model-len", type=int, default=1024,
@@ -338,6 +342,9 @@ def main() -> int:
     ap.add_argument("--daemon-extra", default=None,
                     help="extra-config JSON of the preload daemon (its runai_streamer load), "
                          "e.g. '{\"content_hash\": true}'")
+    ap.add_argument("--cold", action="store_true",
+                    help="a cold page cache: the shards' pages dropped before every run (page_cache.evict) instead "
+                         "of warmed once, and the disk's own O_DIRECT read speed measured first (the limit)")
     ap.add_argument("--out", type=Path, default=Path("bench-out"))
     a = ap.parse_args()
     if a.make:
@@ -350,16 +357,24 @@ def main() -> int:
 
     files = sorted(a.model.glob("*.safetensors"))
     size = sum(f.stat().st_size for f in files)
-    for f in files:  # warm the page cache
-        with open(f, "rb") as fh:
-            while fh.read(64 * 2**20):
-                pass
+    disk = None
+    if a.cold:
+        sys.path.insert(0, str(HERE))
+        from page_cache import disk_limit
+
+        disk = disk_limit([str(f) for f in files])
+        print(f"[bench] cold page cache; the disk's O_DIRECT reads: {disk}", flush=True)
+    else:
+        for f in files:  # warm the page cache
+            with open(f, "rb") as fh:
+                while fh.read(64 * 2**20):
+                    pass
     h2d = h2d_bandwidth()
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu"
     results = {"machine": f"{gpu} x{max(torch.cuda.device_count(), 1)}, {os.cpu_count()} CPUs",
                "date": time.strftime("%Y-%m-%d"),
                "vllm": vllm.__version__, "torch": torch.__version__, "model": a.model.name, "model_gb": size / 1e9,
-               "tp": a.tp, "h2d": h2d, "command": " ".join(sys.argv), "loaders": []}
+               "tp": a.tp, "h2d": h2d, "command": " ".join(sys.argv), "loaders": [], "disk": disk}
     names = [n for n in a.loaders.split(",") if available(n)]
     results["skipped"] = [n for n in a.loaders.split(",") if not available(n)]
     if results["skipped"]:
@@ -400,9 +415,16 @@ def start_daemon(a: argparse.Namespace, results: dict):
 
 def run_loader(name: str, a: argparse.Namespace, results: dict) -> None:
     """Run one loader ``--repeats`` times, keep the median run in ``results``."""
-    runs = [run_one(name, str(a.model), a.tp, a.gmu, a.out / f"{name}.report.json", json.loads(a.extra), a.dtype,
-                    a.max_model_len)
-            for _ in range(a.repeats)]
+    runs = []
+    for _ in range(a.repeats):
+        resident = None
+        if a.cold:  # the engine starts with none of the shards' pages in memory; what stayed is recorded
+            from page_cache import evict
+
+            resident = evict([str(f) for f in sorted(a.model.glob("*.safetensors"))])
+        runs.append(run_one(name, str(a.model), a.tp, a.gmu, a.out / f"{name}.report.json", json.loads(a.extra),
+                            a.dtype, a.max_model_len))
+        runs[-1]["resident_after_evict"] = resident
     key = "model_loading_s" if runs[0].get("model_loading_s") is not None else "llm_init_s"
     runs.sort(key=lambda r: r[key] or 0)
     best = runs[len(runs) // 2]

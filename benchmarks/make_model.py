@@ -23,6 +23,9 @@ from safetensors.torch import save_file
 SHAPES = {
     "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                num_key_value_heads=8, vocab_size=128256, shards=4),
+    # Llama-3.2-1B's layer shapes with untied embeddings, 3.0 GB bf16: big tensors a CPU host can hold (cold reads)
+    "1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+               num_key_value_heads=8, vocab_size=128256, shards=2),
     "small": dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=8, num_attention_heads=16,
                   num_key_value_heads=4, vocab_size=32000, shards=2),
     # 22,003 tensors of 0.25-32 KiB: the per-tensor costs of a load (issue 28: "many tensors"), 0.5 GB

@@ -282,6 +282,9 @@ def write_outputs(results: dict, out: Path) -> None:
             vals = [rep.get(k, rep["extra"].get(k, "-")) for k in keys]
             vals = [round(v, 3) if isinstance(v, float) else v for v in vals]
             lines.append(f"| {r['loader']} | {rep['wall_s']:.3f} | " + " | ".join(str(v) for v in vals) + " |")
+        threads = {r["loader"]: r["report"]["extra"].get("other_threads") for r in stages}
+        lines += ["", "Other Python threads of the loading process when the stream started (load report): "
+                  + "; ".join(f"{k}: {', '.join(v) if v else 'none'}" for k, v in threads.items() if v is not None)]
     timed = [r for r in rows if r.get("timeline")]
     if timed:
         lines += ["", "H2D timelines (streaming/timeline.py; seconds, from the loading thread's first request):", ""]

@@ -75,6 +75,23 @@ def test_streams_every_tensor_bit_exact_and_reports(tmp_path):
     # where the wall goes: preparation, then the first and the last tensor handed to the model, then the tail
     ex = r["extra"]
     assert 0 < ex["prepare_s"] <= ex["first_tensor_s"] <= ex["last_tensor_s"] <= r["wall_s"]
+    assert isinstance(ex["other_threads"], list) and "MainThread" not in ex["other_threads"]
+
+
+def test_the_report_names_the_threads_beside_the_load(tmp_path):
+    import threading
+
+    ts = tensors()
+    write_safetensors(tmp_path / "model.safetensors", ts)
+    stop = threading.Event()
+    beside = threading.Thread(target=stop.wait, name="beside-the-load", daemon=True)
+    beside.start()
+    try:
+        run(tmp_path, report=tmp_path / "r.json")
+    finally:
+        stop.set()
+        beside.join()
+    assert "beside-the-load" in json.loads((tmp_path / "r.json").read_text())["extra"]["other_threads"]
 
 
 def test_missing_parameter_is_an_error(tmp_path):

@@ -88,7 +88,13 @@ def _timed_edges(tensors: Iterator[tuple[str, Any]], report: LoadReport, t0: flo
     """``tensors``, passed through, with two marks in ``report.extra`` (seconds since ``t0``, the load's start):
     ``first_tensor_s``, when the first tensor was handed to vLLM (preparation, the read ring's start, the first
     read and copy), and ``last_tensor_s``, when the last one was. What the wall holds beyond ``last_tensor_s`` is
-    the tail: vLLM's work on the last tensor, closing the reader, waiting for the copies, freeing pinned memory."""
+    the tail: vLLM's work on the last tensor, closing the reader, waiting for the copies, freeing pinned memory.
+    Also ``other_threads``: the names of the process's other Python threads when the stream starts (they share the
+    GIL with the loading thread, which takes and releases it around every copy it issues)."""
+    import threading
+
+    me = threading.current_thread()
+    report.extra["other_threads"] = sorted(t.name for t in threading.enumerate() if t is not me)
     last = None
     with contextlib.closing(tensors):  # closed with this generator, as ``yield from`` would (the reader, the fan-out)
         for item in tensors:

@@ -9,7 +9,9 @@ seconds" (GPU) and "Loading weights took X seconds" (default loader) lines and o
 whole ``LLM()`` construction. ``runai_builtin`` is vLLM's own runai loader: our plugin is disabled for that
 process with ``VLLM_PLUGINS=`` (empty). On a GPU the run also measures pinned and pageable H2D bandwidth.
 Writes ``results.json``, ``results.md`` (a Markdown table) and ``results.png`` (a bar chart) under ``--out``.
-Page cache: each loader runs once to warm it, then ``--repeats`` times measured; the median is reported.
+Page cache: warmed once, every shard read, before the first loader (``--cold``: dropped before every run instead).
+Each loader runs ``--repeats`` times, one after another or (``--interleave``) in rounds of one run per loader; the
+median run by "Model loading took" is reported, with every run's weights phase.
 """
 
 from __future__ import annotations
@@ -339,6 +341,9 @@ def main() -> int:
     ap.add_argument("--loaders", default=f"auto,runai_builtin,runai_fastload,{PEERS}",
                     help="comma-separated; peers whose package is not importable are skipped with a note")
     ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--interleave", action="store_true",
+                    help="run the loaders in rounds (one run each per round, --repeats rounds) instead of all runs "
+                         "of one loader, then the next")
     ap.add_argument("--dtype", default=None,
                     help="the engines' and the daemon's --dtype (default: the model config's); on CPU say float32")
     ap.add_argument("--extra", default="{}", help="extra-config JSON for runai_fastload")
@@ -384,10 +389,22 @@ def main() -> int:
         print(f"[bench] not importable here, skipped: {', '.join(results['skipped'])}", flush=True)
     daemon = None
     try:
-        for name in names:
-            if name.startswith("ipc_") and daemon is None:
-                daemon = start_daemon(a, results)  # only now, so it does not compete with the disk loaders
-            run_loader(name, a, results)
+        if a.interleave:
+            # rounds of one run per loader (A B C A B C ...): a drift of the machine during the call (another
+            # tenant, the page cache, clocks) falls on every loader alike instead of on whichever ran last
+            runs: dict[str, list] = {name: [] for name in names}
+            for _ in range(a.repeats):
+                for name in names:
+                    if name.startswith("ipc_") and daemon is None:
+                        daemon = start_daemon(a, results)  # from then on beside the disk loaders' later rounds
+                    runs[name].append(one_run(name, a))
+            for name in names:
+                keep_median(name, runs[name], results)
+        else:
+            for name in names:
+                if name.startswith("ipc_") and daemon is None:
+                    daemon = start_daemon(a, results)  # only now, so it does not compete with the disk loaders
+                run_loader(name, a, results)
     finally:
         if daemon is not None:
             daemon.stop()
@@ -418,16 +435,26 @@ def start_daemon(a: argparse.Namespace, results: dict):
 
 def run_loader(name: str, a: argparse.Namespace, results: dict) -> None:
     """Run one loader ``--repeats`` times, keep the median run in ``results``."""
-    runs = []
-    for _ in range(a.repeats):
-        resident = None
-        if a.cold:  # the engine starts with none of the shards' pages in memory; what stayed is recorded
-            from page_cache import evict
+    keep_median(name, [one_run(name, a) for _ in range(a.repeats)], results)
 
-            resident = evict([str(f) for f in sorted(a.model.glob("*.safetensors"))])
-        runs.append(run_one(name, str(a.model), a.tp, a.gmu, a.out / f"{name}.report.json", json.loads(a.extra),
-                            a.dtype, a.max_model_len))
-        runs[-1]["resident_after_evict"] = resident
+
+def one_run(name: str, a: argparse.Namespace) -> dict:
+    """One run of loader ``name`` (:func:`run_one`); with ``--cold`` the shards' pages are dropped first and what
+    stayed resident is recorded."""
+    resident = None
+    if a.cold:  # the engine starts with none of the shards' pages in memory
+        from page_cache import evict
+
+        resident = evict([str(f) for f in sorted(a.model.glob("*.safetensors"))])
+    run = run_one(name, str(a.model), a.tp, a.gmu, a.out / f"{name}.report.json", json.loads(a.extra), a.dtype,
+                  a.max_model_len)
+    run["resident_after_evict"] = resident
+    return run
+
+
+def keep_median(name: str, runs: list[dict], results: dict) -> None:
+    """Append the median of ``runs`` (by "Model loading took", else ``LLM()``) to ``results``, with every run's
+    weights phase in ``weights_s_runs``."""
     key = "model_loading_s" if runs[0].get("model_loading_s") is not None else "llm_init_s"
     runs.sort(key=lambda r: r[key] or 0)
     best = runs[len(runs) // 2]

@@ -253,9 +253,11 @@ def write_outputs(results: dict, out: Path) -> None:
         f"H2D pinned {results['h2d'].get('pinned_h2d_gbps', '-')} GB/s, "
         f"pageable {results['h2d'].get('pageable_h2d_gbps', '-')} GB/s; page cache "
         + (f"cold (dropped before every run; resident after: "
-           f"{sorted({r.get('resident_after_evict') for r in rows}, key=str)}), the disk's O_DIRECT reads "
-           f"{results['disk']['gbps']} GB/s (by threads: {results['disk']['by_threads']})"
-           if results.get("disk") else "warm"),
+           f"{sorted({r.get('resident_after_evict') for r in rows}, key=str)}), "
+           + (f"the disk's O_DIRECT reads {results['disk']['gbps']} GB/s (by threads: "
+              f"{results['disk']['by_threads']})" if (results.get("disk") or {}).get("gbps")
+              else (results.get("disk") or {}).get("error", "the disk's speed not measured"))
+           if results.get("cold") else "warm"),
         "",
         "| loader | weights phase s | weights GB/s | \"Model loading took\" s | LLM() s | start -> ready s "
         "| start -> first token s | GPU used GiB (all processes) | KV blocks | greedy ids equal auto |",
@@ -285,8 +287,10 @@ def write_outputs(results: dict, out: Path) -> None:
             vals = [round(v, 3) if isinstance(v, float) else v for v in vals]
             lines.append(f"| {r['loader']} | {rep['wall_s']:.3f} | " + " | ".join(str(v) for v in vals) + " |")
         threads = {r["loader"]: r["report"]["extra"].get("other_threads") for r in stages}
-        lines += ["", "Other Python threads of the loading process when the stream started (load report): "
-                  + "; ".join(f"{k}: {', '.join(v) if v else 'none'}" for k, v in threads.items() if v is not None)]
+        threads = {k: v for k, v in threads.items() if v is not None}  # none after a fallback
+        if threads:
+            lines += ["", "Other Python threads of the loading process when the stream started (load report): "
+                      + "; ".join(f"{k}: {', '.join(v) if v else 'none'}" for k, v in threads.items())]
     timed = [r for r in rows if r.get("timeline")]
     if timed:
         lines += ["", "H2D timelines (streaming/timeline.py; seconds, from the loading thread's first request):", ""]
@@ -343,7 +347,7 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--interleave", action="store_true",
                     help="run the loaders in rounds (one run each per round, --repeats rounds) instead of all runs "
-                         "of one loader, then the next")
+                         "of one loader, then the next; the ipc_cache loaders run after the rounds")
     ap.add_argument("--dtype", default=None,
                     help="the engines' and the daemon's --dtype (default: the model config's); on CPU say float32")
     ap.add_argument("--extra", default="{}", help="extra-config JSON for runai_fastload")
@@ -382,29 +386,30 @@ def main() -> int:
     results = {"machine": f"{gpu} x{max(torch.cuda.device_count(), 1)}, {os.cpu_count()} CPUs",
                "date": time.strftime("%Y-%m-%d"),
                "vllm": vllm.__version__, "torch": torch.__version__, "model": a.model.name, "model_gb": size / 1e9,
-               "tp": a.tp, "h2d": h2d, "command": " ".join(sys.argv), "loaders": [], "disk": disk}
+               "tp": a.tp, "h2d": h2d, "command": " ".join(sys.argv), "loaders": [], "cold": a.cold, "disk": disk}
     names = [n for n in a.loaders.split(",") if available(n)]
     results["skipped"] = [n for n in a.loaders.split(",") if not available(n)]
     if results["skipped"]:
         print(f"[bench] not importable here, skipped: {', '.join(results['skipped'])}", flush=True)
     daemon = None
+    runs: dict[str, list] = {}
     try:
         if a.interleave:
             # rounds of one run per loader (A B C A B C ...): a drift of the machine during the call (another
-            # tenant, the page cache, clocks) falls on every loader alike instead of on whichever ran last
-            runs: dict[str, list] = {name: [] for name in names}
+            # tenant, the page cache, clocks) falls on every loader alike instead of on whichever ran last. The
+            # ipc_cache loaders are not in the rounds: their daemon would sit beside the disk loaders' later rounds,
+            # and a copy-mode engine empties it for the next round's engines; they run after, one after another
+            rounds = [n for n in names if not n.startswith("ipc_")]
+            runs = {name: [] for name in rounds}
             for _ in range(a.repeats):
-                for name in names:
-                    if name.startswith("ipc_") and daemon is None:
-                        daemon = start_daemon(a, results)  # from then on beside the disk loaders' later rounds
+                for name in rounds:
                     runs[name].append(one_run(name, a))
-            for name in names:
+            for name in rounds:
                 keep_median(name, runs[name], results)
-        else:
-            for name in names:
-                if name.startswith("ipc_") and daemon is None:
-                    daemon = start_daemon(a, results)  # only now, so it does not compete with the disk loaders
-                run_loader(name, a, results)
+        for name in [n for n in names if n not in runs]:  # all of them without --interleave
+            if name.startswith("ipc_") and daemon is None:
+                daemon = start_daemon(a, results)  # only now, so it does not compete with the disk loaders
+            run_loader(name, a, results)
     finally:
         if daemon is not None:
             daemon.stop()
@@ -446,6 +451,7 @@ def one_run(name: str, a: argparse.Namespace) -> dict:
         from page_cache import evict
 
         resident = evict([str(f) for f in sorted(a.model.glob("*.safetensors"))])
+        resident = None if resident is None else round(resident, 3)
     run = run_one(name, str(a.model), a.tp, a.gmu, a.out / f"{name}.report.json", json.loads(a.extra), a.dtype,
                   a.max_model_len)
     run["resident_after_evict"] = resident

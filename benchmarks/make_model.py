@@ -1,6 +1,7 @@
 """Write a random Llama-shaped bf16 safetensors checkpoint (no tokenizer), for benchmarks and GPU tests.
 
     python benchmarks/make_model.py OUT --shape 8b      # Llama-3-8B shape, ~16 GB in 4 shards
+    python benchmarks/make_model.py OUT --shape 1b      # Llama-3.2-1B's layers, untied, ~3.0 GB (a cold cache on CPU)
     python benchmarks/make_model.py OUT --shape small   # 8 layers, ~0.4 GB (KV accounting tests)
     python benchmarks/make_model.py OUT --shape tiny    # 2 layers, ~20 MB, for correctness tests
     python benchmarks/make_model.py OUT --shape deep    # 2444 layers, 22,003 tensors, ~0.5 GB (per-tensor costs)

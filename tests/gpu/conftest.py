@@ -17,8 +17,8 @@ NO_CUDA = ("no CUDA GPU on this machine (CI has none): these tests need an NVIDI
 def pytest_runtest_logreport(report):
     """A failed GPU test's traceback at once, not only in pytest's summary at the end: device calls run under a
     time limit, and a call cut short after a failure (2026-12-06) came back without the reason."""
-    if report.failed and report.when == "call":
-        sys.stderr.write(f"\n--- FAILED {report.nodeid}\n{report.longreprtext[-6000:]}\n---\n")
+    if report.failed:  # the test, or its fixtures' setup or teardown (a daemon that did not start)
+        sys.stderr.write(f"\n--- FAILED ({report.when}) {report.nodeid}\n{report.longreprtext[-6000:]}\n---\n")
         sys.stderr.flush()
 
 

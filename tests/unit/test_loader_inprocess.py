@@ -327,3 +327,21 @@ def test_a_shard_cut_short_while_read_names_the_shard_the_tensor_and_the_fix(tmp
     assert msg.startswith(f"{path}: file is truncated: {8 * 2**20} bytes, but its header declares")
     assert "tensor 't01'" in msg and "The shard changed while this load read it (the reader said:" in msg
     assert "is a copy or download into the model folder still running? Let it finish" in msg
+
+
+def test_closing_the_timed_stream_closes_the_stream_inside_at_once():
+    from vllm_fastload.report import LoadReport
+    from vllm_fastload.streaming.loader import _timed_edges
+
+    def inner():
+        yield "a", 1
+        yield "b", 2
+
+    it = inner()
+    report = LoadReport(load_format="runai_streamer", source="x")
+    timed = _timed_edges(it, report, 0.0)
+    assert next(timed) == ("a", 1)
+    timed.close()
+    # the reader behind the stream is let go now, not when the last reference to it goes (held here on purpose)
+    assert it.gi_frame is None
+    assert "first_tensor_s" in report.extra and "last_tensor_s" not in report.extra

@@ -86,23 +86,29 @@ class _Load:
 
 def _timed_edges(tensors: Iterator[tuple[str, Any]], report: LoadReport, t0: float) -> Iterator[tuple[str, Any]]:
     """``tensors``, passed through, with two marks in ``report.extra`` (seconds since ``t0``, the load's start):
-    ``first_tensor_s``, when the first tensor was handed to vLLM (preparation, the read ring's start, the first
-    read and copy), and ``last_tensor_s``, when the last one was. What the wall holds beyond ``last_tensor_s`` is
-    the tail: vLLM's work on the last tensor, closing the reader, waiting for the copies, freeing pinned memory.
-    Also ``other_threads``: the names of the process's other Python threads when the stream starts (they share the
-    GIL with the loading thread, which takes and releases it around every copy it issues)."""
+    ``first_tensor_s``, when the first tensor was handed on (preparation, at TP > 1 the fan-out's agreement with the
+    other ranks, with ``expected_content_digest`` on a reload the hashing of the files, then the read ring's start,
+    the first tensor's reads and copies), and ``last_tensor_s``, when the last one was. What the wall holds beyond
+    ``last_tensor_s`` is the tail: vLLM's work on the last tensor, closing the reader, waiting for the copies,
+    freeing pinned memory (with a content pin also hashing the last tensor and checking the digest). Also
+    ``other_threads``: the names of the process's other Python threads when the stream starts (they share the GIL
+    with the loading thread, which takes and releases it around every copy it issues). Closing this generator
+    closes ``tensors`` at once, as ``yield from`` would (the reader, the fan-out); an exception thrown in
+    (``throw``, which this package does not use) reaches ``tensors`` as its close."""
     import threading
 
     me = threading.current_thread()
     report.extra["other_threads"] = sorted(t.name for t in threading.enumerate() if t is not me)
-    last = None
-    with contextlib.closing(tensors):  # closed with this generator, as ``yield from`` would (the reader, the fan-out)
+    first = last = None
+    with contextlib.closing(tensors):
         for item in tensors:
-            last = time.perf_counter() - t0
-            report.extra.setdefault("first_tensor_s", round(last, 4))
+            last = time.perf_counter()
+            if first is None:
+                first = last
+                report.extra["first_tensor_s"] = round(first - t0, 4)
             yield item
     if last is not None:
-        report.extra["last_tensor_s"] = round(last, 4)
+        report.extra["last_tensor_s"] = round(last - t0, 4)
 
 
 class RunaiStreamerLoader(BaseModelLoader):

@@ -149,7 +149,9 @@ class Hashing:
         self.repeated: list[str] = []
 
     def wrap(self, tensors: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
-        """Yield every item of ``tensors`` unchanged, after hashing it; sets :attr:`digest` at the end."""
+        """Yield every item of ``tensors`` unchanged, after hashing it; sets :attr:`digest` at the end. Closing this
+        generator closes ``tensors`` (when it has ``close``) at once, as ``yield from`` would: the reader behind it
+        stops then, not when the last reference to it goes."""
         try:
             for name, t in tensors:
                 if name in self._digests:
@@ -160,6 +162,9 @@ class Hashing:
             self.digest = combine(self._digests)
         finally:
             self._pieces = None
+            close = getattr(tensors, "close", None)
+            if close is not None:
+                close()
 
     def check(self, expected: Optional[str], source: str) -> None:
         """Raise :class:`ContentMismatch` naming both digests and ``source`` unless ``expected`` is None or equals

@@ -281,3 +281,15 @@ def test_a_mismatch_names_the_digest_to_pin_for_these_files():
     msg = str(e.value)
     assert h.digest != pinned and f'pin their digest: \'{{"expected_content_digest": "{h.digest}"}}\'' in msg
     assert msg.count(pinned) == 1  # named once, as what was expected
+
+
+def test_closing_the_hashing_stream_closes_the_stream_inside_at_once():
+    def inner():
+        yield "a", torch.zeros(4)
+        yield "b", torch.ones(4)
+
+    it = inner()
+    hashed = Hashing().wrap(it)
+    assert next(hashed)[0] == "a"
+    hashed.close()
+    assert it.gi_frame is None  # closed now, though this test still holds a reference to it

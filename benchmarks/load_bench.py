@@ -263,8 +263,11 @@ def write_outputs(results: dict, out: Path) -> None:
         "| start -> first token s | GPU used GiB (all processes) | KV blocks | greedy ids equal auto |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    ref = next((r["ids"] for r in rows if r["loader"] == "auto"), None)
+    ref = next((r["ids"] for r in rows if r["loader"] == "auto" and "ids" in r), None)
     for r in rows:
+        if r.get("failed"):
+            lines.append(f"| {r['loader']} | every run failed: {r['failed'].splitlines()[0][:200]} |" + " |" * 8)
+            continue
         w = weights_s(r)
         gbps = results["model_gb"] / w if w else None
         used = r.get("gpu_used_bytes")
@@ -359,6 +362,7 @@ def main() -> int:
                          "of warmed once, and the disk's own O_DIRECT read speed measured first (the limit)")
     ap.add_argument("--out", type=Path, default=Path("bench-out"))
     a = ap.parse_args()
+    a.out.mkdir(parents=True, exist_ok=True)  # a failed engine's log goes there before any result
     if a.make:
         sys.path.insert(0, str(HERE))
         from make_model import make
@@ -414,7 +418,10 @@ def main() -> int:
         if daemon is not None:
             daemon.stop()
     write_outputs(results, a.out)
-    return 0
+    failed = [r["loader"] for r in results["loaders"] if r.get("failed")]
+    if failed:
+        print(f"[bench] every run of {', '.join(failed)} failed (results.json has why)", flush=True)
+    return 1 if failed else 0
 
 
 def start_daemon(a: argparse.Namespace, results: dict):
@@ -452,20 +459,31 @@ def one_run(name: str, a: argparse.Namespace) -> dict:
 
         resident = evict([str(f) for f in sorted(a.model.glob("*.safetensors"))])
         resident = None if resident is None else round(resident, 3)
-    run = run_one(name, str(a.model), a.tp, a.gmu, a.out / f"{name}.report.json", json.loads(a.extra), a.dtype,
-                  a.max_model_len)
+    try:
+        run = run_one(name, str(a.model), a.tp, a.gmu, a.out / f"{name}.report.json", json.loads(a.extra), a.dtype,
+                      a.max_model_len)
+    except RuntimeError as e:  # one engine that failed must not take the other loaders' results with it
+        print(f"[bench] {name}: this run failed: {str(e).splitlines()[0]}", flush=True)
+        run = {"loader": name, "failed": str(e)[:4000]}
     run["resident_after_evict"] = resident
     return run
 
 
 def keep_median(name: str, runs: list[dict], results: dict) -> None:
     """Append the median of ``runs`` (by "Model loading took", else ``LLM()``) to ``results``, with every run's
-    weights phase in ``weights_s_runs``."""
+    weights phase in ``weights_s_runs`` and the number of failed runs in ``failed_runs`` (failed runs are left out;
+    when every run failed, the first one's failure is appended)."""
+    failed = len([r for r in runs if r.get("failed")])
+    runs = [r for r in runs if not r.get("failed")] or runs[:1]
+    if runs[0].get("failed"):
+        results["loaders"].append({**runs[0], "failed_runs": failed})
+        return
     key = "model_loading_s" if runs[0].get("model_loading_s") is not None else "llm_init_s"
     runs.sort(key=lambda r: r[key] or 0)
     best = runs[len(runs) // 2]
     weights = [r.get("fastload_weights_s") or r.get("ipc_weights_s") or r.get("default_weights_s") for r in runs]
     best["weights_s_runs"] = weights  # every run's weights phase, in the order of their "Model loading took"
+    best["failed_runs"] = failed
     results["loaders"].append(best)
     print(f"[bench] {name}: {best.get('model_loading_s')} s model loading; weights phase of each run {weights}; "
           f"{best['log_tail'][-400:]}", flush=True)

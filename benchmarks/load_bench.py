@@ -243,6 +243,20 @@ def gpu_used() -> int:
     return total - free
 
 
+def page_cache_line(results: dict) -> str:
+    """How the page cache was for the runs of ``results``: warm, or cold with what stayed resident and the disk's
+    own O_DIRECT speed (``page_cache.disk_limit``)."""
+    if not results.get("cold"):
+        return "warm"
+    resident = sorted({r.get("resident_after_evict") for r in results["loaders"]}, key=str)
+    disk = results.get("disk") or {}
+    if disk.get("gbps"):
+        speed = f"the disk's O_DIRECT reads {disk['gbps']} GB/s (by threads: {disk['by_threads']})"
+    else:
+        speed = disk.get("error", "the disk's speed not measured")
+    return f"cold (dropped before every run; resident after: {resident}), {speed}"
+
+
 def write_outputs(results: dict, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(results, indent=2))
@@ -251,13 +265,7 @@ def write_outputs(results: dict, out: Path) -> None:
         f"Machine: {results['machine']}; date {results['date']}; vLLM {results['vllm']}; torch {results['torch']}; "
         f"model {results['model']} ({results['model_gb']:.2f} GB); TP={results['tp']}; "
         f"H2D pinned {results['h2d'].get('pinned_h2d_gbps', '-')} GB/s, "
-        f"pageable {results['h2d'].get('pageable_h2d_gbps', '-')} GB/s; page cache "
-        + (f"cold (dropped before every run; resident after: "
-           f"{sorted({r.get('resident_after_evict') for r in rows}, key=str)}), "
-           + (f"the disk's O_DIRECT reads {results['disk']['gbps']} GB/s (by threads: "
-              f"{results['disk']['by_threads']})" if (results.get("disk") or {}).get("gbps")
-              else (results.get("disk") or {}).get("error", "the disk's speed not measured"))
-           if results.get("cold") else "warm"),
+        f"pageable {results['h2d'].get('pageable_h2d_gbps', '-')} GB/s; page cache {page_cache_line(results)}",
         "",
         "| loader | weights phase s | weights GB/s | \"Model loading took\" s | LLM() s | start -> ready s "
         "| start -> first token s | GPU used GiB (all processes) | KV blocks | greedy ids equal auto |",
@@ -373,12 +381,13 @@ def main() -> int:
 
     files = sorted(a.model.glob("*.safetensors"))
     size = sum(f.stat().st_size for f in files)
+    shards = [str(f) for f in files]
     disk = None
     if a.cold:
         sys.path.insert(0, str(HERE))
         from page_cache import disk_limit
 
-        disk = disk_limit([str(f) for f in files])
+        disk = disk_limit(shards)
         print(f"[bench] cold page cache; the disk's O_DIRECT reads: {disk}", flush=True)
     else:
         for f in files:  # warm the page cache
@@ -407,13 +416,13 @@ def main() -> int:
             runs = {name: [] for name in rounds}
             for _ in range(a.repeats):
                 for name in rounds:
-                    runs[name].append(one_run(name, a))
+                    runs[name].append(one_run(name, a, shards))
             for name in rounds:
                 keep_median(name, runs[name], results)
         for name in [n for n in names if n not in runs]:  # all of them without --interleave
             if name.startswith("ipc_") and daemon is None:
                 daemon = start_daemon(a, results)  # only now, so it does not compete with the disk loaders
-            run_loader(name, a, results)
+            run_loader(name, a, results, shards)
     finally:
         if daemon is not None:
             daemon.stop()
@@ -445,19 +454,19 @@ def start_daemon(a: argparse.Namespace, results: dict):
     return daemon
 
 
-def run_loader(name: str, a: argparse.Namespace, results: dict) -> None:
+def run_loader(name: str, a: argparse.Namespace, results: dict, shards: list[str]) -> None:
     """Run one loader ``--repeats`` times, keep the median run in ``results``."""
-    keep_median(name, [one_run(name, a) for _ in range(a.repeats)], results)
+    keep_median(name, [one_run(name, a, shards) for _ in range(a.repeats)], results)
 
 
-def one_run(name: str, a: argparse.Namespace) -> dict:
-    """One run of loader ``name`` (:func:`run_one`); with ``--cold`` the shards' pages are dropped first and what
-    stayed resident is recorded."""
+def one_run(name: str, a: argparse.Namespace, shards: list[str]) -> dict:
+    """One run of loader ``name`` (:func:`run_one`); with ``--cold`` the pages of ``shards`` (the model's files)
+    are dropped first and what stayed resident is recorded."""
     resident = None
     if a.cold:  # the engine starts with none of the shards' pages in memory
         from page_cache import evict
 
-        resident = evict([str(f) for f in sorted(a.model.glob("*.safetensors"))])
+        resident = evict(shards)
         resident = None if resident is None else round(resident, 3)
     try:
         run = run_one(name, str(a.model), a.tp, a.gmu, a.out / f"{name}.report.json", json.loads(a.extra), a.dtype,
@@ -481,7 +490,7 @@ def keep_median(name: str, runs: list[dict], results: dict) -> None:
     key = "model_loading_s" if runs[0].get("model_loading_s") is not None else "llm_init_s"
     runs.sort(key=lambda r: r[key] or 0)
     best = runs[len(runs) // 2]
-    weights = [r.get("fastload_weights_s") or r.get("ipc_weights_s") or r.get("default_weights_s") for r in runs]
+    weights = [weights_s(r) for r in runs]
     best["weights_s_runs"] = weights  # every run's weights phase, in the order of their "Model loading took"
     best["failed_runs"] = failed
     results["loaders"].append(best)

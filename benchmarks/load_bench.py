@@ -66,6 +66,11 @@ LOADERS = {
     "runai_fastload_uringe2": ("runai_streamer", {"FASTLOAD_H2D_EVENT_EVERY": "2"}),
     "runai_fastload_uringwe2": ("runai_streamer", {"FASTLOAD_H2D_EVENT_EVERY": "2",
                                                    "FASTLOAD_URING_IOWQ_WORKERS": IOWQ_WORKERS}),
+    # the io_uring reader with the loading thread on a CPU of its own and the io-wq workers on the others
+    # (FASTLOAD_URING_IOWQ_AFF=1): all workers kept, none beside the thread that issues the copies; and with an event
+    # per two copies as well
+    "runai_fastload_uringa": ("runai_streamer", {"FASTLOAD_URING_IOWQ_AFF": "1"}),
+    "runai_fastload_uringae2": ("runai_streamer", {"FASTLOAD_URING_IOWQ_AFF": "1", "FASTLOAD_H2D_EVENT_EVERY": "2"}),
     # the io_uring reader with its slots registered (READV_FIXED reads; FASTLOAD_URING_FIXED=1)
     "runai_fastload_uringfixed": ("runai_streamer", {"FASTLOAD_URING_FIXED": "1"}),
     # ipc_cache needs a `vllm-fastload preload` daemon for the same model/TP; started by main() when asked for.
@@ -289,7 +294,7 @@ def write_outputs(results: dict, out: Path) -> None:
         keys = ("prepare_s", "first_tensor_s", "last_tensor_s", "read_wait_s", "memcpy_s", "slot_wait_s", "h2d_s",
                 "pinned_alloc_s", "pinned_alloc_wait_s",
                 "pinned_bytes", "pinned_extra_bytes", "consumer_wait_s", "concurrency", "fs_strategy",
-                "uring_iowq_workers")
+                "uring_iowq_workers", "uring_loader_cpu")
         lines += ["", "Stage timings of our loader (load report; seconds, bytes):", "",
                   "| loader | wall s | " + " | ".join(keys) + " |", "|---" * (len(keys) + 2) + "|"]
         for r in stages:

@@ -166,3 +166,29 @@ def test_zoo_bit_exact_with_an_event_every_third_copy(tmp_path, monkeypatch, uri
         torch.cuda._sleep(1000)
     torch.cuda.synchronize()
     assert_zoo_bit_exact(got, expected)
+
+
+def test_zoo_bit_exact_with_io_wq_affinity(tmp_path, monkeypatch):
+    """``FASTLOAD_URING_IOWQ_AFF`` on real CUDA: the loading thread runs on the CPU the report names while the
+    reads go on, the bytes are the checkpoint's, and the thread's CPUs are its own again after the load."""
+    import os
+
+    from vllm_fastload.streaming import uring
+
+    if uring.unavailable():
+        pytest.skip(f"no io_uring here: {uring.unavailable()}")
+    before = os.sched_getaffinity(0)
+    if len(before) < 2:
+        pytest.skip("one CPU: nothing to keep the io-wq workers off")
+    monkeypatch.setattr(uring, "IOWQ_AFFINITY", True)
+    expected = write_zoo(tmp_path / "model.safetensors")
+    got, seen, stats = {}, set(), {}
+    for name, t in direct.stream_to_device([read_header(str(tmp_path / "model.safetensors"))],
+                                           torch.device("cuda", torch.cuda.current_device()),
+                                           direct.Ring(4096, 3, 3, uring=True), StageTimes(), None, stats):
+        got[name] = t
+        seen.add(frozenset(os.sched_getaffinity(0)))
+    torch.cuda.synchronize()
+    assert_zoo_bit_exact(got, expected)
+    assert seen == {frozenset({max(before)})} and stats["uring_loader_cpu"] == max(before)
+    assert os.sched_getaffinity(0) == before

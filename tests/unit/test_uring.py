@@ -8,6 +8,7 @@ where this kernel or the liburing package gives no io_uring; the CUDA copies run
 """
 
 import os
+import threading
 
 import pytest
 import torch
@@ -362,3 +363,66 @@ def test_without_the_variable_a_ring_leaves_the_worker_limit_alone(tmp_path, mon
     assert uring.env_int("FASTLOAD_URING_IOWQ_WORKERS", 0) == 0
     monkeypatch.setenv("FASTLOAD_URING_IOWQ_WORKERS", "14")
     assert uring.env_int("FASTLOAD_URING_IOWQ_WORKERS", 0) == 14
+
+
+@needs_uring
+def test_io_wq_affinity_keeps_the_workers_off_the_loading_threads_cpu_while_it_reads(tmp_path, monkeypatch):
+    """``FASTLOAD_URING_IOWQ_AFF``: while the ring reads, the thread that started it runs on one CPU (the highest it
+    had) and its io-wq workers on the others, also the one the kernel started before the ring (it keeps the CPUs
+    it had unless moved); the bytes are the file's; closing gives the thread and the workers their CPUs back."""
+    before = os.sched_getaffinity(0)
+    if len(before) < 2:
+        pytest.skip("one CPU: nothing to keep the workers off")
+    monkeypatch.setattr(uring, "IOWQ_AFFINITY", True)
+    p, data = _file(tmp_path, 400_000)
+    seen, masks, workers = [], set(), {}
+    with uring.UringRing([(str(p), *_ranges(len(data), 4096))], _slots(8), 8) as ring:
+        for piece in ring:
+            seen.append((piece.range_index, bytes(piece.data.numpy())))
+            masks.add(frozenset(os.sched_getaffinity(0)))
+            workers.update(uring.io_workers(threading.get_native_id()))
+            ring.recycle(piece.slot)
+        assert ring.loader_cpu == max(before)
+    assert masks == {frozenset({max(before)})}
+    assert workers and all(cpus == before - {max(before)} for cpus in workers.values()), workers
+    assert sorted(seen) == [(r, data[r * 4096:(r + 1) * 4096]) for r in range(len(seen))] and len(seen) == 98
+    assert os.sched_getaffinity(0) == before
+    # the workers that stay (the thread's first one does) may run anywhere again
+    assert all(cpus == before for cpus in uring.io_workers(threading.get_native_id()).values())
+
+
+@needs_uring
+def test_io_wq_affinity_on_one_cpu_pins_nothing(tmp_path, monkeypatch):
+    before = os.sched_getaffinity(0)
+    monkeypatch.setattr(uring, "IOWQ_AFFINITY", True)
+    p, data = _file(tmp_path, 20_000)
+    os.sched_setaffinity(0, {min(before)})
+    try:
+        with uring.UringRing([(str(p), *_ranges(len(data), 4096))], _slots(2), 2) as ring:
+            got = {}
+            for piece in ring:
+                got[piece.range_index] = bytes(piece.data.numpy())
+                assert os.sched_getaffinity(0) == {min(before)}
+                ring.recycle(piece.slot)
+        assert ring.loader_cpu is None
+        assert [got[r] for r in range(5)] == [data[r * 4096:(r + 1) * 4096] for r in range(5)]
+        assert os.sched_getaffinity(0) == {min(before)}
+    finally:
+        os.sched_setaffinity(0, before)
+
+
+@needs_uring
+def test_io_wq_affinity_register_and_back_and_a_bad_ring(tmp_path):
+    import liburing
+
+    ring = liburing.Ring()
+    liburing.io_uring_queue_init(4, ring)
+    try:
+        uring.iowq_affinity(ring.ring_fd, {min(os.sched_getaffinity(0))})
+        uring.iowq_affinity(ring.ring_fd, None)
+    finally:
+        liburing.io_uring_queue_exit(ring)
+    with pytest.raises(OSError, match="REGISTER_IOWQ_AFF"):
+        uring.iowq_affinity(-1, {0})
+    # the variable: "1" turns it on, anything else leaves it off
+    assert uring.IOWQ_AFFINITY == (os.environ.get("FASTLOAD_URING_IOWQ_AFF") == "1")

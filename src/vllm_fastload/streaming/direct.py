@@ -719,3 +719,5 @@ def _pread_pieces(chunks: list, arena: Optional[torch.Tensor], ring: Ring, copy_
                 stats["uring_fixed_buffers"] = reader.fixed  # the slots registered, READV_FIXED reads
                 if reader.iowq_workers is not None:
                     stats["uring_iowq_workers"] = reader.iowq_workers
+                if reader.loader_cpu is not None:
+                    stats["uring_loader_cpu"] = reader.loader_cpu

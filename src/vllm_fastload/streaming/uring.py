@@ -70,6 +70,15 @@ IOWQ_WORKERS = env_int("FASTLOAD_URING_IOWQ_WORKERS", 0)
 #: liburing wheels are built for those) and opcode.
 _NR_IO_URING_REGISTER = 427
 _IORING_REGISTER_IOWQ_MAX_WORKERS = 19
+_IORING_REGISTER_IOWQ_AFF = 17
+_IORING_UNREGISTER_IOWQ_AFF = 18
+#: Whether a ring keeps its io-wq workers off one CPU and pins the thread that started it (the loading thread, which
+#: submits the reads and issues the H2D copies) to that CPU while it reads (``IORING_REGISTER_IOWQ_AFF``, Linux 5.14
+#: on). The per-copy timeline of a TP=1 load on a 16-CPU host found the loading thread slow to issue copies while 16
+#: workers copied on every CPU; capping the workers helped issuing but slowed the reads, so this keeps all of them
+#: and gives the loading thread a CPU of its own instead. A candidate to measure: off unless
+#: ``FASTLOAD_URING_IOWQ_AFF=1``.
+IOWQ_AFFINITY = os.environ.get("FASTLOAD_URING_IOWQ_AFF", "0") == "1"
 
 
 def iowq_max_workers(ring_fd: int, bounded: int, unbounded: int = 0) -> tuple[int, int]:
@@ -86,6 +95,49 @@ def iowq_max_workers(ring_fd: int, bounded: int, unbounded: int = 0) -> tuple[in
         err = ctypes.get_errno()
         raise OSError(err, f"io_uring_register(IOWQ_MAX_WORKERS): {os.strerror(err)}")
     return counts[0], counts[1]
+
+
+def iowq_affinity(ring_fd: int, cpus: Optional[set[int]]) -> None:
+    """Keep the calling thread's io-wq workers (for the io_uring instance ``ring_fd``) on ``cpus`` (CPU numbers);
+    None puts the default back (the CPUs the thread may run on). Raises ``OSError`` as the kernel refused it (EINVAL
+    before Linux 5.14 or for a mask of no online CPU). As for :func:`iowq_max_workers` the liburing package has no
+    wrapper of these opcodes (``IORING_REGISTER_IOWQ_AFF`` with a ``cpu_set_t`` mask and its size in bytes,
+    ``IORING_UNREGISTER_IOWQ_AFF`` without; io_uring_register(2)), so it is the raw system call."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    if cpus is None:
+        op, name, mask, size = _IORING_UNREGISTER_IOWQ_AFF, "UNREGISTER_IOWQ_AFF", None, 0
+    else:
+        size = max(128, -(-(max(cpus, default=0) + 1) // 64) * 8)  # glibc's cpu_set_t is 128 bytes
+        raw = bytearray(size)
+        for c in cpus:
+            raw[c // 8] |= 1 << (c % 8)
+        op, name, mask = _IORING_REGISTER_IOWQ_AFF, "REGISTER_IOWQ_AFF", (ctypes.c_ubyte * size).from_buffer(raw)
+    if libc.syscall(ctypes.c_long(_NR_IO_URING_REGISTER), ctypes.c_int(ring_fd), ctypes.c_uint(op), mask,
+                    ctypes.c_uint(size)) < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"io_uring_register({name}): {os.strerror(err)}")
+
+
+def io_workers(tid: int) -> dict[int, set[int]]:
+    """The io-wq worker threads of thread ``tid`` (native id) of this process -> the CPUs each may run on: the
+    tasks of ``/proc/self/task`` whose name is ``iou-wrk-<tid>`` (the kernel's name for them, cut at 15
+    characters like every task name). Empty where /proc cannot be read."""
+    name = f"iou-wrk-{tid}"[:15]
+    out: dict[int, set[int]] = {}
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return out
+    for t in tasks:
+        try:
+            with open(f"/proc/self/task/{t}/comm") as f:
+                if f.read().rstrip("\n") == name:
+                    out[int(t)] = os.sched_getaffinity(int(t))
+        except OSError:
+            pass  # the task exited meanwhile
+    return out
 
 
 @functools.lru_cache(maxsize=1)
@@ -160,6 +212,11 @@ class UringRing:
         #: the io-wq worker limit this ring set (:data:`IOWQ_WORKERS`), None when it set none
         self.iowq_workers: Optional[int] = None
         self._iowq_before: Optional[tuple[int, int]] = None
+        #: the CPU the loading thread was pinned to, the io-wq workers kept off it (:data:`IOWQ_AFFINITY`); None
+        #: when not pinned
+        self.loader_cpu: Optional[int] = None
+        # (native id of the pinned thread, its CPUs before, its io-wq workers then -> their CPUs before)
+        self._pinned: Optional[tuple[int, set[int], dict[int, set[int]]]] = None
         self._registered: Any = None  # the slots' iovecs while registered (the kernel holds their pages)
         self._fds: list[int] = []
         self._ring: Any = None
@@ -202,6 +259,8 @@ class UringRing:
                 pass  # an older kernel: the default number of workers reads the same bytes
             else:
                 self.iowq_workers = IOWQ_WORKERS
+        if IOWQ_AFFINITY:
+            self._pin(ring.ring_fd)
         if FIXED_BUFFERS:
             iovecs = liburing.Iovec(self._views)
             try:
@@ -210,6 +269,68 @@ class UringRing:
                 pass  # refused (memlock limit, memory that cannot be pinned): plain readv reads the same bytes
             else:
                 self._registered, self.fixed = iovecs, True
+
+    def _pin(self, ring_fd: int) -> None:
+        """:data:`IOWQ_AFFINITY`: the workers onto every CPU this thread may use but the highest, this thread onto
+        that one (the highest: CPU 0 takes most of the interrupts on the hosts seen). The kernel's mask covers the
+        workers it starts from now on; the thread's workers that already run (one is started with the thread's
+        first ring and stays) are moved with ``sched_setaffinity`` of their own. Nothing changes where the thread
+        has one CPU or the kernel refuses (the same bytes are read either way)."""
+        import threading
+
+        try:
+            before = os.sched_getaffinity(0)  # pid 0: the calling thread (sched_setaffinity(2))
+        except (AttributeError, OSError):
+            return
+        if len(before) < 2:
+            return
+        cpu = max(before)
+        try:
+            iowq_affinity(ring_fd, before - {cpu})
+        except OSError:
+            return
+        try:
+            os.sched_setaffinity(0, {cpu})
+        except OSError:
+            try:
+                iowq_affinity(ring_fd, None)
+            except OSError:
+                pass  # the workers keep fewer CPUs: still the same bytes
+            return
+        tid = threading.get_native_id()
+        workers = io_workers(tid)
+        for w in workers:
+            try:
+                os.sched_setaffinity(w, before - {cpu})
+            except OSError:
+                pass  # it exited meanwhile, or refuses: it reads the same bytes where it is
+        self._pinned, self.loader_cpu = (tid, before, workers), cpu
+
+    def _unpin(self) -> None:
+        """Put the worker and thread affinity of :meth:`_pin` back: the kernel's mask for new workers, the CPUs of
+        the workers that ran before (the thread's CPUs for those started since). The pin belongs to the thread
+        that started the ring; a close from another thread (the loader closes on the loading thread) leaves that
+        thread's mask as it is, since ``sched_setaffinity(0)`` would change the closing thread's."""
+        import threading
+
+        pinned, self._pinned = self._pinned, None
+        if pinned is None:
+            return
+        tid, before, workers = pinned
+        try:
+            iowq_affinity(self._ring.ring_fd, None)
+        except OSError:
+            pass  # the ring goes next, and the workers it started leave when idle
+        for w in io_workers(tid):
+            try:
+                os.sched_setaffinity(w, workers.get(w, before))
+            except OSError:
+                pass  # it exited meanwhile
+        if threading.get_native_id() == tid:
+            try:
+                os.sched_setaffinity(0, before)
+            except OSError:
+                pass  # a CPU of the old mask went offline meanwhile: the thread keeps the one it has
 
     def recycle(self, slot: int, event: Any = None) -> None:
         """Give ``slot`` back; it is read into again after ``event`` (a CUDA event recorded after the copies out
@@ -412,6 +533,7 @@ class UringRing:
                 except OSError:
                     pass  # it took the limit a moment ago: nothing to do if it refuses the old one
                 self._iowq_before = None
+            self._unpin()
             lib.io_uring_queue_exit(self._ring)  # also unregisters the slots
             self._ring, self._registered = None, None
         self._close_fds()

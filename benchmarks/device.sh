@@ -4,7 +4,7 @@
 #   bash benchmarks/device.sh gpu          # GPU tests of the streamer only (tests/gpu without the ipc ones)
 #   bash benchmarks/device.sh ipctests [K]    # ipc_cache on CUDA (tests/gpu/test_ipc_{cache,reload}_gpu.py [-k K]), logs in $OUT/pytest
 #   bash benchmarks/device.sh ipcprobe [GiB]  # legacy CUDA IPC vs VMM fds -> $OUT/ipc-probe.md
-#   bash benchmarks/device.sh bench [TP]   # 16 GB 8B-shaped model: auto, built-in runai, ours, the peers -> $OUT/ (COLD=1: a cold page cache, load_bench --cold)
+#   bash benchmarks/device.sh bench [TP]   # 16 GB 8B-shaped model: auto, built-in runai, ours, the peers -> $OUT/bench-tpN (COLD=1: a cold page cache, load_bench --cold -> $OUT/bench-tpN-cold)
 #   bash benchmarks/device.sh pinprobe     # no staging needed: page-locking vs model construction (pin_probe.py)
 #   bash benchmarks/device.sh profile      # where "Model loading took" goes (ipc_cache zero_copy and copy, ours, auto) -> $OUT/profile-*
 #   bash benchmarks/device.sh sleep        # sleep mode with our loaders (tests/gpu/test_sleep_gpu.py)
@@ -112,6 +112,8 @@ case "${1:-tests}" in
       --repeats "${REPEATS:-3}" --loaders "${LOADERS:-runai_fastload_uring,runai_fastload_uringa,runai_fastload_uringe2,instanttensor_buffered}" \
       --out "$OUT/bench-tp1" 2>&1 | tail -40; exit ${PIPESTATUS[0]} ;;
   bench)
+    # a cold run writes beside a warm one of the same call, not over it
+    tag=bench-tp${2:-1}$([ "${COLD:-0}" = 1 ] && echo -cold)
     python3 benchmarks/load_bench.py --model /root/models/llama3-8b-shape --make 8b --tp "${2:-1}" $([ "${COLD:-0}" = 1 ] && echo --cold) \
-      --extra "${EXTRA:-{\}}" --loaders "${LOADERS:-auto,runai_builtin,runai_fastload,instanttensor,instanttensor_buffered,fastsafetensors,ipc_zero_copy,ipc_copy}" --out "$OUT/bench-tp${2:-1}" 2>&1 | tee "$OUT/bench-tp${2:-1}.log"; exit ${PIPESTATUS[0]} ;;
+      --extra "${EXTRA:-{\}}" --loaders "${LOADERS:-auto,runai_builtin,runai_fastload,instanttensor,instanttensor_buffered,fastsafetensors,ipc_zero_copy,ipc_copy}" --out "$OUT/$tag" 2>&1 | tee "$OUT/$tag.log"; exit ${PIPESTATUS[0]} ;;
 esac

@@ -59,10 +59,21 @@ def tensors_of(s: dict) -> dict[str, tuple]:
 
 
 def make(out: Path, shape: str, seed: int = 0) -> Path:
-    """Write config.json, model-0000k-of-0000n.safetensors and the index into ``out``; returns ``out``."""
+    """Write config.json, model-0000k-of-0000n.safetensors and the index into ``out``; returns ``out``. A model
+    already there (its index is written last) is kept when its config.json has ``shape``'s sizes; raises
+    ``ValueError`` naming the directory and the first differing field when it has another shape (a benchmark
+    would otherwise measure the wrong model)."""
     s = SHAPES[shape]
     out.mkdir(parents=True, exist_ok=True)
     if (out / "model.safetensors.index.json").exists():
+        try:
+            have = json.loads((out / "config.json").read_text())
+        except (OSError, ValueError):
+            have = {}
+        for k, v in s.items():
+            if k != "shards" and have.get(k) != v:
+                raise ValueError(f"{out} holds a model of another shape than {shape!r} ({k}: {have.get(k)!r} there, "
+                                 f"{v!r} asked); remove the directory or name another")
         return out
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     g = torch.Generator(device=dev).manual_seed(seed)
@@ -82,7 +93,6 @@ def make(out: Path, shape: str, seed: int = 0) -> Path:
             ts[name] = t.to(torch.bfloat16).cpu()
             weight_map[name] = fname
         save_file(ts, str(out / fname), metadata={"format": "pt"})
-    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     cfg = {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "torch_dtype": "bfloat16",
         "hidden_act": "silu", "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
@@ -90,6 +100,7 @@ def make(out: Path, shape: str, seed: int = 0) -> Path:
         **{k: v for k, v in s.items() if k != "shards"},
     }
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     return out
 
 

@@ -2,8 +2,9 @@
 runs in tests/unit/test_preader.py's direct-path tests, beside the pread reader).
 
 On CPU: the bytes handed out equal the file's, a slot is read into again only after its copy's event, a shard cut
-short and a failed read are errors naming the file, closing early waits for the reads in flight, and where
-io_uring cannot be used the load reads with the pread reader and says so. The reader tests skip (with the reason)
+short and a failed read are errors naming the file, closing early waits for the reads in flight, the opt-in io-wq
+worker limit and CPU affinity hold while a ring reads and are put back at close, and where io_uring cannot be used
+the load reads with the pread reader and says so. The reader tests skip (with the reason)
 where this kernel or the liburing package gives no io_uring; the CUDA copies run in tests/gpu on the device.
 """
 
@@ -13,8 +14,12 @@ import threading
 import pytest
 import torch
 
+from tests.conftest import assert_zoo_bit_exact, write_zoo
+from tests.unit.test_direct_reader import fake_cuda  # noqa: F401 - fixture
 from tests.unit.test_preader import SlowEvent, _file, _ranges, _strategy
-from vllm_fastload.streaming import uring
+from vllm_fastload.checkpoint import read_header
+from vllm_fastload.streaming import direct, uring
+from vllm_fastload.streaming.timing import StageTimes
 
 needs_uring = pytest.mark.skipif(uring.unavailable() is not None, reason=f"no io_uring here: {uring.unavailable()}")
 
@@ -365,7 +370,17 @@ def test_without_the_variable_a_ring_leaves_the_worker_limit_alone(tmp_path, mon
     assert uring.env_int("FASTLOAD_URING_IOWQ_WORKERS", 0) == 14
 
 
+@pytest.fixture
+def own_cpus():
+    """The test thread's CPUs before, put back after the test: a ring that failed to unpin it must not leave the
+    tests after it on one CPU (where they would skip)."""
+    before = os.sched_getaffinity(0)
+    yield before
+    os.sched_setaffinity(0, before)
+
+
 @needs_uring
+@pytest.mark.usefixtures("own_cpus")
 def test_io_wq_affinity_keeps_the_workers_off_the_loading_threads_cpu_while_it_reads(tmp_path, monkeypatch):
     """``FASTLOAD_URING_IOWQ_AFF``: while the ring reads, the thread that started it runs on one CPU (the highest it
     had) and its io-wq workers on the others, also the one the kernel started before the ring (it keeps the CPUs
@@ -426,3 +441,75 @@ def test_io_wq_affinity_register_and_back_and_a_bad_ring(tmp_path):
         uring.iowq_affinity(-1, {0})
     # the variable: "1" turns it on, anything else leaves it off
     assert uring.IOWQ_AFFINITY == (os.environ.get("FASTLOAD_URING_IOWQ_AFF") == "1")
+
+
+@needs_uring
+@pytest.mark.usefixtures("own_cpus")
+def test_io_wq_affinity_closed_from_another_thread_leaves_that_threads_cpus_alone(tmp_path, monkeypatch):
+    """The pin belongs to the thread that started the ring: a close from another thread puts the workers' CPUs
+    back but leaves both threads' masks as they are (``sched_setaffinity(0)`` would change the closing thread's)."""
+    before = os.sched_getaffinity(0)
+    if len(before) < 2:
+        pytest.skip("one CPU: nothing to keep the workers off")
+    monkeypatch.setattr(uring, "IOWQ_AFFINITY", True)
+    p, data = _file(tmp_path, 40_000)
+    ring = uring.UringRing([(str(p), *_ranges(len(data), 4096))], _slots(2), 2)
+    started, closed, seen = threading.Event(), threading.Event(), {}
+
+    def loader():
+        it = iter(ring)
+        piece = next(it)
+        seen["data"], seen["tid"] = bytes(piece.data.numpy()), threading.get_native_id()
+        started.set()
+        closed.wait(30)
+        seen["after"] = os.sched_getaffinity(0)
+
+    t = threading.Thread(target=loader)
+    t.start()
+    try:
+        assert started.wait(30)
+        assert ring.loader_cpu == max(before) and os.sched_getaffinity(0) == before
+        os.sched_setaffinity(0, {min(before)})  # the closing thread on other CPUs than the loading thread had
+        ring.close()
+        assert os.sched_getaffinity(0) == {min(before)}  # the closing thread's own mask untouched
+        assert all(cpus == before for cpus in uring.io_workers(seen["tid"]).values())
+    finally:
+        os.sched_setaffinity(0, before)
+        closed.set()
+        t.join(30)
+        ring.close()
+    assert seen["after"] == {max(before)}  # the loading thread's stays: only it could put its own back
+    assert seen["data"] in [data[o:o + 4096] for o in range(0, len(data), 4096)]
+
+
+@needs_uring
+@pytest.mark.usefixtures("own_cpus")
+@pytest.mark.parametrize("issue_thread", [False, True], ids=["consumer", "issue-thread"])
+@pytest.mark.parametrize("on", [False, True], ids=["unset", "aff"])
+def test_a_direct_load_reports_the_loader_cpu(tmp_path, fake_cuda, monkeypatch, issue_thread, on):  # noqa: F811
+    """The load report's ``uring_loader_cpu``: the CPU the thread that reads (the consumer's, or the issue thread's)
+    ran on; the consumer's thread keeps its CPUs when the issue thread reads, and has them back after the load."""
+    before = os.sched_getaffinity(0)
+    if on and len(before) < 2:
+        pytest.skip("one CPU: nothing to keep the workers off")
+    monkeypatch.setattr(uring, "IOWQ_AFFINITY", on)
+    expected = write_zoo(tmp_path / "model.safetensors")
+    headers = [read_header(str(tmp_path / "model.safetensors"))]
+    stats, masks = {}, set()
+    arena = torch.empty(direct.arena_bytes(4096, 3), dtype=torch.uint8)
+    ring = direct.Ring(4096, 3, 3, issue_thread=issue_thread, uring=True)
+    got = {}
+    for n, t in direct.stream_to_device(headers, torch.device("cpu"), ring, StageTimes(), arena, stats):
+        got[n] = t.clone()
+        masks.add(frozenset(os.sched_getaffinity(0)))
+    assert_zoo_bit_exact(got, expected)
+    if on:
+        assert stats["uring_loader_cpu"] == max(before)
+        pinned = frozenset({max(before)})
+        if issue_thread:
+            assert masks == {frozenset(before)}
+        else:  # the consumer reads: on the one CPU while the reader is open (the last tensors come after its close)
+            assert pinned in masks and masks <= {pinned, frozenset(before)}
+    else:
+        assert "uring_loader_cpu" not in stats and masks == {frozenset(before)}
+    assert os.sched_getaffinity(0) == before

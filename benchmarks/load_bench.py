@@ -168,7 +168,7 @@ def run_one(name: str, model: str, tp: int, gmu: float, report: Path, extra: dic
         if name == "runai_fastload_uring16m":
             ex["pinned_slot_bytes"] = 16 << 20
     if name.startswith("ipc_"):
-        ex = {"socket_dir": SOCKET_DIR[0], "mode": name[4:], "report_path": str(report), "fallback": False}
+        ex = {"socket_dir": SOCKET_DIR[-1], "mode": name[4:], "report_path": str(report), "fallback": False}
     timeline = report.with_name(f"{name}.timeline.json")
     timeline.unlink(missing_ok=True)
     if name.endswith("tl"):
@@ -427,7 +427,16 @@ def main() -> int:
         for name in [n for n in names if n not in runs]:  # all of them without --interleave
             if name.startswith("ipc_") and daemon is None:
                 daemon = start_daemon(a, results)  # only now, so it does not compete with the disk loaders
-            run_loader(name, a, results, shards)
+            if name != "ipc_copy":
+                run_loader(name, a, results, shards)
+                continue
+            copies = []
+            for k in range(a.repeats):
+                if k:  # the copy-mode engine before emptied the daemon: each run gets a fresh one
+                    daemon.stop()
+                    daemon = start_daemon(a, results)
+                copies.append(one_run(name, a, shards))
+            keep_median(name, copies, results)
     finally:
         if daemon is not None:
             daemon.stop()

@@ -11,7 +11,7 @@
 #   bash benchmarks/device.sh sleepbench   # sleep / wake / reload seconds on the 16 GB model (sleep_bench.py) -> $OUT/sleep-8b
 #   bash benchmarks/device.sh content      # content digest cost on the 16 GB model: inspect, ours hashed, daemon -> $OUT/
 #   bash benchmarks/device.sh zoo [MODELS]  # model-zoo parity (zoo_bench.py): auto, ours, ipc_cache both modes -> $OUT/zoo
-#   bash benchmarks/device.sh candidates   # TP=1: the default reader, io-wq affinity, spaced events and instanttensor in REPEATS (3) interleaved rounds, after the candidates' GPU tests -> $OUT/bench-tp1
+#   bash benchmarks/device.sh candidates   # TP=1: the default reader (pinned), unpinned, spaced events and instanttensor in REPEATS (3) interleaved rounds, after the candidates' GPU tests -> $OUT/bench-tp1
 #   bash benchmarks/device.sh cmd 'CMD'    # CMD with this checkout's plugin installed and the staged vLLM on the path
 set -uo pipefail
 if [ "${1:-}" = pinprobe ]; then
@@ -102,14 +102,15 @@ case "${1:-tests}" in
       --kv-bytes "${KV_BYTES:-2147483648}" --models-dir /root/models/zoo --out "$OUT/zoo" 2>&1 | tee "$OUT/zoo.log"
     exit ${PIPESTATUS[0]} ;;
   candidates)
-    # the opt-in candidates of the TP=1 read path (FASTLOAD_URING_IOWQ_AFF, FASTLOAD_H2D_EVENT_EVERY;
-    # FASTLOAD_URING_IOWQ_WORKERS through LOADERS=...uringw) in one call: their GPU tests first (the zoo bit-exact with spaced events, the timeline on CUDA)
+    # the TP=1 read path's default (the loading thread pinned, FASTLOAD_URING_IOWQ_AFF) against it unpinned (uringnoa),
+    # the opt-in candidates (FASTLOAD_H2D_EVENT_EVERY; FASTLOAD_URING_IOWQ_WORKERS through LOADERS=...uringw) and
+    # instanttensor in one call: their GPU tests first (the zoo bit-exact with spaced events, the timeline on CUDA)
     python3 -m pytest -q -rs tests/gpu/test_direct_gpu.py -k "timeline or event_every or affinity" 2>&1 \
       | tee "$OUT/candidates-tests.log" | tail -3
     [ "${PIPESTATUS[0]}" = 0 ] || echo "WARNING: the candidates' GPU tests failed: $OUT/candidates-tests.log"
     # (in rounds, REPEATS of them, so that a drift of the machine falls on every loader alike)
     python3 benchmarks/load_bench.py --model /root/models/llama3-8b-shape --make 8b --tp 1 --interleave \
-      --repeats "${REPEATS:-3}" --loaders "${LOADERS:-runai_fastload_uring,runai_fastload_uringa,runai_fastload_uringe2,instanttensor_buffered}" \
+      --repeats "${REPEATS:-3}" --loaders "${LOADERS:-runai_fastload_uring,runai_fastload_uringnoa,runai_fastload_uringe2,instanttensor_buffered}" \
       --out "$OUT/bench-tp1" 2>&1 | tail -40; exit ${PIPESTATUS[0]} ;;
   bench)
     # a cold run writes beside a warm one of the same call, not over it

@@ -67,10 +67,11 @@ LOADERS = {
     "runai_fastload_uringwe2": ("runai_streamer", {"FASTLOAD_H2D_EVENT_EVERY": "2",
                                                    "FASTLOAD_URING_IOWQ_WORKERS": IOWQ_WORKERS}),
     # the io_uring reader with the loading thread on a CPU of its own and the io-wq workers on the others
-    # (FASTLOAD_URING_IOWQ_AFF=1): all workers kept, none beside the thread that issues the copies; and with an event
-    # per two copies as well
+    # (FASTLOAD_URING_IOWQ_AFF=1, also on hosts below uring.AFFINITY_MIN_CPUS); with an event per two copies as
+    # well; and without it (=0: the reader as before the pin became the default on hosts of >= 8 CPUs)
     "runai_fastload_uringa": ("runai_streamer", {"FASTLOAD_URING_IOWQ_AFF": "1"}),
     "runai_fastload_uringae2": ("runai_streamer", {"FASTLOAD_URING_IOWQ_AFF": "1", "FASTLOAD_H2D_EVENT_EVERY": "2"}),
+    "runai_fastload_uringnoa": ("runai_streamer", {"FASTLOAD_URING_IOWQ_AFF": "0"}),
     # the io_uring reader with its slots registered (READV_FIXED reads; FASTLOAD_URING_FIXED=1)
     "runai_fastload_uringfixed": ("runai_streamer", {"FASTLOAD_URING_FIXED": "1"}),
     # ipc_cache needs a `vllm-fastload preload` daemon for the same model/TP; started by main() when asked for.

@@ -258,7 +258,8 @@ class StreamerConfig(_LoaderConfig):
         "package's reader (os.preadv threads, 3/4 of the CPUs split among this host's ranks unless concurrency is "
         "set, into pinned_slots slots of pinned_slot_bytes; local files, direct GPU path only). uring_buffered: this "
         "package's io_uring reader (the loading thread keeps concurrency reads in flight, default pinned_slots, and "
-        "the kernel's workers copy; "
+        "the kernel's workers copy; where the loading thread may use >= 8 CPUs it is pinned to the CPU it runs on and "
+        "the workers are kept off that CPU while it reads, FASTLOAD_URING_IOWQ_AFF=0 turns that off; "
         "needs the liburing package and a kernel and seccomp profile allowing io_uring, else pread_buffered, said at "
         "INFO). runai: always runai's default. The other values are runai's strategies (RUNAI_STREAMER_FS_STRATEGY).",
     )

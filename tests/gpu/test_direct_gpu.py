@@ -190,5 +190,7 @@ def test_zoo_bit_exact_with_io_wq_affinity(tmp_path, monkeypatch):
         seen.add(frozenset(os.sched_getaffinity(0)))
     torch.cuda.synchronize()
     assert_zoo_bit_exact(got, expected)
-    assert seen == {frozenset({max(before)})} and stats["uring_loader_cpu"] == max(before)
+    cpu = stats["uring_loader_cpu"]
+    # pinned while the reader was open (the last tensors may come after its close, on the thread's own CPUs again)
+    assert cpu in before and frozenset({cpu}) in seen and seen <= {frozenset({cpu}), frozenset(before)}, seen
     assert os.sched_getaffinity(0) == before

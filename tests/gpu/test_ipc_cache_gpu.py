@@ -155,6 +155,14 @@ def test_zero_copy_copy_accounting_and_daemon_death(small, sock, tmp_path):
     def auto_again():
         return one_shot(small, "auto", tmp_path / f"auto-{next(reruns)}.log")[0]["ids"]
 
+    def same_answer(now):
+        # the same bytes bit for bit; the ids those of the engine's first answer or of some reference engine: a later
+        # generate of the same engine gave other ids than its first on an H100 (2026-12-06, the state identical), a
+        # near tie of these random weights, as between auto engines (ids_some_reference_gives)
+        assert now["state"] == got["state"]
+        assert now["ids"] == got["ids"] or ids_some_reference_gives(now["ids"], ref["ids"], auto_again), (
+            now["ids"], got["ids"], ref["ids"])
+
     daemon = start_daemon(small, sock, tmp_path, "preload")
     zc = None
     try:
@@ -185,14 +193,14 @@ def test_zero_copy_copy_accounting_and_daemon_death(small, sock, tmp_path):
         assert cp["state"] == ref["state"]
         assert ids_some_reference_gives(cp["ids"], ref["ids"], auto_again), (cp["ids"], ref["ids"])
         assert "copy mode: daemon kept (zero_copy clients)" in log_c
-        assert zc.gen() == {"ids": got["ids"], "state": got["state"]}
+        same_answer(zc.gen())
         st = status_of(socket_of(sock))
         assert st.clients == 1 and st.client_modes == ["zero_copy"] and st.state == "ready"
 
         # The daemon dies: the engine keeps answering from the memory it maps.
         os.kill(daemon.pid, signal.SIGKILL)
         time.sleep(2)
-        assert zc.gen() == {"ids": got["ids"], "state": got["state"]}  # the same answer from the same bytes
+        same_answer(zc.gen())  # the same bytes answer
 
         # With fallback off and no daemon, the next start fails within connect_timeout_s, naming the socket.
         t = time.monotonic()

@@ -382,8 +382,8 @@ def own_cpus():
 @needs_uring
 @pytest.mark.usefixtures("own_cpus")
 def test_io_wq_affinity_keeps_the_workers_off_the_loading_threads_cpu_while_it_reads(tmp_path, monkeypatch):
-    """``FASTLOAD_URING_IOWQ_AFF``: while the ring reads, the thread that started it runs on one CPU (the highest it
-    had) and its io-wq workers on the others, also the one the kernel started before the ring (it keeps the CPUs
+    """``FASTLOAD_URING_IOWQ_AFF``: while the ring reads, the thread that started it runs on one CPU (one it had)
+    and its io-wq workers on the others, also the one the kernel started before the ring (it keeps the CPUs
     it had unless moved); the bytes are the file's; closing gives the thread and the workers their CPUs back."""
     before = os.sched_getaffinity(0)
     if len(before) < 2:
@@ -397,9 +397,10 @@ def test_io_wq_affinity_keeps_the_workers_off_the_loading_threads_cpu_while_it_r
             masks.add(frozenset(os.sched_getaffinity(0)))
             workers.update(uring.io_workers(threading.get_native_id()))
             ring.recycle(piece.slot)
-        assert ring.loader_cpu == max(before)
-    assert masks == {frozenset({max(before)})}
-    assert workers and all(cpus == before - {max(before)} for cpus in workers.values()), workers
+        cpu = ring.loader_cpu
+        assert cpu in before
+    assert masks == {frozenset({cpu})}
+    assert workers and all(cpus == before - {cpu} for cpus in workers.values()), workers
     assert sorted(seen) == [(r, data[r * 4096:(r + 1) * 4096]) for r in range(len(seen))] and len(seen) == 98
     assert os.sched_getaffinity(0) == before
     # the workers that stay (the thread's first one does) may run anywhere again
@@ -439,8 +440,8 @@ def test_io_wq_affinity_register_and_back_and_a_bad_ring(tmp_path):
         liburing.io_uring_queue_exit(ring)
     with pytest.raises(OSError, match="REGISTER_IOWQ_AFF"):
         uring.iowq_affinity(-1, {0})
-    # the variable: "1" turns it on, anything else leaves it off
-    assert uring.IOWQ_AFFINITY == (os.environ.get("FASTLOAD_URING_IOWQ_AFF") == "1")
+    # the variable: "1" on, "0" off, else (unset) as the CPU count says
+    assert uring.IOWQ_AFFINITY == {"1": True, "0": False}.get(os.environ.get("FASTLOAD_URING_IOWQ_AFF", ""))
 
 
 @needs_uring
@@ -468,7 +469,7 @@ def test_io_wq_affinity_closed_from_another_thread_leaves_that_threads_cpus_alon
     t.start()
     try:
         assert started.wait(30)
-        assert ring.loader_cpu == max(before) and os.sched_getaffinity(0) == before
+        assert ring.loader_cpu in before and os.sched_getaffinity(0) == before
         os.sched_setaffinity(0, {min(before)})  # the closing thread on other CPUs than the loading thread had
         ring.close()
         assert os.sched_getaffinity(0) == {min(before)}  # the closing thread's own mask untouched
@@ -478,7 +479,7 @@ def test_io_wq_affinity_closed_from_another_thread_leaves_that_threads_cpus_alon
         closed.set()
         t.join(30)
         ring.close()
-    assert seen["after"] == {max(before)}  # the loading thread's stays: only it could put its own back
+    assert seen["after"] == {ring.loader_cpu}  # the loading thread's stays: only it could put its own back
     assert seen["data"] in [data[o:o + 4096] for o in range(0, len(data), 4096)]
 
 
@@ -504,8 +505,8 @@ def test_a_direct_load_reports_the_loader_cpu(tmp_path, fake_cuda, monkeypatch, 
         masks.add(frozenset(os.sched_getaffinity(0)))
     assert_zoo_bit_exact(got, expected)
     if on:
-        assert stats["uring_loader_cpu"] == max(before)
-        pinned = frozenset({max(before)})
+        assert stats["uring_loader_cpu"] in before
+        pinned = frozenset({stats["uring_loader_cpu"]})
         if issue_thread:
             assert masks == {frozenset(before)}
         else:  # the consumer reads: on the one CPU while the reader is open (the last tensors come after its close)
@@ -513,3 +514,63 @@ def test_a_direct_load_reports_the_loader_cpu(tmp_path, fake_cuda, monkeypatch, 
     else:
         assert "uring_loader_cpu" not in stats and masks == {frozenset(before)}
     assert os.sched_getaffinity(0) == before
+
+
+@needs_uring
+@pytest.mark.usefixtures("own_cpus")
+@pytest.mark.parametrize("fewest, pins", [(2, True), (3, False)])
+def test_unset_the_thread_is_pinned_where_it_has_enough_cpus(tmp_path, monkeypatch, fewest, pins):
+    """``FASTLOAD_URING_IOWQ_AFF`` unset: a thread with at least :data:`AFFINITY_MIN_CPUS` CPUs is pinned (to the CPU
+    it ran on), one with fewer is left alone; set to 0, never."""
+    before = os.sched_getaffinity(0)
+    if len(before) != 2:
+        pytest.skip("the thresholds below are for a thread of two CPUs")
+    monkeypatch.setattr(uring, "IOWQ_AFFINITY", None)
+    monkeypatch.setattr(uring, "AFFINITY_MIN_CPUS", fewest)
+    p, data = _file(tmp_path, 20_000)
+    with uring.UringRing([(str(p), *_ranges(len(data), 4096))], _slots(2), 2) as ring:
+        for piece in ring:
+            assert bytes(piece.data.numpy()) == data[piece.range_index * 4096:(piece.range_index + 1) * 4096]
+            assert os.sched_getaffinity(0) == ({ring.loader_cpu} if pins else before)
+            ring.recycle(piece.slot)
+    assert (ring.loader_cpu in before) if pins else ring.loader_cpu is None
+    monkeypatch.setattr(uring, "IOWQ_AFFINITY", False)
+    with uring.UringRing([(str(p), *_ranges(len(data), 4096))], _slots(2), 2) as ring:
+        list(ring.recycle(piece.slot) for piece in ring)
+    assert ring.loader_cpu is None
+
+
+@needs_uring
+@pytest.mark.usefixtures("own_cpus")
+def test_a_thread_started_while_pinned_gets_the_cpus_back_and_the_pin_is_where_the_thread_ran(tmp_path, monkeypatch):
+    """A new thread inherits its creator's CPUs: one the loading thread starts during the load (a pool first used
+    then) would stay on the pinned CPU; closing the ring gives it the loading thread's CPUs. The CPU pinned to is
+    the one the thread ran on (``current_cpu``)."""
+    before = os.sched_getaffinity(0)
+    if len(before) < 2:
+        pytest.skip("one CPU: nothing to keep the workers off")
+    monkeypatch.setattr(uring, "IOWQ_AFFINITY", True)
+    cpu = min(before)
+    os.sched_setaffinity(0, {cpu})
+    assert uring.current_cpu() == cpu
+    os.sched_setaffinity(0, before)
+    monkeypatch.setattr(uring, "current_cpu", lambda: cpu)
+    p, data = _file(tmp_path, 40_000)
+    go, masks = threading.Event(), {}
+    child = None
+
+    def pool_thread():
+        masks["started"] = os.sched_getaffinity(0)
+        go.wait(30)
+        masks["after"] = os.sched_getaffinity(0)
+
+    with uring.UringRing([(str(p), *_ranges(len(data), 4096))], _slots(2), 2) as ring:
+        for piece in ring:
+            if child is None:
+                child = threading.Thread(target=pool_thread)
+                child.start()
+            ring.recycle(piece.slot)
+    go.set()
+    child.join(30)
+    assert ring.loader_cpu == cpu and masks["started"] == {cpu}
+    assert masks["after"] == before and os.sched_getaffinity(0) == before

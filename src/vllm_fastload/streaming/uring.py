@@ -74,11 +74,14 @@ _IORING_REGISTER_IOWQ_AFF = 17
 _IORING_UNREGISTER_IOWQ_AFF = 18
 #: Whether a ring keeps its io-wq workers off one CPU and pins the thread that started it (the loading thread, which
 #: submits the reads and issues the H2D copies) to that CPU while it reads (``IORING_REGISTER_IOWQ_AFF``, Linux 5.14
-#: on). The per-copy timeline of a TP=1 load on a 16-CPU host found the loading thread slow to issue copies while 16
-#: workers copied on every CPU; capping the workers helped issuing but slowed the reads, so this keeps all of them
-#: and gives the loading thread a CPU of its own instead. A candidate to measure: off unless
-#: ``FASTLOAD_URING_IOWQ_AFF=1``.
-IOWQ_AFFINITY = os.environ.get("FASTLOAD_URING_IOWQ_AFF", "0") == "1"
+#: on): True / False as ``FASTLOAD_URING_IOWQ_AFF`` is ``1`` / ``0``; None (unset): where the thread may run on at
+#: least :data:`AFFINITY_MIN_CPUS` CPUs. The per-copy timeline of a TP=1 load on a 16-CPU host found the loading
+#: thread slow to issue copies while 16 workers copied on every CPU; capping the workers helped issuing but slowed
+#: the reads, this keeps all of them and gives the loading thread a CPU of its own (docs/benchmarks.md).
+IOWQ_AFFINITY: Optional[bool] = {"1": True, "0": False}.get(os.environ.get("FASTLOAD_URING_IOWQ_AFF", ""))
+#: Fewest CPUs the loading thread may use for :data:`IOWQ_AFFINITY`'s default to pin it: it was measured on 16-CPU
+#: hosts; with few CPUs, one taken from the workers is a large share of their copying.
+AFFINITY_MIN_CPUS = 8
 
 
 def iowq_max_workers(ring_fd: int, bounded: int, unbounded: int = 0) -> tuple[int, int]:
@@ -138,6 +141,29 @@ def io_workers(tid: int) -> dict[int, set[int]]:
         except OSError:
             pass  # the task exited meanwhile
     return out
+
+
+def current_cpu() -> Optional[int]:
+    """The CPU the calling thread runs on (field 39, ``processor``, of ``/proc/thread-self/stat``, proc(5)); None
+    where it cannot be read."""
+    try:
+        with open("/proc/thread-self/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[36])  # fields from the 3rd on, after the command name
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _new_tasks(before: Optional[set[str]], tid: int) -> list[int]:
+    """This process's task ids not in ``before`` (ids as /proc/self/task lists them), without thread ``tid``'s
+    io-wq workers; empty when ``before`` is None or /proc cannot be read."""
+    if before is None:
+        return []
+    try:
+        now = set(os.listdir("/proc/self/task")) - before
+    except OSError:
+        return []
+    workers = io_workers(tid)
+    return [int(t) for t in now if int(t) not in workers]
 
 
 @functools.lru_cache(maxsize=1)
@@ -215,8 +241,9 @@ class UringRing:
         #: the CPU the loading thread was pinned to, the io-wq workers kept off it (:data:`IOWQ_AFFINITY`); None
         #: when not pinned
         self.loader_cpu: Optional[int] = None
-        # (native id of the pinned thread, its CPUs before, its io-wq workers then -> their CPUs before)
-        self._pinned: Optional[tuple[int, set[int], dict[int, set[int]]]] = None
+        # (native id of the pinned thread, its CPUs before, its io-wq workers then -> their CPUs before, the
+        # process's task ids then or None)
+        self._pinned: Optional[tuple[int, set[int], dict[int, set[int]], Optional[set[str]]]] = None
         self._registered: Any = None  # the slots' iovecs while registered (the kernel holds their pages)
         self._fds: list[int] = []
         self._ring: Any = None
@@ -259,8 +286,8 @@ class UringRing:
                 pass  # an older kernel: the default number of workers reads the same bytes
             else:
                 self.iowq_workers = IOWQ_WORKERS
-        if IOWQ_AFFINITY:
-            self._pin(ring.ring_fd)
+        if IOWQ_AFFINITY is not False:
+            self._pin(ring.ring_fd, 2 if IOWQ_AFFINITY else AFFINITY_MIN_CPUS)
         if FIXED_BUFFERS:
             iovecs = liburing.Iovec(self._views)
             try:
@@ -270,21 +297,28 @@ class UringRing:
             else:
                 self._registered, self.fixed = iovecs, True
 
-    def _pin(self, ring_fd: int) -> None:
-        """:data:`IOWQ_AFFINITY`: the workers onto every CPU this thread may use but the highest, this thread onto
-        that one (the highest: CPU 0 takes most of the interrupts on the hosts seen). The kernel's mask covers the
-        workers it starts from now on; the thread's workers that already run (one is started with the thread's
-        first ring and stays) are moved with ``sched_setaffinity`` of their own. Nothing changes where the thread
-        has one CPU or the kernel refuses (the same bytes are read either way)."""
+    def _pin(self, ring_fd: int, fewest: int = 2) -> None:
+        """:data:`IOWQ_AFFINITY`: this thread onto the CPU it runs on now (where the scheduler put it beside the
+        host's other work, so loading threads of other engines or ranks are likely elsewhere; the highest allowed
+        one if that cannot be read), the workers onto the thread's other CPUs. The kernel's mask covers the workers
+        it starts from now on; the thread's workers that already run (one is started with the thread's first ring
+        and stays) are moved with ``sched_setaffinity`` of their own. Nothing changes where the thread may use fewer
+        than ``fewest`` CPUs or the kernel refuses (the same bytes are read either way)."""
         import threading
 
         try:
             before = os.sched_getaffinity(0)  # pid 0: the calling thread (sched_setaffinity(2))
         except (AttributeError, OSError):
             return
-        if len(before) < 2:
+        if len(before) < max(2, fewest):
             return
-        cpu = max(before)
+        cpu = current_cpu()
+        if cpu not in before:
+            cpu = max(before)
+        try:
+            tasks = set(os.listdir("/proc/self/task"))
+        except OSError:
+            tasks = None
         try:
             iowq_affinity(ring_fd, before - {cpu})
         except OSError:
@@ -304,11 +338,13 @@ class UringRing:
                 os.sched_setaffinity(w, before - {cpu})
             except OSError:
                 pass  # it exited meanwhile, or refuses: it reads the same bytes where it is
-        self._pinned, self.loader_cpu = (tid, before, workers), cpu
+        self._pinned, self.loader_cpu = (tid, before, workers, tasks), cpu
 
     def _unpin(self) -> None:
         """Put the worker and thread affinity of :meth:`_pin` back: the kernel's mask for new workers, the CPUs of
-        the workers that ran before (the thread's CPUs for those started since). The pin belongs to the thread
+        the workers that ran before (the thread's CPUs for those started since), and the thread's CPUs for every
+        thread it started while pinned that still has only the pinned CPU (a new thread inherits its creator's
+        mask: a pool first started during the load would otherwise stay on one CPU). The pin belongs to the thread
         that started the ring; a close from another thread (the loader closes on the loading thread) leaves that
         thread's mask as it is, since ``sched_setaffinity(0)`` would change the closing thread's."""
         import threading
@@ -316,7 +352,7 @@ class UringRing:
         pinned, self._pinned = self._pinned, None
         if pinned is None:
             return
-        tid, before, workers = pinned
+        tid, before, workers, tasks = pinned
         try:
             iowq_affinity(self._ring.ring_fd, None)
         except OSError:
@@ -324,6 +360,12 @@ class UringRing:
         for w in io_workers(tid):
             try:
                 os.sched_setaffinity(w, workers.get(w, before))
+            except OSError:
+                pass  # it exited meanwhile
+        for t in _new_tasks(tasks, tid):
+            try:
+                if os.sched_getaffinity(t) == {self.loader_cpu}:
+                    os.sched_setaffinity(t, before)
             except OSError:
                 pass  # it exited meanwhile
         if threading.get_native_id() == tid:

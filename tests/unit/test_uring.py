@@ -446,9 +446,10 @@ def test_io_wq_affinity_register_and_back_and_a_bad_ring(tmp_path):
 
 @needs_uring
 @pytest.mark.usefixtures("own_cpus")
-def test_io_wq_affinity_closed_from_another_thread_leaves_that_threads_cpus_alone(tmp_path, monkeypatch):
-    """The pin belongs to the thread that started the ring: a close from another thread puts the workers' CPUs
-    back but leaves both threads' masks as they are (``sched_setaffinity(0)`` would change the closing thread's)."""
+def test_io_wq_affinity_closed_from_another_thread_gives_the_loading_thread_its_cpus_back(tmp_path, monkeypatch):
+    """A close from another thread (a generator finalized there) gives the pinned thread its CPUs back by its id and
+    leaves the closing thread's own mask alone; the pinned thread's io-wq mask, which only that thread can reset
+    (the kernel applies it to the caller's io-wq), is reset when it starts its next ring."""
     before = os.sched_getaffinity(0)
     if len(before) < 2:
         pytest.skip("one CPU: nothing to keep the workers off")
@@ -464,6 +465,10 @@ def test_io_wq_affinity_closed_from_another_thread_leaves_that_threads_cpus_alon
         started.set()
         closed.wait(30)
         seen["after"] = os.sched_getaffinity(0)
+        seen["stale"] = seen["tid"] in uring._STALE_IOWQ
+        with uring.UringRing([(str(p), [0], [4096])], _slots(1), 1, pin=False) as again:
+            seen["again"] = [bytes(x.data.numpy()) for x in again]
+        seen["stale_after"] = seen["tid"] in uring._STALE_IOWQ
 
     t = threading.Thread(target=loader)
     t.start()
@@ -479,7 +484,8 @@ def test_io_wq_affinity_closed_from_another_thread_leaves_that_threads_cpus_alon
         closed.set()
         t.join(30)
         ring.close()
-    assert seen["after"] == {ring.loader_cpu}  # the loading thread's stays: only it could put its own back
+    assert seen["after"] == before  # given back by id from the closing thread
+    assert seen["stale"] and not seen["stale_after"] and seen["again"] == [data[:4096]]
     assert seen["data"] in [data[o:o + 4096] for o in range(0, len(data), 4096)]
 
 
@@ -574,3 +580,65 @@ def test_a_thread_started_while_pinned_gets_the_cpus_back_and_the_pin_is_where_t
     child.join(30)
     assert ring.loader_cpu == cpu and masks["started"] == {cpu}
     assert masks["after"] == before and os.sched_getaffinity(0) == before
+
+
+@needs_uring
+@pytest.mark.usefixtures("own_cpus")
+def test_no_pin_when_the_ring_may_not_or_the_cpu_is_unknown(tmp_path, monkeypatch):
+    """``pin=False`` (the availability probe, a fan-out's reading thread) and a CPU that cannot be read both leave
+    the thread as it is: a fixed fallback CPU would put the loading threads of a host's engines on one CPU."""
+    before = os.sched_getaffinity(0)
+    if len(before) < 2:
+        pytest.skip("one CPU: nothing to keep the workers off")
+    monkeypatch.setattr(uring, "IOWQ_AFFINITY", True)
+    p, data = _file(tmp_path, 20_000)
+    for kw, cpu in (({"pin": False}, uring.current_cpu), ({}, lambda: None)):
+        monkeypatch.setattr(uring, "current_cpu", cpu)
+        with uring.UringRing([(str(p), *_ranges(len(data), 4096))], _slots(2), 2, **kw) as ring:
+            for piece in ring:
+                assert os.sched_getaffinity(0) == before
+                ring.recycle(piece.slot)
+        assert ring.loader_cpu is None
+    assert direct_ring_pin_default()
+
+
+def direct_ring_pin_default() -> bool:
+    from vllm_fastload.streaming.direct import Ring
+
+    return Ring(4096, 2).pin and not Ring(4096, 2)._replace(pin=False).pin
+
+
+@needs_uring
+@pytest.mark.usefixtures("own_cpus")
+def test_an_interrupt_while_closing_still_gives_the_cpus_back(tmp_path, monkeypatch):
+    before = os.sched_getaffinity(0)
+    if len(before) < 2:
+        pytest.skip("one CPU: nothing to keep the workers off")
+    monkeypatch.setattr(uring, "IOWQ_AFFINITY", True)
+    p, data = _file(tmp_path, 400_000)
+    ring = uring.UringRing([(str(p), *_ranges(len(data), 4096))], _slots(8), 8)
+    it = iter(ring)
+    next(it)
+    assert os.sched_getaffinity(0) == {ring.loader_cpu}
+    monkeypatch.setattr(ring, "_flush", lambda: (_ for _ in ()).throw(KeyboardInterrupt()))
+    with pytest.raises(KeyboardInterrupt):
+        ring.close()
+    assert os.sched_getaffinity(0) == before
+    monkeypatch.undo()
+    ring.close()  # the ring itself still closes afterwards
+
+
+def test_io_workers_inside_a_pid_namespace_are_found_by_their_foreign_number(monkeypatch):
+    """The kernel names a worker after its owner's id in the initial pid namespace: in a container none matches the
+    thread's own id, and the workers are then the ``iou-wrk-*`` tasks whose number is no task id here."""
+    import builtins
+    import io
+
+    comms = {"1": "python", "7": "iou-wrk-3544", "8": "iou-wrk-3544", "9": "iou-wrk-1"}
+    real_open = builtins.open
+    monkeypatch.setattr(os, "listdir", lambda path: list(comms) if path == "/proc/self/task" else [])
+    monkeypatch.setattr(os, "sched_getaffinity", lambda t: {0, 1})
+    monkeypatch.setattr(builtins, "open", lambda path, *a, **k: io.StringIO(comms[path.split("/")[4]] + "\n")
+                        if str(path).startswith("/proc/self/task/") else real_open(path, *a, **k))
+    assert uring.io_workers(1) == {9: {0, 1}}  # its own by name where one matches
+    assert uring.io_workers(2) == {7: {0, 1}, 8: {0, 1}}  # else the workers named by a number foreign here

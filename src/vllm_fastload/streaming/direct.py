@@ -390,13 +390,16 @@ class Ring(NamedTuple):
     number: this package's reader, local files only: :class:`.preader.PreadRing` with that many threads, or with
     ``uring`` :class:`.uring.UringRing` with that many reads in flight) and ``issue_thread`` (pinned path only:
     the copies are issued by a thread of the load, :class:`_IssueThread`, at most :data:`AHEAD_SPANS` ring spans of
-    finished tensors ahead of the consumer; False: by the consumer's thread between the tensors it takes)."""
+    finished tensors ahead of the consumer; False: by the consumer's thread between the tensors it takes) and
+    ``pin`` (``uring`` only: the reading thread may get a CPU of its own, :data:`.uring.IOWQ_AFFINITY`; off for a
+    fan-out, whose collectives run on that thread)."""
 
     slot_bytes: int
     slots: int
     threads: Optional[int] = None
     issue_thread: bool = False
     uring: bool = False
+    pin: bool = True
 
 
 def stream_to_device(headers: list[SafetensorsHeader], device: torch.device, ring: Ring, times: StageTimes,
@@ -703,7 +706,8 @@ def _pread_pieces(chunks: list, arena: Optional[torch.Tensor], ring: Ring, copy_
     else:
         slots = [torch.empty(n, dtype=torch.uint8) for _ in range(ring.slots)]
     arena = None
-    reader = (UringRing if ring.uring else PreadRing)(chunks, slots, ring.threads)
+    reader = UringRing(chunks, slots, ring.threads, pin=ring.pin) if ring.uring else PreadRing(chunks, slots,
+                                                                                              ring.threads)
     try:
         for p in reader:
             yield p.file_id, p.range_index, p.data, lambda ev, slot=p.slot: reader.recycle(slot, ev)

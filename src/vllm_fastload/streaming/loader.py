@@ -399,7 +399,9 @@ class RunaiStreamerLoader(BaseModelLoader):
         only = {(f, t.name) for (f, t), o in zip(entries, owner) if o == fan.me}
         arena = self._take_arena(device, report) if device.type == "cuda" else None
         t, stats = StageTimes(), {}
-        ring = load.ring(cfg)
+        # not pinned: the broadcasts run on the reading thread, and a communicator or thread NCCL starts there must
+        # not take its one CPU for good
+        ring = load.ring(cfg)._replace(pin=False)
         local = stream_tensors(headers, device, ring, t, arena, stats, only=only)
         arena = None  # the stream owns it now
         it = fan.run(entries, owner, self._storage_errors(load.plan, local), device)

@@ -125,32 +125,66 @@ def iowq_affinity(ring_fd: int, cpus: Optional[set[int]]) -> None:
 
 def io_workers(tid: int) -> dict[int, set[int]]:
     """The io-wq worker threads of thread ``tid`` (native id) of this process -> the CPUs each may run on: the
-    tasks of ``/proc/self/task`` whose name is ``iou-wrk-<tid>`` (the kernel's name for them, cut at 15
-    characters like every task name). Empty where /proc cannot be read."""
+    tasks of ``/proc/self/task`` named ``iou-wrk-<tid>`` (the kernel's name for them, cut at 15 characters like
+    every task name). The kernel names them by the id in its own (initial) pid namespace, so inside a container's
+    namespace none may match: then every ``iou-wrk-*`` task whose number is no task id here (the workers of all
+    this process's threads; moving another thread's worker with these only narrows it while the ring reads).
+    Empty where /proc cannot be read."""
     name = f"iou-wrk-{tid}"[:15]
-    out: dict[int, set[int]] = {}
+    mine: dict[int, set[int]] = {}
+    other: dict[int, set[int]] = {}
     try:
         tasks = os.listdir("/proc/self/task")
     except OSError:
-        return out
+        return mine
     for t in tasks:
         try:
             with open(f"/proc/self/task/{t}/comm") as f:
-                if f.read().rstrip("\n") == name:
-                    out[int(t)] = os.sched_getaffinity(int(t))
+                comm = f.read().rstrip("\n")
+            if comm == name:
+                mine[int(t)] = os.sched_getaffinity(int(t))
+            elif comm.startswith("iou-wrk-") and comm[8:] not in tasks:
+                other[int(t)] = os.sched_getaffinity(int(t))
         except OSError:
             pass  # the task exited meanwhile
-    return out
+    return mine or other
 
 
 def current_cpu() -> Optional[int]:
-    """The CPU the calling thread runs on (field 39, ``processor``, of ``/proc/thread-self/stat``, proc(5)); None
-    where it cannot be read."""
+    """The CPU the calling thread runs on (glibc's ``sched_getcpu(3)``, else field 39, ``processor``, of
+    ``/proc/thread-self/stat``, proc(5)); None where neither answers."""
+    import ctypes
+
+    try:
+        cpu = ctypes.CDLL(None, use_errno=True).sched_getcpu()
+        if cpu >= 0:
+            return int(cpu)
+    except (OSError, AttributeError):
+        pass  # no such symbol (a libc without it): ask /proc
     try:
         with open("/proc/thread-self/stat") as f:
             return int(f.read().rsplit(")", 1)[1].split()[36])  # fields from the 3rd on, after the command name
     except (OSError, ValueError, IndexError):
         return None
+
+
+#: Native ids of threads whose ring was closed by another thread: the kernel applies the io-wq mask calls to the
+#: calling thread's io-wq, so the pinned thread's own mask for new workers stays until that thread starts its next
+#: ring (:func:`_restore_stale_iowq`)
+_STALE_IOWQ: set[int] = set()
+
+
+def _restore_stale_iowq(ring_fd: int) -> None:
+    """Put the default io-wq mask back for the calling thread if a ring of it was closed by another thread."""
+    import threading
+
+    tid = threading.get_native_id()
+    if tid in _STALE_IOWQ:
+        _STALE_IOWQ.discard(tid)
+        try:
+            iowq_affinity(ring_fd, None)
+        except OSError:
+            pass  # the kernel refuses: new workers keep the narrower mask, reading the same bytes
 
 
 def _new_tasks(before: Optional[set[str]], tid: int) -> list[int]:
@@ -181,7 +215,7 @@ def unavailable() -> Optional[str]:
     path = os.path.realpath(__file__)
     slot = torch.zeros(64, dtype=torch.uint8)
     try:
-        with UringRing([(path, [0], [64])], [slot], 1) as ring:
+        with UringRing([(path, [0], [64])], [slot], 1, pin=False) as ring:
             got = [bytes(p.data.numpy()) for p in ring]
         fd = os.open(path, os.O_RDONLY)
         try:
@@ -211,7 +245,7 @@ class UringRing:
     """
 
     def __init__(self, requests: list[tuple[str, list[int], list[int]]], slots: list[Any], depth: int,
-                 part_bytes: int = PART_BYTES):
+                 part_bytes: int = PART_BYTES, pin: bool = True):
         if depth < 1:
             raise ValueError(f"depth must be >= 1, got {depth}")
         if part_bytes < 1:
@@ -241,6 +275,7 @@ class UringRing:
         #: the CPU the loading thread was pinned to, the io-wq workers kept off it (:data:`IOWQ_AFFINITY`); None
         #: when not pinned
         self.loader_cpu: Optional[int] = None
+        self._may_pin = pin  # False: never (the availability probe; a fan-out's reading thread)
         # (native id of the pinned thread, its CPUs before, its io-wq workers then -> their CPUs before, the
         # process's task ids then or None)
         self._pinned: Optional[tuple[int, set[int], dict[int, set[int]], Optional[set[str]]]] = None
@@ -286,7 +321,8 @@ class UringRing:
                 pass  # an older kernel: the default number of workers reads the same bytes
             else:
                 self.iowq_workers = IOWQ_WORKERS
-        if IOWQ_AFFINITY is not False:
+        _restore_stale_iowq(ring.ring_fd)
+        if IOWQ_AFFINITY is not False and self._may_pin:
             self._pin(ring.ring_fd, 2 if IOWQ_AFFINITY else AFFINITY_MIN_CPUS)
         if FIXED_BUFFERS:
             iovecs = liburing.Iovec(self._views)
@@ -314,7 +350,7 @@ class UringRing:
             return
         cpu = current_cpu()
         if cpu not in before:
-            cpu = max(before)
+            return  # unknown: a fixed choice would put the loading threads of a host's engines on one CPU
         try:
             tasks = set(os.listdir("/proc/self/task"))
         except OSError:
@@ -341,22 +377,26 @@ class UringRing:
         self._pinned, self.loader_cpu = (tid, before, workers, tasks), cpu
 
     def _unpin(self) -> None:
-        """Put the worker and thread affinity of :meth:`_pin` back: the kernel's mask for new workers, the CPUs of
-        the workers that ran before (the thread's CPUs for those started since), and the thread's CPUs for every
-        thread it started while pinned that still has only the pinned CPU (a new thread inherits its creator's
-        mask: a pool first started during the load would otherwise stay on one CPU). The pin belongs to the thread
-        that started the ring; a close from another thread (the loader closes on the loading thread) leaves that
-        thread's mask as it is, since ``sched_setaffinity(0)`` would change the closing thread's."""
+        """Put the worker and thread affinity of :meth:`_pin` back: the CPUs of the workers that ran before (the
+        thread's CPUs for those started since), the thread's own mask, and the thread's CPUs for every thread
+        started while it was pinned that still has only the pinned CPU (a new thread inherits its creator's mask:
+        a pool first started during the load would otherwise stay on one CPU; a thread that pinned itself to that
+        very CPU meanwhile is put back too, which cannot be told apart). The kernel's mask for new workers belongs
+        to the calling thread's io-wq: put back here when the pinned thread closes (the loader closes on the thread
+        that reads), else at that thread's next ring (:data:`_STALE_IOWQ`)."""
         import threading
 
         pinned, self._pinned = self._pinned, None
         if pinned is None:
             return
         tid, before, workers, tasks = pinned
-        try:
-            iowq_affinity(self._ring.ring_fd, None)
-        except OSError:
-            pass  # the ring goes next, and the workers it started leave when idle
+        if threading.get_native_id() == tid:
+            try:
+                iowq_affinity(self._ring.ring_fd, None)
+            except OSError:
+                pass  # the ring goes next, and the workers it started leave when idle
+        else:
+            _STALE_IOWQ.add(tid)
         for w in io_workers(tid):
             try:
                 os.sched_setaffinity(w, workers.get(w, before))
@@ -368,11 +408,10 @@ class UringRing:
                     os.sched_setaffinity(t, before)
             except OSError:
                 pass  # it exited meanwhile
-        if threading.get_native_id() == tid:
-            try:
-                os.sched_setaffinity(0, before)
-            except OSError:
-                pass  # a CPU of the old mask went offline meanwhile: the thread keeps the one it has
+        try:
+            os.sched_setaffinity(tid, before)  # by id: right from any thread of the process
+        except OSError:
+            pass  # the thread ended, or a CPU of the old mask went offline: nothing to give back
 
     def recycle(self, slot: int, event: Any = None) -> None:
         """Give ``slot`` back; it is read into again after ``event`` (a CUDA event recorded after the copies out
@@ -554,28 +593,30 @@ class UringRing:
         if self._ring is not None:
             lib = self._lib
             try:
-                self._flush()
-            except OSError:
-                # the newest requests, still queued, never reached the kernel: wait only for the others
-                queued = lib.io_uring_sq_ready(self._ring)
-                for rid in sorted(self._inflight)[len(self._inflight) - queued:] if queued else ():
-                    del self._inflight[rid]
-            while self._inflight:
-                ready = 0
-                for _ in lib.CqeIter(self._ring, self._cqe):
-                    ready += 1
-                    self._inflight.pop(self._cqe[0].user_data, None)
-                if ready:
-                    lib.io_uring_cq_advance(self._ring, ready)
-                elif self._inflight:
-                    self._wait()
+                try:
+                    self._flush()
+                except OSError:
+                    # the newest requests, still queued, never reached the kernel: wait only for the others
+                    queued = lib.io_uring_sq_ready(self._ring)
+                    for rid in sorted(self._inflight)[len(self._inflight) - queued:] if queued else ():
+                        del self._inflight[rid]
+                while self._inflight:
+                    ready = 0
+                    for _ in lib.CqeIter(self._ring, self._cqe):
+                        ready += 1
+                        self._inflight.pop(self._cqe[0].user_data, None)
+                    if ready:
+                        lib.io_uring_cq_advance(self._ring, ready)
+                    elif self._inflight:
+                        self._wait()
+            finally:
+                self._unpin()  # also when an exception (KeyboardInterrupt) ends the wait: no thread left on one CPU
             if self._iowq_before is not None and any(self._iowq_before):
                 try:
                     iowq_max_workers(self._ring.ring_fd, *self._iowq_before)
                 except OSError:
                     pass  # it took the limit a moment ago: nothing to do if it refuses the old one
                 self._iowq_before = None
-            self._unpin()
             lib.io_uring_queue_exit(self._ring)  # also unregisters the slots
             self._ring, self._registered = None, None
         self._close_fds()

@@ -379,16 +379,21 @@ def own_cpus():
     os.sched_setaffinity(0, before)
 
 
+@pytest.fixture
+def pinning(own_cpus, monkeypatch):
+    """The test thread's CPUs (given back after the test), the pin forced on; skips on a thread of one CPU."""
+    if len(own_cpus) < 2:
+        pytest.skip("one CPU: nothing to keep the workers off")
+    monkeypatch.setattr(uring, "IOWQ_AFFINITY", True)
+    return own_cpus
+
+
 @needs_uring
-@pytest.mark.usefixtures("own_cpus")
-def test_io_wq_affinity_keeps_the_workers_off_the_loading_threads_cpu_while_it_reads(tmp_path, monkeypatch):
+def test_io_wq_affinity_keeps_the_workers_off_the_loading_threads_cpu_while_it_reads(tmp_path, pinning):
     """``FASTLOAD_URING_IOWQ_AFF``: while the ring reads, the thread that started it runs on one CPU (one it had)
     and its io-wq workers on the others, also the one the kernel started before the ring (it keeps the CPUs
     it had unless moved); the bytes are the file's; closing gives the thread and the workers their CPUs back."""
-    before = os.sched_getaffinity(0)
-    if len(before) < 2:
-        pytest.skip("one CPU: nothing to keep the workers off")
-    monkeypatch.setattr(uring, "IOWQ_AFFINITY", True)
+    before = pinning
     p, data = _file(tmp_path, 400_000)
     seen, masks, workers = [], set(), {}
     with uring.UringRing([(str(p), *_ranges(len(data), 4096))], _slots(8), 8) as ring:
@@ -445,15 +450,11 @@ def test_io_wq_affinity_register_and_back_and_a_bad_ring(tmp_path):
 
 
 @needs_uring
-@pytest.mark.usefixtures("own_cpus")
-def test_io_wq_affinity_closed_from_another_thread_gives_the_loading_thread_its_cpus_back(tmp_path, monkeypatch):
+def test_io_wq_affinity_closed_from_another_thread_gives_the_loading_thread_its_cpus_back(tmp_path, pinning):
     """A close from another thread (a generator finalized there) gives the pinned thread its CPUs back by its id and
     leaves the closing thread's own mask alone; the pinned thread's io-wq mask, which only that thread can reset
     (the kernel applies it to the caller's io-wq), is reset when it starts its next ring."""
-    before = os.sched_getaffinity(0)
-    if len(before) < 2:
-        pytest.skip("one CPU: nothing to keep the workers off")
-    monkeypatch.setattr(uring, "IOWQ_AFFINITY", True)
+    before = pinning
     p, data = _file(tmp_path, 40_000)
     ring = uring.UringRing([(str(p), *_ranges(len(data), 4096))], _slots(2), 2)
     started, closed, seen = threading.Event(), threading.Event(), {}
@@ -547,15 +548,12 @@ def test_unset_the_thread_is_pinned_where_it_has_enough_cpus(tmp_path, monkeypat
 
 
 @needs_uring
-@pytest.mark.usefixtures("own_cpus")
-def test_a_thread_started_while_pinned_gets_the_cpus_back_and_the_pin_is_where_the_thread_ran(tmp_path, monkeypatch):
+def test_a_thread_started_while_pinned_gets_its_cpus_back_and_the_pin_is_where_it_ran(tmp_path, monkeypatch,
+                                                                                       pinning):
     """A new thread inherits its creator's CPUs: one the loading thread starts during the load (a pool first used
     then) would stay on the pinned CPU; closing the ring gives it the loading thread's CPUs. The CPU pinned to is
     the one the thread ran on (``current_cpu``)."""
-    before = os.sched_getaffinity(0)
-    if len(before) < 2:
-        pytest.skip("one CPU: nothing to keep the workers off")
-    monkeypatch.setattr(uring, "IOWQ_AFFINITY", True)
+    before = pinning
     cpu = min(before)
     os.sched_setaffinity(0, {cpu})
     assert uring.current_cpu() == cpu
@@ -583,14 +581,10 @@ def test_a_thread_started_while_pinned_gets_the_cpus_back_and_the_pin_is_where_t
 
 
 @needs_uring
-@pytest.mark.usefixtures("own_cpus")
-def test_no_pin_when_the_ring_may_not_or_the_cpu_is_unknown(tmp_path, monkeypatch):
+def test_no_pin_when_the_ring_may_not_or_the_cpu_is_unknown(tmp_path, monkeypatch, pinning):
     """``pin=False`` (the availability probe, a fan-out's reading thread) and a CPU that cannot be read both leave
     the thread as it is: a fixed fallback CPU would put the loading threads of a host's engines on one CPU."""
-    before = os.sched_getaffinity(0)
-    if len(before) < 2:
-        pytest.skip("one CPU: nothing to keep the workers off")
-    monkeypatch.setattr(uring, "IOWQ_AFFINITY", True)
+    before = pinning
     p, data = _file(tmp_path, 20_000)
     for kw, cpu in (({"pin": False}, uring.current_cpu), ({}, lambda: None)):
         monkeypatch.setattr(uring, "current_cpu", cpu)
@@ -609,12 +603,8 @@ def direct_ring_pin_default() -> bool:
 
 
 @needs_uring
-@pytest.mark.usefixtures("own_cpus")
-def test_an_interrupt_while_closing_still_gives_the_cpus_back(tmp_path, monkeypatch):
-    before = os.sched_getaffinity(0)
-    if len(before) < 2:
-        pytest.skip("one CPU: nothing to keep the workers off")
-    monkeypatch.setattr(uring, "IOWQ_AFFINITY", True)
+def test_an_interrupt_while_closing_still_gives_the_cpus_back(tmp_path, monkeypatch, pinning):
+    before = pinning
     p, data = _file(tmp_path, 400_000)
     ring = uring.UringRing([(str(p), *_ranges(len(data), 4096))], _slots(8), 8)
     it = iter(ring)

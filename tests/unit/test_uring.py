@@ -593,13 +593,9 @@ def test_no_pin_when_the_ring_may_not_or_the_cpu_is_unknown(tmp_path, monkeypatc
                 assert os.sched_getaffinity(0) == before
                 ring.recycle(piece.slot)
         assert ring.loader_cpu is None
-    assert direct_ring_pin_default()
-
-
-def direct_ring_pin_default() -> bool:
     from vllm_fastload.streaming.direct import Ring
 
-    return Ring(4096, 2).pin and not Ring(4096, 2)._replace(pin=False).pin
+    assert Ring(4096, 2).pin and not Ring(4096, 2)._replace(pin=False).pin
 
 
 @needs_uring

@@ -84,43 +84,44 @@ IOWQ_AFFINITY: Optional[bool] = {"1": True, "0": False}.get(os.environ.get("FAST
 AFFINITY_MIN_CPUS = 8
 
 
-def iowq_max_workers(ring_fd: int, bounded: int, unbounded: int = 0) -> tuple[int, int]:
-    """Set the most io-wq workers (bounded: regular-file reads; unbounded) of the calling thread's io-wq, for the
-    io_uring instance ``ring_fd``; 0 leaves a class as it is. Returns the limits before the call (0, 0 when the
-    thread had no io-wq yet). Raises ``OSError`` as the kernel refused it (EINVAL before Linux 5.15). The liburing
-    package has no wrapper of this opcode, so it is the raw system call (io_uring_register(2))."""
+def _register(ring_fd: int, op: int, name: str, arg: Any, nr_args: int) -> None:
+    """``io_uring_register(ring_fd, op, arg, nr_args)`` as the raw system call (io_uring_register(2)): the liburing
+    package wraps none of the io-wq opcodes. Raises ``OSError`` naming ``name`` as the kernel refused it."""
     import ctypes
 
     libc = ctypes.CDLL(None, use_errno=True)
-    counts = (ctypes.c_uint * 2)(bounded, unbounded)
-    if libc.syscall(ctypes.c_long(_NR_IO_URING_REGISTER), ctypes.c_int(ring_fd),
-                    ctypes.c_uint(_IORING_REGISTER_IOWQ_MAX_WORKERS), counts, ctypes.c_uint(2)) < 0:
+    if libc.syscall(ctypes.c_long(_NR_IO_URING_REGISTER), ctypes.c_int(ring_fd), ctypes.c_uint(op), arg,
+                    ctypes.c_uint(nr_args)) < 0:
         err = ctypes.get_errno()
-        raise OSError(err, f"io_uring_register(IOWQ_MAX_WORKERS): {os.strerror(err)}")
+        raise OSError(err, f"io_uring_register({name}): {os.strerror(err)}")
+
+
+def iowq_max_workers(ring_fd: int, bounded: int, unbounded: int = 0) -> tuple[int, int]:
+    """Set the most io-wq workers (bounded: regular-file reads; unbounded) of the calling thread's io-wq, for the
+    io_uring instance ``ring_fd``; 0 leaves a class as it is. Returns the limits before the call (0, 0 when the
+    thread had no io-wq yet). Raises ``OSError`` as the kernel refused it (EINVAL before Linux 5.15)."""
+    import ctypes
+
+    counts = (ctypes.c_uint * 2)(bounded, unbounded)
+    _register(ring_fd, _IORING_REGISTER_IOWQ_MAX_WORKERS, "IOWQ_MAX_WORKERS", counts, 2)
     return counts[0], counts[1]
 
 
 def iowq_affinity(ring_fd: int, cpus: Optional[set[int]]) -> None:
     """Keep the calling thread's io-wq workers (for the io_uring instance ``ring_fd``) on ``cpus`` (CPU numbers);
     None puts the default back (the CPUs the thread may run on). Raises ``OSError`` as the kernel refused it (EINVAL
-    before Linux 5.14 or for a mask of no online CPU). As for :func:`iowq_max_workers` the liburing package has no
-    wrapper of these opcodes (``IORING_REGISTER_IOWQ_AFF`` with a ``cpu_set_t`` mask and its size in bytes,
-    ``IORING_UNREGISTER_IOWQ_AFF`` without; io_uring_register(2)), so it is the raw system call."""
+    before Linux 5.14 or for a mask of no online CPU). ``IORING_REGISTER_IOWQ_AFF`` takes a ``cpu_set_t`` mask and
+    its size in bytes, ``IORING_UNREGISTER_IOWQ_AFF`` nothing (io_uring_register(2))."""
     import ctypes
 
-    libc = ctypes.CDLL(None, use_errno=True)
     if cpus is None:
-        op, name, mask, size = _IORING_UNREGISTER_IOWQ_AFF, "UNREGISTER_IOWQ_AFF", None, 0
-    else:
-        size = max(128, -(-(max(cpus, default=0) + 1) // 64) * 8)  # glibc's cpu_set_t is 128 bytes
-        raw = bytearray(size)
-        for c in cpus:
-            raw[c // 8] |= 1 << (c % 8)
-        op, name, mask = _IORING_REGISTER_IOWQ_AFF, "REGISTER_IOWQ_AFF", (ctypes.c_ubyte * size).from_buffer(raw)
-    if libc.syscall(ctypes.c_long(_NR_IO_URING_REGISTER), ctypes.c_int(ring_fd), ctypes.c_uint(op), mask,
-                    ctypes.c_uint(size)) < 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"io_uring_register({name}): {os.strerror(err)}")
+        _register(ring_fd, _IORING_UNREGISTER_IOWQ_AFF, "UNREGISTER_IOWQ_AFF", None, 0)
+        return
+    size = max(128, -(-(max(cpus, default=0) + 1) // 64) * 8)  # glibc's cpu_set_t is 128 bytes
+    raw = bytearray(size)
+    for c in cpus:
+        raw[c // 8] |= 1 << (c % 8)
+    _register(ring_fd, _IORING_REGISTER_IOWQ_AFF, "REGISTER_IOWQ_AFF", (ctypes.c_ubyte * size).from_buffer(raw), size)
 
 
 def io_workers(tid: int) -> dict[int, set[int]]:
@@ -187,16 +188,15 @@ def _restore_stale_iowq(ring_fd: int) -> None:
             pass  # the kernel refuses: new workers keep the narrower mask, reading the same bytes
 
 
-def _new_tasks(before: Optional[set[str]], tid: int) -> list[int]:
-    """This process's task ids not in ``before`` (ids as /proc/self/task lists them), without thread ``tid``'s
-    io-wq workers; empty when ``before`` is None or /proc cannot be read."""
+def _new_tasks(before: Optional[set[str]], workers: dict[int, set[int]]) -> list[int]:
+    """This process's task ids not in ``before`` (ids as /proc/self/task lists them), without ``workers`` (the
+    pinned thread's io-wq workers, :func:`io_workers`); empty when ``before`` is None or /proc cannot be read."""
     if before is None:
         return []
     try:
         now = set(os.listdir("/proc/self/task")) - before
     except OSError:
         return []
-    workers = io_workers(tid)
     return [int(t) for t in now if int(t) not in workers]
 
 
@@ -335,8 +335,8 @@ class UringRing:
 
     def _pin(self, ring_fd: int, fewest: int = 2) -> None:
         """:data:`IOWQ_AFFINITY`: this thread onto the CPU it runs on now (where the scheduler put it beside the
-        host's other work, so loading threads of other engines or ranks are likely elsewhere; the highest allowed
-        one if that cannot be read), the workers onto the thread's other CPUs. The kernel's mask covers the workers
+        host's other work, so loading threads of other engines or ranks are likely elsewhere; no pin if that cannot
+        be read), the workers onto the thread's other CPUs. The kernel's mask covers the workers
         it starts from now on; the thread's workers that already run (one is started with the thread's first ring
         and stays) are moved with ``sched_setaffinity`` of their own. Nothing changes where the thread may use fewer
         than ``fewest`` CPUs or the kernel refuses (the same bytes are read either way)."""
@@ -397,12 +397,13 @@ class UringRing:
                 pass  # the ring goes next, and the workers it started leave when idle
         else:
             _STALE_IOWQ.add(tid)
-        for w in io_workers(tid):
+        now = io_workers(tid)
+        for w in now:
             try:
                 os.sched_setaffinity(w, workers.get(w, before))
             except OSError:
                 pass  # it exited meanwhile
-        for t in _new_tasks(tasks, tid):
+        for t in _new_tasks(tasks, now):
             try:
                 if os.sched_getaffinity(t) == {self.loader_cpu}:
                     os.sched_setaffinity(t, before)

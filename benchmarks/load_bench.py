@@ -50,6 +50,7 @@ LOADERS = {
     "runai_fastload_uring8m16": ("runai_streamer", {"FASTLOAD_URING_PART_BYTES": str(8 << 20)}),
     "runai_fastload_uring2m32": ("runai_streamer", {"FASTLOAD_URING_PART_BYTES": str(2 << 20)}),
     "runai_fastload_uring1m48": ("runai_streamer", {"FASTLOAD_URING_PART_BYTES": str(1 << 20)}),
+    "runai_fastload_uring12": ("runai_streamer", {}),  # 12 slots (a 96 MiB ring), all in flight
     "runai_fastload_uring24": ("runai_streamer", {}),  # 24 slots, all in flight
     "runai_fastload_uring48": ("runai_streamer", {}),  # 48 slots, all in flight
     # 16 MiB slots and read requests, 16 in flight
@@ -161,10 +162,11 @@ def run_one(name: str, model: str, tp: int, gmu: float, report: Path, extra: dic
         ex["issue_thread"] = True
     if name.startswith("runai_fastload_uring"):
         ex["fs_strategy"] = "uring_buffered"
-        depth = {"8m16": 16, "2m32": 32, "1m48": 48, "24": 24, "48": 48}.get(name[len("runai_fastload_uring"):])
+        depths = {"8m16": 16, "2m32": 32, "1m48": 48, "12": 12, "24": 24, "48": 48}
+        depth = depths.get(name[len("runai_fastload_uring"):])
         if depth:
             ex["concurrency"] = depth
-        if name in ("runai_fastload_uring24", "runai_fastload_uring48"):
+        if name in ("runai_fastload_uring12", "runai_fastload_uring24", "runai_fastload_uring48"):
             ex["pinned_slots"] = depth
         if name == "runai_fastload_uring16m":
             ex["pinned_slot_bytes"] = 16 << 20

@@ -13,7 +13,7 @@ if not torch.cuda.is_available():
 
 pytest.importorskip("vllm")
 
-from tests.conftest import Engine, ids_some_reference_gives  # noqa: E402
+from tests.conftest import Engine, greedy_differs  # noqa: E402
 
 
 def greedy(model, fmt, tp, log, extra=None):
@@ -37,9 +37,7 @@ def test_greedy_ids_equal_auto(tiny, tp, tmp_path):
     report = tmp_path / "r.json"
     got, log = greedy(tiny, "runai_streamer", tp, tmp_path / "runai.log", {"report_path": str(report)})
     assert got["state"] == ref["state"]  # per rank, every tensor of the model bit-identical to auto's
-    reruns = iter(range(1, 10))
-    assert ids_some_reference_gives(got["ids"], ref["ids"], lambda: greedy(
-        tiny, "auto", tp, tmp_path / f"auto-{next(reruns)}.log")[0]["ids"]), (got["ids"], ref["ids"])
+    assert greedy_differs(got, ref) is None, greedy_differs(got, ref)
     assert "fastload: runai_streamer loaded" in log
     r = json.loads(report.read_text())
     assert r["format_used"] == "runai_streamer" and r["extra"]["h2d_s"] > 0  # the GPU path ran

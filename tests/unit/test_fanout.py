@@ -154,3 +154,34 @@ def test_plans_that_differ_at_the_first_round_fail_every_rank(tmp_path, zoo):
     for r in res:
         assert r["error"].startswith("FanoutError: ") and "rank groups [[0], [1]]" in r["error"], r
         assert r["fan"]["rounds"] == 0 and r["tensors"] == {}
+
+
+def test_fan_out_reads_without_the_pin(monkeypatch):
+    # the io_uring reader pins its thread to one CPU while it reads (uring.UringRing's pin); a fan-out's reading
+    # thread also runs the NCCL broadcasts, and a thread NCCL starts there would keep that one CPU: its ring says no
+    import types
+
+    import torch
+
+    from vllm_fastload.config import StreamerConfig
+    from vllm_fastload.report import LoadReport
+    from vllm_fastload.streaming import direct, loader, runai_env
+
+    rings = []
+
+    def stream_tensors(headers, device, ring, *args, **kw):
+        rings.append(ring)
+        raise RuntimeError("stream stopped here")
+
+    monkeypatch.setattr(direct, "stream_tensors", stream_tensors)
+    cfg = StreamerConfig()
+    load = loader._Load(plan=None, checkpoint=types.SimpleNamespace(headers=[]),
+                        report=LoadReport(load_format="runai_streamer", source="/m"),
+                        reader=runai_env.LocalReader(threads=16, uring=True))
+    assert load.ring(cfg).pin and load.ring(cfg).uring  # a per-rank load of this reader may pin
+    fan = types.SimpleNamespace(owners=lambda entries: [], me=0)
+    steps = loader.RunaiStreamerLoader._fanned_out_tensors(types.SimpleNamespace(config=cfg), load,
+                                                           torch.device("cpu"), fan)
+    with pytest.raises(RuntimeError, match="stream stopped here"):
+        next(steps)
+    assert [r.pin for r in rings] == [False] and rings[0].uring

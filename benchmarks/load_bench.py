@@ -404,7 +404,7 @@ def main() -> int:
                     pass
     h2d = h2d_bandwidth()
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu"
-    results = {"machine": f"{gpu} x{max(torch.cuda.device_count(), 1)}, {os.cpu_count()} CPUs",
+    results = {"machine": f"{gpu} x{max(torch.cuda.device_count(), 1)}, {os.cpu_count()} CPUs ({host_cpu()})",
                "date": time.strftime("%Y-%m-%d"),
                "vllm": vllm.__version__, "torch": torch.__version__, "model": a.model.name, "model_gb": size / 1e9,
                "tp": a.tp, "h2d": h2d, "command": " ".join(sys.argv), "loaders": [], "cold": a.cold, "disk": disk}
@@ -448,6 +448,23 @@ def main() -> int:
     if failed:
         print(f"[bench] every run of {', '.join(failed)} failed (results.json has why)", flush=True)
     return 1 if failed else 0
+
+
+def host_cpu() -> str:
+    """The CPU model and its last-level cache, as Linux reports them (``/proc/cpuinfo``'s first "model name", the
+    size of cpu0's highest cache index under ``/sys/devices/system/cpu``): hosts of one device kind differ there,
+    and the TP=1 load times with them (docs/benchmarks.md, TP=1); "unknown" for what cannot be read."""
+    model = "unknown"
+    try:
+        model = next(ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    caches = sorted(Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"), key=lambda d: int(d.name[5:]))
+    try:
+        last = caches[-1]
+        return f"{model}, L{(last / 'level').read_text().strip()} {(last / 'size').read_text().strip()}"
+    except (IndexError, OSError):
+        return f"{model}, last-level cache unknown"
 
 
 def start_daemon(a: argparse.Namespace, results: dict):

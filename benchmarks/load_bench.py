@@ -456,7 +456,8 @@ def host_cpu() -> str:
     and the TP=1 load times with them (docs/benchmarks.md, TP=1); "unknown" for what cannot be read."""
     model = "unknown"
     try:
-        model = next(ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name"))
+        with open("/proc/cpuinfo") as f:
+            model = next(ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name"))
     except (OSError, StopIteration):
         pass
     caches = sorted(Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"), key=lambda d: int(d.name[5:]))

@@ -368,8 +368,8 @@ class Engine:
 #: tokens must be within it of each other in one answer's top-2 at that step. On an H100 the bf16 logits of these
 #: random weights tie exactly (gap 0.0) at some steps, and which of the tied tokens greedy picks changed between
 #: vLLM 0.26 processes and between two generates of one engine, the weights bit-identical (docs/benchmarks.md, GPU
-#: test runs). Other gaps came in bf16 steps (2**-6 = 0.0156 and up, median 0.2), so this admits an exact tie or
-#: one step at these logits' size and nothing the size of a typical gap.
+#: test runs). Other gaps there came in steps of bf16 at these logits' size (2**-6), so this admits an exact tie or
+#: one such step and nothing the size of a typical gap (the measured gaps: docs/benchmarks.md).
 NEAR_TIE = 0.02
 
 

@@ -73,6 +73,16 @@ LOADERS = {
     "runai_fastload_uringa": ("runai_streamer", {"FASTLOAD_URING_IOWQ_AFF": "1"}),
     "runai_fastload_uringae2": ("runai_streamer", {"FASTLOAD_URING_IOWQ_AFF": "1", "FASTLOAD_H2D_EVENT_EVERY": "2"}),
     "runai_fastload_uringnoa": ("runai_streamer", {"FASTLOAD_URING_IOWQ_AFF": "0"}),
+    # ours reading beside model construction (`prefetch: true`), with the interpreter's switch interval lowered
+    # while it runs (the default, streaming/prefetch.py) and left at Python's 5 ms (FASTLOAD_PREFETCH_SWITCH_US)
+    "runai_fastload_prefetch": ("runai_streamer", {}),
+    "runai_fastload_prefetchsw5ms": ("runai_streamer", {"FASTLOAD_PREFETCH_SWITCH_US": "5000"}),
+    "runai_fastload_prefetchsw1ms": ("runai_streamer", {"FASTLOAD_PREFETCH_SWITCH_US": "1000"}),
+    # the same with 32 MiB slots (4 read requests each): a quarter of the copies to issue, under the GIL
+    "runai_fastload_prefetch32m": ("runai_streamer", {}),
+    "runai_fastload_prefetch32msw1ms": ("runai_streamer", {"FASTLOAD_PREFETCH_SWITCH_US": "1000"}),
+    "runai_fastload_uring32m": ("runai_streamer", {}),
+    "runai_fastload_prefetch64m": ("runai_streamer", {}),  # 64 MiB slots (8 read requests each)
     # the io_uring reader with its slots registered (READV_FIXED reads; FASTLOAD_URING_FIXED=1)
     "runai_fastload_uringfixed": ("runai_streamer", {"FASTLOAD_URING_FIXED": "1"}),
     # ipc_cache needs a `vllm-fastload preload` daemon for the same model/TP; started by main() when asked for.
@@ -160,6 +170,8 @@ def run_one(name: str, model: str, tp: int, gmu: float, report: Path, extra: dic
         ex["pinned_slot_bytes"] = 32 * 2**20
     if name == "runai_fastload_issue":
         ex["issue_thread"] = True
+    if name.startswith("runai_fastload_prefetch"):
+        ex["prefetch"] = True
     if name.startswith("runai_fastload_uring"):
         ex["fs_strategy"] = "uring_buffered"
         depths = {"8m16": 16, "2m32": 32, "1m48": 48, "12": 12, "24": 24, "48": 48}
@@ -170,6 +182,10 @@ def run_one(name: str, model: str, tp: int, gmu: float, report: Path, extra: dic
             ex["pinned_slots"] = depth
         if name == "runai_fastload_uring16m":
             ex["pinned_slot_bytes"] = 16 << 20
+    if name in ("runai_fastload_uring32m", "runai_fastload_prefetch32m", "runai_fastload_prefetch32msw1ms"):
+        ex["pinned_slot_bytes"] = 32 << 20
+    if name == "runai_fastload_prefetch64m":
+        ex["pinned_slot_bytes"] = 64 << 20
     if name.startswith("ipc_"):
         ex = {"socket_dir": SOCKET_DIR[-1], "mode": name[4:], "report_path": str(report), "fallback": False}
     timeline = report.with_name(f"{name}.timeline.json")

@@ -289,6 +289,15 @@ class StreamerConfig(_LoaderConfig):
         "of the load, overlapped with vLLM's weight_loader calls; off by default because it measured slower (it "
         "shares the GIL with the readers and the loading thread); false: issued by vLLM's loading thread.",
     )
+    prefetch: bool = key(
+        False,
+        allowed="true or false (JSON bool)",
+        description="Experimental: start reading (and on a GPU copying) the weights on a thread of the load before "
+        "vLLM builds the model, so reads overlap model construction; load_weights then takes what was read. Only "
+        "where one rank loads the whole model (TP x PP = 1), without sleep mode and content hashing; it holds at most "
+        "what is left of gpu_memory_utilization's share after the weights and 2 GiB (a quarter of the available host "
+        "memory on CPU), and lowers the interpreter's thread switch interval while it runs.",
+    )
     pinned_slots: int = key(
         16, ge=2, le=64,
         allowed="an integer from 2 to 64",

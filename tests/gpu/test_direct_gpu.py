@@ -194,3 +194,35 @@ def test_zoo_bit_exact_with_io_wq_affinity(tmp_path, monkeypatch):
     # pinned while the reader was open (the last tensors may come after its close, on the thread's own CPUs again)
     assert cpu in before and frozenset({cpu}) in seen and seen <= {frozenset({cpu}), frozenset(before)}, seen
     assert os.sched_getaffinity(0) == before
+
+
+@pytest.mark.parametrize("uring", [False, True], ids=["pread", "uring"])
+def test_zoo_bit_exact_through_a_prefetch_thread_onto_the_consumers_stream(tmp_path, uring):
+    """``prefetch`` on real CUDA: the direct stream runs on the prefetch thread (reads, H2D copies, the waits of the
+    consumer's stream), started before the consumer asks; the consumer, on a stream of its own that is not the
+    default one, reads every tensor slowly on that stream and gets the checkpoint's bytes."""
+    from vllm_fastload.streaming.prefetch import Prefetch
+    from vllm_fastload.streaming.uring import unavailable
+
+    if uring and unavailable():
+        pytest.skip(f"no io_uring here: {unavailable()}")
+    expected = write_zoo(tmp_path / "model.safetensors")
+    device = torch.device("cuda", torch.cuda.current_device())
+    consumer = torch.cuda.Stream(device)
+    headers = [read_header(str(tmp_path / "model.safetensors"))]
+    got = {}
+    with torch.cuda.stream(consumer):
+        def setup():
+            torch.cuda.set_device(device)
+            torch.cuda.set_stream(consumer)
+
+        p = Prefetch(lambda: direct.stream_to_device(headers, device, direct.Ring(4096, 3, 3, uring=uring),
+                                                     StageTimes()), 1 << 20, setup)
+        try:
+            for name, t in p:
+                torch.cuda._sleep(1000)  # queued before the read of the tensor, on the consumer's stream
+                got[name] = t.clone()
+        finally:
+            p.close()
+        consumer.synchronize()
+    assert_zoo_bit_exact(got, expected)

@@ -111,6 +111,32 @@ def _timed_edges(tensors: Iterator[tuple[str, Any]], report: LoadReport, t0: flo
         report.extra["last_tensor_s"] = round(last - t0, 4)
 
 
+@dataclass
+class _Prefetched:
+    """A stream :meth:`RunaiStreamerLoader._start_prefetch` started before vLLM built the model: the running
+    :class:`.prefetch.Prefetch`, the ``model_config`` it reads for, its report (filled by the stream) and the
+    validated checkpoint."""
+
+    prefetch: Any
+    model_config: Any
+    report: LoadReport
+    checkpoint: Checkpoint
+    stream: Any = None  # CUDA: the stream that waits for each tensor's copies (the loading thread's current one)
+
+    def serves(self, model_config: Any) -> str | None:
+        """Why this stream cannot serve ``load_weights(model, model_config)`` now, or None: another
+        ``model_config``, or (CUDA) a current stream other than the one the copies were ordered before."""
+        if self.model_config is not model_config:
+            return "load_weights was called for another model_config"
+        if self.stream is not None:
+            import torch
+
+            now = torch.cuda.current_stream(self.stream.device)
+            if now != self.stream:
+                return f"the loading thread's CUDA stream changed since load_model began ({self.stream} -> {now})"
+        return None
+
+
 class RunaiStreamerLoader(BaseModelLoader):
     """Loads safetensors from local paths or ``s3://``/``gs://``/``az://`` with runai-model-streamer.
 
@@ -126,6 +152,7 @@ class RunaiStreamerLoader(BaseModelLoader):
         self._create_s: float | None = None
         self._weights_s: float | None = None
         self._arena_future: Any = None  # the read arena being page-locked while vLLM builds the model
+        self._prefetched: _Prefetched | None = None  # the stream started before vLLM builds the model (prefetch)
         super().__init__(load_config)
 
     # -- BaseModelLoader API --------------------------------------------------------------------------
@@ -145,8 +172,10 @@ class RunaiStreamerLoader(BaseModelLoader):
         freeze_for_load(self.config.freeze_gc)
         self._arena_future = self._start_pinning()
         try:
+            self._prefetched = self._start_prefetch(*args, **kwargs)
             model = super().load_model(*args, **kwargs)
         finally:
+            self._end_prefetch()  # not taken by load_weights (an error while vLLM built the model)
             self._drop_arena()  # not used by this load (a fallback, a CPU model, an error before the weights)
         total = time.perf_counter() - t
         create, weights = self._create_s, self._weights_s
@@ -170,6 +199,94 @@ class RunaiStreamerLoader(BaseModelLoader):
 
         return ArenaFuture(self.config.pinned_slot_bytes, self.config.pinned_slots, torch.cuda.current_device())
 
+    def _start_prefetch(self, vllm_config: Any = None, model_config: Any = None, *_: Any,
+                        **kwargs: Any) -> _Prefetched | None:
+        """``prefetch``: validate the checkpoint and start its stream on a thread now, before vLLM builds the
+        model (:mod:`.prefetch`); None when off, when this load cannot prefetch (said at INFO with the reason) or
+        when the checkpoint must fall back (``load_weights`` applies the policy). Arguments: vLLM's
+        ``load_model(vllm_config, model_config)``. Raises what validating the checkpoint raises (CheckpointError,
+        ConfigError), before the model is built."""
+        if not self.config.prefetch:
+            return None
+        vllm_config = kwargs.get("vllm_config", vllm_config)
+        model_config = kwargs.get("model_config", model_config)
+        why, device = self._no_prefetch(vllm_config, model_config)
+        if why is None:
+            reason, _, plan = self._why_not(model_config)
+            if reason is not None:
+                return None  # load_weights falls back and says why
+            t0 = time.perf_counter()
+            report = LoadReport(load_format=LOAD_FORMAT, source=weights_source(model_config))
+            tensors, ckpt = self._tensors(plan, None, model_config, report, t0, device)
+            weights = sum(t.nbytes for h in ckpt.headers for t in h.tensors.values())
+            budget, why = self._prefetch_budget(vllm_config, device, weights)
+        if why is not None:
+            logger.info("fastload: prefetch off for this load (weights are read in load_weights): %s", why)
+            return None
+        from .prefetch import Prefetch
+
+        setup = stream = None
+        if device.type == "cuda":
+            import torch
+
+            stream = torch.cuda.current_stream(device)
+
+            def setup() -> None:  # the consumer's device and stream: the stream waits for each tensor's copies
+                torch.cuda.set_device(device)
+                torch.cuda.set_stream(stream)
+
+        return _Prefetched(Prefetch(lambda: tensors, budget, setup), model_config, report, ckpt, stream)
+
+    def _no_prefetch(self, vllm_config: Any, model_config: Any) -> tuple[str | None, Any]:
+        """``(why this load cannot prefetch or None, the device it loads onto)``."""
+        import torch
+
+        if vllm_config is None or model_config is None:
+            return "vLLM called load_model without vllm_config and model_config", None
+        if self.config.hashes_content:
+            return "content_hash / expected_content_digest hash on vLLM's loading thread", None
+        parallel = getattr(vllm_config, "parallel_config", None)
+        ranks = getattr(parallel, "world_size", 1)
+        if ranks != 1:
+            return f"{ranks} ranks (TP x PP) share the model: the TP fan-out is agreed in load_weights", None
+        from .devmem import uses_cumem_pool
+
+        if uses_cumem_pool(model_config):
+            return "sleep mode: vLLM loads inside its memory pool", None
+        load_device = getattr(vllm_config.load_config, "device", None) or vllm_config.device_config.device
+        device = torch.device(load_device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        if device.type not in ("cuda", "cpu"):
+            return f"device {device} (prefetch knows CUDA and CPU)", None
+        return None, device
+
+    @staticmethod
+    def _prefetch_budget(vllm_config: Any, device: Any, weights: int) -> tuple[int, str | None]:
+        """``(bytes a prefetch may hold, None)`` for a checkpoint of ``weights`` tensor bytes on ``device``, or
+        ``(0, why none)``: on a GPU :func:`.prefetch.gpu_budget`; on CPU a quarter of the available host memory."""
+        from .prefetch import GPU_MARGIN, gpu_budget, host_available
+
+        if device.type == "cuda":
+            import torch
+
+            free, total = torch.cuda.mem_get_info(device)
+            share = vllm_config.cache_config.gpu_memory_utilization
+            budget = gpu_budget(free, total, share, weights)
+            why = (f"{free / 2**30:.1f} GiB free of {total / 2**30:.1f} GiB, gpu_memory_utilization {share}: no room "
+                   f"beside the {weights / 2**30:.2f} GiB of weights and {GPU_MARGIN / 2**30:.0f} GiB")
+        else:
+            available = host_available()
+            budget = min(weights, available // 4)
+            why = f"host memory available unknown or small ({available} bytes)"
+        return (budget, None) if budget > 0 else (0, why)
+
+    def _end_prefetch(self) -> None:
+        """Stop a prefetch :meth:`load_weights` did not take (vLLM failed while building the model)."""
+        pre, self._prefetched = self._prefetched, None
+        if pre is not None:
+            pre.prefetch.close()
+
     def _drop_arena(self) -> None:
         """Discard the arena :meth:`_start_pinning` started, if any, and give its pinned memory back."""
         future, self._arena_future = self._arena_future, None
@@ -188,6 +305,15 @@ class RunaiStreamerLoader(BaseModelLoader):
     def load_weights(self, model: Any, model_config: Any) -> None:
         """Stream the checkpoint into ``model`` (see module docstring). Raises ConfigError, CheckpointError,
         StorageError, FallbackRefused; never leaves a parameter uninitialized without an error."""
+        pre, self._prefetched = self._prefetched, None
+        if pre is not None:
+            why = pre.serves(model_config)
+            if why is None:
+                self._load_prefetched(model, model_config, pre)
+                return
+            pre.prefetch.close()
+            logger.warning("fastload: the weights read beside model construction are not used, load_weights reads "
+                           "them again: %s", why)
         t0 = time.perf_counter()
         report = LoadReport(load_format=LOAD_FORMAT, source=weights_source(model_config))
         pin = self._content_pin(model_config, report)
@@ -198,12 +324,33 @@ class RunaiStreamerLoader(BaseModelLoader):
             return
         tensors, _ = self._tensors(plan, model, model_config, report, t0)  # validates the checkpoint before the model
         loaded = model.load_weights(pin.stream(tensors) if pin else tensors)
+        self._loaded(model, model_config, loaded, report, t0)
+
+    def _loaded(self, model: Any, model_config: Any, loaded: Any, report: LoadReport, t0: float) -> None:
+        """After ``model.load_weights`` returned ``loaded`` (``t0``: when this ``load_weights`` began): the seconds
+        into ``report``, vLLM's every-parameter check, then the report emitted."""
         self._finish(report, t0)
         t_check = time.perf_counter()
         self._check_all_loaded(model, model_config, loaded)
         report.extra["check_s"] = round(time.perf_counter() - t_check, 4)
         report.emit(self.config.report_path)
         self.last_report = report
+
+    def _load_prefetched(self, model: Any, model_config: Any, pre: _Prefetched) -> None:
+        """:meth:`load_weights` from the stream :meth:`_start_prefetch` started: the report's ``wall_s`` holds this
+        call's seconds; ``extra`` says how long the stream ran before (``prefetch_s``), what it had read by then
+        (``prefetched_bytes``) and its ``prefetch_budget_bytes``; the log line says the same."""
+        pf, report = pre.prefetch, pre.report
+        t = time.perf_counter()
+        try:
+            loaded = model.load_weights(iter(pf))
+        finally:
+            pf.close()
+        report.extra.update(consumer_wait_s=round(pf.wait_s, 4), prefetch_s=round(t - pf.started, 4),
+                            prefetched_bytes=pf.bytes_before_take, prefetch_budget_bytes=pf.budget_bytes)
+        report.note = (f"{pf.bytes_before_take / 2**30:.2f} GiB of it read beside model construction, in the "
+                       f"{t - pf.started:.3f} s before load_weights")
+        self._loaded(model, model_config, loaded, report, t)
 
     def get_all_weights(self, model_config: Any, model: Any) -> Iterator[tuple[str, Any]]:
         """Every ``(name, tensor)`` of ``model_config``'s checkpoint, through the same read paths as

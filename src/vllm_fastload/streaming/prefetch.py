@@ -1,0 +1,218 @@
+"""Reading beside model construction (``prefetch``): a load's tensor stream on a thread of its own, started before
+vLLM builds the model.
+
+vLLM's ``BaseModelLoader.load_model`` builds the model (``initialize_model``), then calls ``load_weights``, then
+``process_weights_after_loading`` (vllm/model_executor/model_loader/base_loader.py, 0.26-0.32). Without this the
+reads and H2D copies start only in ``load_weights``; with it the loader starts the same stream (shards, headers,
+fingerprint checked first, in the calling thread) before construction, and :class:`Prefetch` runs it on a thread
+that keeps at most ``budget_bytes`` of finished tensors the model has not taken. ``load_weights`` then takes the
+tensors from that thread: those read meanwhile at once, the rest as they arrive.
+
+**The thread runs the whole stream**, to its end, also after ``load_weights`` started: the io_uring reader's
+requests belong to the thread that submitted them (the kernel cancels a task's requests when it exits, and its io-wq
+workers are per thread), so the stream is never handed to another thread midway.
+
+**The GIL.** Each H2D copy the thread issues is a few PyTorch calls, and PyTorch releases the GIL inside every op;
+the thread then waits for the GIL until the interpreter makes the thread running Python (model construction,
+vLLM's ``weight_loader`` calls) drop it, which happens after ``sys.getswitchinterval()`` (5 ms by default, "the
+thread switch interval", Python's ``sys`` docs). At 5 ms per copy issued the thread would stream a few hundred MB
+while the model is built, so the interval is lowered to :data:`SWITCH_S` while a prefetch runs and put back when it
+is closed (it is process-wide; every thread of the process switches that often meanwhile).
+
+**Memory.** The budget is device memory (host memory on CPU) held beyond the model's parameters: the loader sizes
+it from what is free before construction (:func:`gpu_budget`).
+"""
+
+from __future__ import annotations
+
+import queue
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple, Optional
+
+from .uring import env_int
+
+#: The interpreter's thread switch interval while a prefetch runs, in seconds: ``FASTLOAD_PREFETCH_SWITCH_US``
+#: microseconds (default 100). Short enough that the prefetch thread gets the GIL back within a fraction of one 8
+#: MiB copy's time on the link (about 150 us at 55 GB/s), not shorter: every switch costs the thread that gives
+#: the GIL up.
+SWITCH_S = env_int("FASTLOAD_PREFETCH_SWITCH_US", 100) / 1e6
+#: Seconds between the thread's looks at its stop flag while it waits for room.
+POLL_S = 0.05
+#: Device memory a GPU prefetch leaves free beyond the parameters, in bytes: CUDA context growth, vLLM's own
+#: allocations during construction, the read ring's tensors being assembled.
+GPU_MARGIN = 2 << 30
+
+_switch_lock = threading.Lock()
+_running = 0  # prefetches now open in this process (the switch interval is lowered while > 0)
+_switch_before = 0.0
+
+
+class _End(NamedTuple):
+    """The thread's last message: the stream ended."""
+
+
+class _Failed(NamedTuple):
+    """The thread's last message: what the stream raised."""
+
+    error: BaseException
+
+
+def nbytes(tensor: Any) -> int:
+    """Bytes of ``tensor``'s elements (``numel * element_size``)."""
+    return tensor.numel() * tensor.element_size()
+
+
+def gpu_budget(free: int, total: int, utilization: float, weights: int) -> int:
+    """Bytes of device memory a prefetch may hold beyond the model's parameters, at most ``weights``.
+
+    ``free``, ``total``: ``torch.cuda.mem_get_info`` before the model is built (bytes); ``utilization``: vLLM's
+    ``gpu_memory_utilization`` (the share of ``total`` this engine may use, which vLLM checked was free at its
+    start; the KV cache takes it only after the load); ``weights``: the checkpoint's tensor bytes, taken as what
+    construction allocates. What is left of the engine's share and of the free memory after the parameters and
+    :data:`GPU_MARGIN`, never negative: a prefetch never takes memory another process on the GPU may count on.
+    """
+    used = total - free
+    room = min(free, int(utilization * total) - used) - weights - GPU_MARGIN
+    return max(0, min(weights, room))
+
+
+class Prefetch:
+    """``produce()``'s ``(name, tensor)`` pairs, produced on a thread of their own from now on; iterate once (the
+    consumer's thread): each pair in the order produced, waiting for the thread when it has none ready.
+
+    ``budget_bytes``: finished tensors the thread holds that the consumer has not taken, in bytes (always room for
+    one). ``setup``: called first in the thread (e.g. to make the consumer's CUDA device and stream the thread's
+    current ones). Errors of ``produce`` or of the stream are raised by the iterator, in the consumer's thread.
+    :meth:`close` stops the thread (checked between tensors), waits for it and so for the stream's own close (the
+    reader stopped, the copies finished), and puts the switch interval back; call it always (idempotent).
+    ``started`` (``time.perf_counter()`` at construction), ``taken_at`` (when iteration began) and
+    ``bytes_before_take`` (bytes the thread had produced by then) say how much the prefetch overlapped.
+    """
+
+    def __init__(self, produce: Callable[[], Iterator[tuple[str, Any]]], budget_bytes: int,
+                 setup: Optional[Callable[[], None]] = None, name: str = "fastload-prefetch"):
+        if budget_bytes < 0:
+            raise ValueError(f"budget_bytes must be >= 0, got {budget_bytes}")
+        self.budget_bytes = budget_bytes
+        self.started = time.perf_counter()
+        self.taken_at: Optional[float] = None
+        self.bytes_before_take = 0
+        #: seconds the consumer waited for the thread
+        self.wait_s = 0.0
+        self._produced = 0
+        self._produce, self._setup = produce, setup
+        self._held = 0
+        self._stop = threading.Event()
+        self._room = threading.Condition()
+        self._ready: queue.SimpleQueue = queue.SimpleQueue()
+        self._closed = False
+        _lower_switch_interval()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        try:
+            self._thread.start()
+        except BaseException:
+            _restore_switch_interval()
+            raise
+
+    def _run(self) -> None:
+        try:
+            if self._setup is not None:
+                self._setup()
+            it = self._produce()
+            try:
+                for name, tensor in it:
+                    n = nbytes(tensor)
+                    if not self._wait_for_room(n):
+                        return
+                    self._produced += n
+                    self._ready.put((name, tensor, n))
+            finally:
+                close = getattr(it, "close", None)
+                if close is not None:
+                    close()
+            self._ready.put(_End())
+        except BaseException as e:  # noqa: BLE001 - raised in the consumer's thread by __iter__
+            self._ready.put(_Failed(e))
+
+    def _wait_for_room(self, n: int) -> bool:
+        """Wait until the consumer took enough for ``n`` more bytes (always room for one tensor); False when the
+        prefetch was stopped meanwhile."""
+        with self._room:
+            while self._held and self._held + n > self.budget_bytes and not self._stop.is_set():
+                self._room.wait(POLL_S)
+            if self._stop.is_set():
+                return False
+            self._held += n
+            return True
+
+    def __iter__(self) -> Iterator[tuple[str, Any]]:
+        if self.taken_at is not None:
+            raise RuntimeError("a Prefetch is iterated once")
+        self.taken_at = time.perf_counter()
+        with self._room:
+            self.bytes_before_take = self._produced
+        while True:
+            t = time.perf_counter()
+            item = self._ready.get()
+            self.wait_s += time.perf_counter() - t
+            if isinstance(item, _End):
+                return
+            if isinstance(item, _Failed):
+                raise item.error
+            name, tensor, n = item
+            with self._room:
+                self._held -= n
+                self._room.notify()
+            yield name, tensor
+
+    def close(self) -> None:
+        """Stop the thread, wait for it (and the stream's close) and put the switch interval back."""
+        if self._closed:
+            return
+        self._closed = True
+        self._stop.set()
+        with self._room:
+            self._room.notify()
+        try:
+            self._thread.join()
+        finally:
+            _restore_switch_interval()
+            while True:  # drop what the consumer never took (device memory) now, not with this object
+                try:
+                    self._ready.get_nowait()
+                except queue.Empty:
+                    break
+
+
+def _lower_switch_interval() -> None:
+    global _running, _switch_before
+    with _switch_lock:
+        if _running == 0:
+            _switch_before = sys.getswitchinterval()
+            if SWITCH_S < _switch_before:
+                sys.setswitchinterval(SWITCH_S)
+        _running += 1
+
+
+def _restore_switch_interval() -> None:
+    global _running
+    with _switch_lock:
+        _running -= 1
+        if _running == 0:
+            sys.setswitchinterval(_switch_before)
+
+
+def host_available() -> int:
+    """``MemAvailable`` of ``/proc/meminfo`` in bytes (the kernel's estimate of memory available without
+    swapping, proc(5)); 0 where it cannot be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0

@@ -1,0 +1,249 @@
+"""``prefetch``: the load's stream started before vLLM builds the model (streaming/prefetch.py and the loader)."""
+
+import json
+import sys
+import threading
+import time
+import types
+
+import pytest
+import torch
+
+from vllm_fastload.streaming import prefetch
+from vllm_fastload.streaming.prefetch import Prefetch, gpu_budget
+
+GiB = 2**30
+
+
+def wait_until(cond, timeout=10.0):
+    end = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < end, "timed out"
+        time.sleep(0.005)
+
+
+def produced(n, size=1024, log=None, fail_after=None):
+    """A stream of ``n`` uint8 tensors of ``size`` bytes, tensor i filled with i; ``log`` gets what happened in
+    which thread."""
+
+    def gen():
+        try:
+            for i in range(n):
+                if fail_after is not None and i == fail_after:
+                    raise ValueError(f"shard cut short at tensor {i}")
+                if log is not None:
+                    log.append(("yield", i, threading.current_thread().name))
+                yield f"t{i}", torch.full((size,), i % 256, dtype=torch.uint8)
+        finally:
+            if log is not None:
+                log.append(("closed", threading.current_thread().name))
+
+    return gen
+
+
+def test_every_tensor_in_order_and_what_was_read_before_the_take():
+    p = Prefetch(produced(20), budget_bytes=1 << 20)
+    try:
+        wait_until(lambda: p._produced == 20 * 1024)
+        got = list(p)
+    finally:
+        p.close()
+    assert [n for n, _ in got] == [f"t{i}" for i in range(20)]
+    assert all(t.eq(i).all() for i, (_, t) in enumerate(got))
+    assert p.bytes_before_take == 20 * 1024 and p.taken_at >= p.started
+
+
+def test_the_thread_holds_at_most_the_budget_then_waits_for_the_consumer():
+    log = []
+    p = Prefetch(produced(10, log=log), budget_bytes=3 * 1024)
+    try:
+        wait_until(lambda: len(log) >= 4)  # the 4th tensor was made and waits for room
+        time.sleep(0.2)
+        assert p._produced == 3 * 1024 and p._held == 3 * 1024 and len(log) == 4
+        it = iter(p)
+        assert next(it)[0] == "t0"
+        wait_until(lambda: p._produced == 4 * 1024)  # one taken: room for one more
+        assert [n for n, _ in it] == [f"t{i}" for i in range(1, 10)]
+    finally:
+        p.close()
+    assert p.bytes_before_take == 3 * 1024
+
+
+def test_a_tensor_larger_than_the_budget_still_goes_through():
+    p = Prefetch(produced(3, size=4096), budget_bytes=100)
+    try:
+        assert [n for n, _ in p] == ["t0", "t1", "t2"]
+    finally:
+        p.close()
+
+
+def test_the_stream_error_is_raised_to_the_consumer_after_what_came_before():
+    p = Prefetch(produced(5, fail_after=2), budget_bytes=1 << 20)
+    names = []
+    try:
+        with pytest.raises(ValueError, match="shard cut short at tensor 2"):
+            for name, _ in p:
+                names.append(name)
+    finally:
+        p.close()
+    assert names == ["t0", "t1"]
+
+
+def test_close_before_the_take_stops_the_stream_in_its_own_thread():
+    log = []
+    p = Prefetch(produced(100, log=log), budget_bytes=2 * 1024, name="fastload-prefetch-test")
+    wait_until(lambda: len(log) >= 3)
+    p.close()
+    assert not p._thread.is_alive()
+    # the stream was closed (its reader stopped) by the thread that ran it, not left for the garbage collector
+    assert log[-1] == ("closed", "fastload-prefetch-test") and len(log) < 100
+    assert p._ready.empty()  # tensors the consumer never took are not kept
+    p.close()  # idempotent
+
+
+def test_the_switch_interval_is_lowered_while_a_prefetch_runs(monkeypatch):
+    monkeypatch.setattr(prefetch, "SWITCH_S", 0.0002)
+    before = sys.getswitchinterval()
+    a = Prefetch(produced(1), budget_bytes=1024)
+    b = Prefetch(produced(1), budget_bytes=1024)
+    try:
+        assert sys.getswitchinterval() == pytest.approx(0.0002)
+        a.close()
+        assert sys.getswitchinterval() == pytest.approx(0.0002)  # b still runs
+    finally:
+        a.close()
+        b.close()
+    assert sys.getswitchinterval() == before
+
+
+def test_gpu_budget_is_what_is_left_of_the_engines_share():
+    # an H100 alone: 90% of 80 GiB, 16 GiB of weights -> the whole checkpoint may be held
+    assert gpu_budget(79 * GiB, 80 * GiB, 0.9, 16 * GiB) == 16 * GiB
+    # another process holds 40 GiB: what is left of the 72 GiB share is 32 - 16 - 2
+    assert gpu_budget(40 * GiB, 80 * GiB, 0.9, 16 * GiB) == 14 * GiB
+    # no room beside the weights
+    assert gpu_budget(20 * GiB, 80 * GiB, 0.9, 16 * GiB) == 0
+    # a 24 GiB share of which 1 GiB is in use: 23 - 16 - 2
+    assert gpu_budget(79 * GiB, 80 * GiB, 0.3, 16 * GiB) == 5 * GiB
+    with pytest.raises(ValueError, match="budget_bytes"):
+        Prefetch(produced(1), budget_bytes=-1)
+
+
+# --- the loader ------------------------------------------------------------------------------------------------
+pytest.importorskip("vllm")
+
+from vllm.config.load import LoadConfig  # noqa: E402
+from vllm.model_executor.model_loader.base_loader import BaseModelLoader  # noqa: E402
+
+from tests.conftest import fake_model_config, log_records, write_safetensors  # noqa: E402
+from tests.unit.test_loader_inprocess import Sink, tensors  # noqa: E402
+from vllm_fastload.streaming.loader import RunaiStreamerLoader  # noqa: E402
+
+
+def fake_vllm_config(world_size=1, device="cpu"):
+    return types.SimpleNamespace(parallel_config=types.SimpleNamespace(world_size=world_size),
+                                 load_config=types.SimpleNamespace(device=None),
+                                 device_config=types.SimpleNamespace(device=device),
+                                 cache_config=types.SimpleNamespace(gpu_memory_utilization=0.9))
+
+
+@pytest.fixture
+def ckpt(tmp_path):
+    ts = tensors()
+    write_safetensors(tmp_path / "model-00001-of-00002.safetensors", {k: ts[k] for k in ("a.weight", "a.bias")})
+    write_safetensors(tmp_path / "model-00002-of-00002.safetensors", {k: ts[k] for k in ("mask", "ids", "b.weight")})
+    return tmp_path, ts
+
+
+def building(monkeypatch, seen, fail=False):
+    """vLLM's ``load_model`` stand-in: builds the model, noting whether the prefetch read everything meanwhile,
+    then calls ``load_weights`` as vLLM does."""
+
+    def load_model(self, vllm_config, model_config):
+        pre = self._prefetched
+        seen["prefetch"] = pre
+        if pre is not None:  # construction takes a while: the stream reads meanwhile
+            wait_until(lambda: pre.prefetch._produced == sum(v.numel() * v.element_size() for v in tensors().values()))
+        if fail:
+            raise RuntimeError("CUDA out of memory while building the model")
+        ts = tensors()
+        sink = Sink({k: (v.shape, v.dtype) for k, v in ts.items()})
+        self.load_weights(sink, model_config)
+        return sink
+
+    monkeypatch.setattr(BaseModelLoader, "load_model", load_model)
+
+
+def loader_with(tmp_path, **extra):
+    return RunaiStreamerLoader(LoadConfig(load_format="runai_streamer", model_loader_extra_config={
+        "report_path": str(tmp_path / "r.json"), **extra}))
+
+
+def test_weights_read_while_the_model_is_built_load_bit_exact(ckpt, monkeypatch):
+    path, ts = ckpt
+    seen = {}
+    building(monkeypatch, seen)
+    loader = loader_with(path, prefetch=True)
+    with log_records() as logs:
+        sink = loader.load_model(fake_vllm_config(), fake_model_config(path))
+    assert seen["prefetch"] is not None and set(sink.seen) == set(ts)
+    for k, v in ts.items():
+        assert sink.seen[k].dtype == v.dtype and sink.seen[k].shape == v.shape
+        assert torch.equal(sink.seen[k].view(torch.uint8), v.view(torch.uint8)) if v.numel() else True
+    total = sum(v.numel() * v.element_size() for v in ts.values())
+    r = json.loads((path / "r.json").read_text())
+    ex = r["extra"]
+    assert r["tensors"] == 5 and r["bytes"] == total and r["fallback_reason"] is None
+    assert ex["prefetched_bytes"] == total and ex["prefetch_budget_bytes"] >= total and ex["prefetch_s"] > 0
+    assert "MainThread" in ex["other_threads"]  # the stream ran beside vLLM's thread, not in it
+    assert f"{total / 2**30:.2f} GiB of it read beside model construction" in r["line"]
+    assert any(r["line"] in m.getMessage() for m in logs)
+    assert not any(t.name == "fastload-prefetch" for t in threading.enumerate())
+    assert sys.getswitchinterval() == pytest.approx(0.005)
+
+
+def test_without_prefetch_the_weights_are_read_in_load_weights(ckpt, monkeypatch):
+    path, ts = ckpt
+    seen = {}
+    building(monkeypatch, seen)
+    sink = loader_with(path).load_model(fake_vllm_config(), fake_model_config(path))
+    assert seen["prefetch"] is None and set(sink.seen) == set(ts)
+    ex = json.loads((path / "r.json").read_text())["extra"]
+    assert "prefetched_bytes" not in ex and "MainThread" not in ex["other_threads"]
+
+
+@pytest.mark.parametrize("why, extra, config", [
+    ("2 ranks (TP x PP) share the model", {}, {"world_size": 2}),
+    ("content_hash / expected_content_digest", {"content_hash": True}, {}),
+])
+def test_a_load_that_cannot_prefetch_says_why_and_reads_in_load_weights(ckpt, monkeypatch, why, extra, config):
+    path, ts = ckpt
+    seen = {}
+    building(monkeypatch, seen)
+    with log_records() as logs:
+        sink = loader_with(path, prefetch=True, **extra).load_model(fake_vllm_config(**config), fake_model_config(path))
+    assert seen["prefetch"] is None and set(sink.seen) == set(ts)
+    msgs = [m.getMessage() for m in logs]
+    assert any("prefetch off for this load" in m and why in m for m in msgs), msgs
+
+
+def test_a_failure_while_the_model_is_built_stops_the_prefetch(ckpt, monkeypatch):
+    path, _ = ckpt
+    seen = {}
+    building(monkeypatch, seen, fail=True)
+    loader = loader_with(path, prefetch=True)
+    with pytest.raises(RuntimeError, match="out of memory while building"):
+        loader.load_model(fake_vllm_config(), fake_model_config(path))
+    assert seen["prefetch"] is not None and not seen["prefetch"].prefetch._thread.is_alive()
+    assert loader._prefetched is None and sys.getswitchinterval() == pytest.approx(0.005)
+    assert not (path / "r.json").exists()  # no report for a load that did not happen
+
+
+def test_a_bad_checkpoint_fails_before_the_model_is_built(ckpt, monkeypatch):
+    path, _ = ckpt
+    (path / "model-00002-of-00002.safetensors").write_bytes(b"\xff" * 16)
+    seen = {}
+    building(monkeypatch, seen)
+    with pytest.raises(Exception, match="model-00002-of-00002.safetensors"):
+        loader_with(path, prefetch=True).load_model(fake_vllm_config(), fake_model_config(path))
+    assert "prefetch" not in seen  # vLLM's load_model (the model's construction) never ran

@@ -296,7 +296,9 @@ class StreamerConfig(_LoaderConfig):
         "vLLM builds the model, so reads overlap model construction; load_weights then takes what was read. Only "
         "where one rank loads the whole model (TP x PP = 1), without sleep mode and content hashing; it holds at most "
         "what is left of gpu_memory_utilization's share after the weights and 2 GiB (a quarter of the available host "
-        "memory on CPU), and lowers the interpreter's thread switch interval while it runs.",
+        "memory on CPU), and lowers the interpreter's thread switch interval while it runs. Off by default: the "
+        "stream's Python work takes the GIL from model construction, which slows by about what the weights phase "
+        "saves (docs/benchmarks.md).",
     )
     pinned_slots: int = key(
         16, ge=2, le=64,

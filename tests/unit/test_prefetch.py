@@ -247,3 +247,29 @@ def test_a_bad_checkpoint_fails_before_the_model_is_built(ckpt, monkeypatch):
     with pytest.raises(Exception, match="model-00002-of-00002.safetensors"):
         loader_with(path, prefetch=True).load_model(fake_vllm_config(), fake_model_config(path))
     assert "prefetch" not in seen  # vLLM's load_model (the model's construction) never ran
+
+
+def test_no_room_for_a_prefetch_says_so_and_reads_the_headers_again_in_load_weights(ckpt, monkeypatch):
+    path, ts = ckpt
+    seen = {}
+    building(monkeypatch, seen)
+    monkeypatch.setattr(prefetch, "host_available", lambda: 0)
+    with log_records() as logs:
+        sink = loader_with(path, prefetch=True).load_model(fake_vllm_config(), fake_model_config(path))
+    assert seen["prefetch"] is None and set(sink.seen) == set(ts)
+    msgs = [m.getMessage() for m in logs]
+    assert any("prefetch off for this load" in m and "host memory available unknown or small (0 bytes)" in m
+               for m in msgs), msgs
+    assert "prefetched_bytes" not in json.loads((path / "r.json").read_text())["extra"]
+
+
+def test_a_vllm_config_without_a_device_turns_the_prefetch_off(ckpt, monkeypatch):
+    path, ts = ckpt
+    seen = {}
+    building(monkeypatch, seen)
+    cfg = fake_vllm_config()
+    cfg.device_config = types.SimpleNamespace()
+    with log_records() as logs:
+        sink = loader_with(path, prefetch=True).load_model(cfg, fake_model_config(path))
+    assert seen["prefetch"] is None and set(sink.seen) == set(ts)
+    assert any("vllm_config names no device" in m.getMessage() for m in logs)

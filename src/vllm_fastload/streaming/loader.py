@@ -216,8 +216,7 @@ class RunaiStreamerLoader(BaseModelLoader):
             if reason is not None:
                 return None  # load_weights falls back and says why
             t0 = time.perf_counter()
-            report = LoadReport(load_format=LOAD_FORMAT, source=weights_source(model_config))
-            tensors, ckpt = self._tensors(plan, None, model_config, report, t0, device)
+            ckpt = read_checkpoint(plan)
             weights = sum(t.nbytes for h in ckpt.headers for t in h.tensors.values())
             budget, why = self._prefetch_budget(vllm_config, device, weights)
         if why is not None:
@@ -225,6 +224,8 @@ class RunaiStreamerLoader(BaseModelLoader):
             return None
         from .prefetch import Prefetch
 
+        report = LoadReport(load_format=LOAD_FORMAT, source=weights_source(model_config))
+        tensors, _ = self._tensors(plan, None, model_config, report, t0, device, ckpt)
         setup = stream = None
         if device.type == "cuda":
             import torch
@@ -253,7 +254,10 @@ class RunaiStreamerLoader(BaseModelLoader):
 
         if uses_cumem_pool(model_config):
             return "sleep mode: vLLM loads inside its memory pool", None
-        load_device = getattr(vllm_config.load_config, "device", None) or vllm_config.device_config.device
+        load_device = (getattr(getattr(vllm_config, "load_config", None), "device", None)
+                       or getattr(getattr(vllm_config, "device_config", None), "device", None))
+        if load_device is None:
+            return "vllm_config names no device (load_config.device, device_config.device)", None
         device = torch.device(load_device)
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
@@ -271,7 +275,9 @@ class RunaiStreamerLoader(BaseModelLoader):
             import torch
 
             free, total = torch.cuda.mem_get_info(device)
-            share = vllm_config.cache_config.gpu_memory_utilization
+            share = getattr(getattr(vllm_config, "cache_config", None), "gpu_memory_utilization", None)
+            if not isinstance(share, (int, float)):
+                return 0, "vllm_config has no cache_config.gpu_memory_utilization to size the prefetch by"
             budget = gpu_budget(free, total, share, weights)
             why = (f"{free / 2**30:.1f} GiB free of {total / 2**30:.1f} GiB, gpu_memory_utilization {share}: no room "
                    f"beside the {weights / 2**30:.2f} GiB of weights and {GPU_MARGIN / 2**30:.0f} GiB")
@@ -418,13 +424,13 @@ class RunaiStreamerLoader(BaseModelLoader):
         report.consume_s = max(report.wall_s - waited, 0.0)
 
     def _tensors(self, plan: ShardPlan, model: Any, model_config: Any, report: LoadReport, t0: float,
-                 device: Any = None) -> tuple[Iterator[tuple[str, Any]], Checkpoint]:
+                 device: Any = None, ckpt: Checkpoint | None = None) -> tuple[Iterator[tuple[str, Any]], Checkpoint]:
         """``((name, tensor) iterator, checkpoint)``: the tensors of ``plan`` (the shards :meth:`_why_not` chose)
-        through the fan-out, GPU or CPU path (``report`` filled in), and the validated checkpoint. Headers are
-        validated, the fingerprint computed and the fan-out agreed on here, before the iterator is returned: a bad
-        checkpoint fails before the model is touched."""
+        through the fan-out, GPU or CPU path (``report`` filled in), and the validated checkpoint (``ckpt``: already
+        read from ``plan``). Headers are validated, the fingerprint computed and the fan-out agreed on here, before
+        the iterator is returned: a bad checkpoint fails before the model is touched."""
         source = weights_source(model_config)
-        ckpt = read_checkpoint(plan)
+        ckpt = read_checkpoint(plan) if ckpt is None else ckpt
         for warning in ckpt.warnings():
             logger.warning("fastload: %s", warning)
         load = _Load(plan, ckpt, report)

@@ -174,18 +174,14 @@ def run_one(name: str, model: str, tp: int, gmu: float, report: Path, extra: dic
         ex["prefetch"] = True
     if name.startswith("runai_fastload_uring"):
         ex["fs_strategy"] = "uring_buffered"
-        depths = {"8m16": 16, "2m32": 32, "1m48": 48, "12": 12, "24": 24, "48": 48}
-        depth = depths.get(name[len("runai_fastload_uring"):])
-        if depth:
-            ex["concurrency"] = depth
-        if name in ("runai_fastload_uring12", "runai_fastload_uring24", "runai_fastload_uring48"):
-            ex["pinned_slots"] = depth
-        if name == "runai_fastload_uring16m":
-            ex["pinned_slot_bytes"] = 16 << 20
-    if name in ("runai_fastload_uring32m", "runai_fastload_prefetch32m", "runai_fastload_prefetch32msw1ms"):
-        ex["pinned_slot_bytes"] = 32 << 20
-    if name == "runai_fastload_prefetch64m":
-        ex["pinned_slot_bytes"] = 64 << 20
+        suffix = name[len("runai_fastload_uring"):]
+        if suffix.isdigit():  # uring12 / 24 / 48: that many slots, all in flight
+            ex["pinned_slots"] = ex["concurrency"] = int(suffix)
+        elif suffix in ("8m16", "2m32", "1m48"):  # the read request size is the loader's environment
+            ex["concurrency"] = int(suffix.split("m")[1])
+    slot_mib = {"uring16m": 16, "uring32m": 32, "prefetch32m": 32, "prefetch32msw1ms": 32, "prefetch64m": 64}
+    if name[len("runai_fastload_"):] in slot_mib:
+        ex["pinned_slot_bytes"] = slot_mib[name[len("runai_fastload_"):]] << 20
     if name.startswith("ipc_"):
         ex = {"socket_dir": SOCKET_DIR[-1], "mode": name[4:], "report_path": str(report), "fallback": False}
     timeline = report.with_name(f"{name}.timeline.json")

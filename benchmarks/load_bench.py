@@ -220,6 +220,8 @@ def run_one(name: str, model: str, tp: int, gmu: float, report: Path, extra: dic
         res["report"] = {k: r.get(k) for k in ("bytes", "wall_s", "read_wait_s", "gb_per_s", "content_digest", "extra")}
         if name.startswith("ipc_"):
             res["ipc_weights_s"] = r["extra"].get("weights_phase_s")
+        elif r.get("weights_phase_s") is not None:  # our streamer with prefetch: load_weights' own seconds
+            res["fastload_weights_s"] = r["weights_phase_s"]
     if timeline.exists():
         res["timeline"] = json.loads(timeline.read_text())["summary"]
     res["log_tail"] = "\n".join(line for line in log.splitlines() if "fastload" in line or "took" in line)[-2000:]

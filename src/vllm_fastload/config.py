@@ -294,11 +294,11 @@ class StreamerConfig(_LoaderConfig):
         allowed="true or false (JSON bool)",
         description="Experimental: start reading (and on a GPU copying) the weights on a thread of the load before "
         "vLLM builds the model, so reads overlap model construction; load_weights then takes what was read. Only "
-        "where one rank loads the whole model (TP x PP = 1), without sleep mode and content hashing; it holds at most "
-        "what is left of gpu_memory_utilization's share after the weights and 2 GiB (a quarter of the available host "
-        "memory on CPU), and lowers the interpreter's thread switch interval while it runs. Off by default: the "
-        "stream's Python work takes the GIL from model construction, which slows by about what the weights phase "
-        "saves (docs/benchmarks.md).",
+        "where one rank loads the whole model (TP x PP = 1), without sleep mode and content hashing. It holds at "
+        "most what is left of gpu_memory_utilization's share after the weights and 2 GiB (on CPU a quarter of what "
+        "is left of the available host memory, or of the container's limit, after the weights), and lowers the "
+        "interpreter's thread switch interval while it runs. Off by default: the stream's Python work takes the "
+        "GIL from model construction, which slows by about what the weights phase saves (docs/benchmarks.md).",
     )
     pinned_slots: int = key(
         16, ge=2, le=64,
@@ -366,7 +366,19 @@ class StreamerConfig(_LoaderConfig):
 
 def cgroup_memory_max(cgroup_root: Path = Path("/sys/fs/cgroup")) -> Optional[int]:
     """The container's memory limit in bytes from cgroup v2 ``memory.max`` (or v1), None if unlimited/unknown."""
-    for rel in ("memory.max", "memory/memory.limit_in_bytes"):
+    return _cgroup_bytes(cgroup_root, ("memory.max", "memory/memory.limit_in_bytes"))
+
+
+def cgroup_memory_current(cgroup_root: Path = Path("/sys/fs/cgroup")) -> Optional[int]:
+    """The container's memory use in bytes from cgroup v2 ``memory.current`` (or v1 ``memory.usage_in_bytes``),
+    None if unknown."""
+    return _cgroup_bytes(cgroup_root, ("memory.current", "memory/memory.usage_in_bytes"))
+
+
+def _cgroup_bytes(cgroup_root: Path, names: tuple[str, ...]) -> Optional[int]:
+    """The first of ``names`` under ``cgroup_root`` that holds a number of bytes; None for ``max``, cgroup v1's
+    "unlimited" (a number near 2**63) or none readable."""
+    for rel in names:
         p = Path(cgroup_root) / rel
         try:
             text = p.read_text().strip()
@@ -378,7 +390,6 @@ def cgroup_memory_max(cgroup_root: Path = Path("/sys/fs/cgroup")) -> Optional[in
             value = int(text)
         except ValueError:
             continue
-        # cgroup v1 reports "unlimited" as a huge number near 2**63
         return None if value >= 2**62 else value
     return None
 

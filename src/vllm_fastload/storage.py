@@ -87,9 +87,12 @@ def missing_backend(path: str) -> Optional[str]:
 
 @contextlib.contextmanager
 def scoped_environ(updates: dict[str, str]) -> Iterator[None]:
-    """Set environment variables for the duration of the block, then restore the previous values."""
-    saved = {k: os.environ.get(k) for k in updates}
-    os.environ.update(updates)
+    """Set environment variables for the duration of the block, then restore the previous values. A variable that
+    already has its value is not touched (nor put back): a block on another thread whose variables the calling
+    thread set first (``prefetch``) changes no environment while that thread runs (glibc's ``setenv`` is not safe
+    beside another thread's ``getenv``)."""
+    saved = {k: os.environ.get(k) for k, v in updates.items() if os.environ.get(k) != v}
+    os.environ.update({k: updates[k] for k in saved})
     try:
         yield
     finally:

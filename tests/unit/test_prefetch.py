@@ -101,19 +101,72 @@ def test_close_before_the_take_stops_the_stream_in_its_own_thread():
     p.close()  # idempotent
 
 
+def held_until(release):
+    """A stream of one tensor that ends only once ``release`` is set."""
+
+    def gen():
+        yield "t0", torch.zeros(4, dtype=torch.uint8)
+        release.wait(10)
+
+    return gen
+
+
 def test_the_switch_interval_is_lowered_while_a_prefetch_runs(monkeypatch):
     monkeypatch.setattr(prefetch, "SWITCH_S", 0.0002)
     before = sys.getswitchinterval()
-    a = Prefetch(produced(1), budget_bytes=1024)
-    b = Prefetch(produced(1), budget_bytes=1024)
+    ra, rb = threading.Event(), threading.Event()
+    a = Prefetch(held_until(ra), budget_bytes=1024)
+    b = Prefetch(held_until(rb), budget_bytes=1024)
     try:
         assert sys.getswitchinterval() == pytest.approx(0.0002)
+        ra.set()
         a.close()
         assert sys.getswitchinterval() == pytest.approx(0.0002)  # b still runs
     finally:
+        ra.set()
+        rb.set()
         a.close()
         b.close()
     assert sys.getswitchinterval() == before
+
+
+def test_a_switch_interval_set_meanwhile_by_someone_else_stays(monkeypatch):
+    monkeypatch.setattr(prefetch, "SWITCH_S", 0.0002)
+    before = sys.getswitchinterval()
+    release = threading.Event()
+    p = Prefetch(held_until(release), budget_bytes=1024)
+    try:
+        sys.setswitchinterval(0.02)
+        release.set()
+        p.close()
+        assert sys.getswitchinterval() == pytest.approx(0.02)
+    finally:
+        release.set()
+        p.close()
+        sys.setswitchinterval(before)
+
+
+def test_an_interrupted_close_can_be_repeated_and_the_interval_comes_back_with_the_thread(monkeypatch):
+    monkeypatch.setattr(prefetch, "SWITCH_S", 0.0002)
+    before = sys.getswitchinterval()
+    release = threading.Event()
+    p = Prefetch(held_until(release), budget_bytes=1024)
+    join = p._thread.join
+    monkeypatch.setattr(p._thread, "join", lambda *a: (_ for _ in ()).throw(KeyboardInterrupt()))
+    with pytest.raises(KeyboardInterrupt):
+        p.close()  # a second Ctrl-C while close() waits
+    assert p._thread.is_alive() and not p._closed
+    monkeypatch.setattr(p._thread, "join", join)
+    release.set()
+    p.close()
+    assert not p._thread.is_alive() and sys.getswitchinterval() == before
+
+
+def test_a_closed_prefetch_cannot_be_iterated():
+    p = Prefetch(produced(3), budget_bytes=1 << 20)
+    p.close()
+    with pytest.raises(RuntimeError, match="before it is closed"):
+        next(iter(p))
 
 
 def test_gpu_budget_is_what_is_left_of_the_engines_share():
@@ -123,10 +176,20 @@ def test_gpu_budget_is_what_is_left_of_the_engines_share():
     assert gpu_budget(40 * GiB, 80 * GiB, 0.9, 16 * GiB) == 14 * GiB
     # no room beside the weights
     assert gpu_budget(20 * GiB, 80 * GiB, 0.9, 16 * GiB) == 0
+    # the largest tensor (held beyond the budget) comes off too
+    assert gpu_budget(40 * GiB, 80 * GiB, 0.9, 16 * GiB, largest=GiB) == 13 * GiB
     # a 24 GiB share of which 1 GiB is in use: 23 - 16 - 2
     assert gpu_budget(79 * GiB, 80 * GiB, 0.3, 16 * GiB) == 5 * GiB
     with pytest.raises(ValueError, match="budget_bytes"):
         Prefetch(produced(1), budget_bytes=-1)
+
+
+def test_host_budget_stays_within_a_containers_limit():
+    # a host with 256 GiB available: a quarter of what is left after 16 GiB of weights, at most the weights
+    assert prefetch.host_budget(256 * GiB, None, None, 16 * GiB) == 16 * GiB
+    # the same in a pod limited to 28 GiB of which 2 GiB are used: (26 - 16 - 1) / 4
+    assert prefetch.host_budget(256 * GiB, 28 * GiB, 2 * GiB, 16 * GiB, largest=GiB) == 9 * GiB // 4
+    assert prefetch.host_budget(256 * GiB, 16 * GiB, 2 * GiB, 16 * GiB) == 0
 
 
 # --- the loader ------------------------------------------------------------------------------------------------
@@ -195,8 +258,12 @@ def test_weights_read_while_the_model_is_built_load_bit_exact(ckpt, monkeypatch)
     ex = r["extra"]
     assert r["tensors"] == 5 and r["bytes"] == total and r["fallback_reason"] is None
     assert ex["prefetched_bytes"] == total and ex["prefetch_budget_bytes"] >= total and ex["prefetch_s"] > 0
+    # wall_s spans the stream from its start, as its marks do; the weights phase is load_weights' own share
+    assert 0 < r["weights_phase_s"] < r["wall_s"] and ex["prefetch_s"] < r["wall_s"]
+    assert 0 < ex["prepare_s"] <= ex["first_tensor_s"] <= ex["last_tensor_s"] <= r["wall_s"]
     assert "MainThread" in ex["other_threads"]  # the stream ran beside vLLM's thread, not in it
     assert f"{total / 2**30:.2f} GiB of it read beside model construction" in r["line"]
+    assert f"weights phase {r['weights_phase_s']:.3f} s" in r["line"]
     assert any(r["line"] in m.getMessage() for m in logs)
     assert not any(t.name == "fastload-prefetch" for t in threading.enumerate())
     assert sys.getswitchinterval() == pytest.approx(0.005)
@@ -258,7 +325,7 @@ def test_no_room_for_a_prefetch_says_so_and_reads_the_headers_again_in_load_weig
         sink = loader_with(path, prefetch=True).load_model(fake_vllm_config(), fake_model_config(path))
     assert seen["prefetch"] is None and set(sink.seen) == set(ts)
     msgs = [m.getMessage() for m in logs]
-    assert any("prefetch off for this load" in m and "host memory available unknown or small (0 bytes)" in m
+    assert any("prefetch off for this load" in m and "host memory: 0.0 GiB available" in m and "no room beside" in m
                for m in msgs), msgs
     assert "prefetched_bytes" not in json.loads((path / "r.json").read_text())["extra"]
 
@@ -273,3 +340,74 @@ def test_a_vllm_config_without_a_device_turns_the_prefetch_off(ckpt, monkeypatch
         sink = loader_with(path, prefetch=True).load_model(cfg, fake_model_config(path))
     assert seen["prefetch"] is None and set(sink.seen) == set(ts)
     assert any("vllm_config names no device" in m.getMessage() for m in logs)
+
+
+def test_the_prefetch_thread_changes_no_environment_beside_construction(ckpt, monkeypatch):
+    """runai reads its settings from the environment; the stream's variables are set on vLLM's thread before the
+    prefetch thread starts, so that thread's scoped_environ changes nothing while the model is built (glibc's
+    setenv is not safe beside another thread's getenv), and they are put back after the load."""
+    import collections.abc
+    import os
+
+    from vllm_fastload import storage
+
+    path, ts = ckpt
+    writes = []
+
+    class Recording(collections.abc.MutableMapping):
+        def __getitem__(self, k):
+            return os.environ[k]
+
+        def __setitem__(self, k, v):
+            writes.append((threading.current_thread().name, k))
+            os.environ[k] = v
+
+        def __delitem__(self, k):
+            writes.append((threading.current_thread().name, k))
+            del os.environ[k]
+
+        def __iter__(self):
+            return iter(os.environ)
+
+        def __len__(self):
+            return len(os.environ)
+
+    class Os:  # storage's os module, its environ recorded
+        environ = Recording()
+
+        def __getattr__(self, name):
+            return getattr(os, name)
+
+    monkeypatch.setattr(storage, "os", Os())
+    monkeypatch.setenv("RUNAI_STREAMER_CONCURRENCY", "3")
+    seen = {}
+    building(monkeypatch, seen)
+    during = {}
+    inner = BaseModelLoader.load_model
+
+    def load_model(self, vllm_config, model_config):
+        during.update(os.environ)
+        return inner(self, vllm_config, model_config)
+
+    monkeypatch.setattr(BaseModelLoader, "load_model", load_model)
+    sink = loader_with(path, prefetch=True, concurrency=5).load_model(fake_vllm_config(), fake_model_config(path))
+    assert set(sink.seen) == set(ts)
+    assert writes and all(name == "MainThread" for name, _ in writes), writes
+    assert during["RUNAI_STREAMER_CONCURRENCY"] == "5"  # the load's own value, set before construction
+    assert os.environ["RUNAI_STREAMER_CONCURRENCY"] == "3"  # and put back
+
+
+def test_a_checkpoint_of_empty_tensors_is_not_prefetched_and_says_why(tmp_path, monkeypatch):
+    write_safetensors(tmp_path / "model.safetensors", {"a": torch.empty(0), "b": torch.empty(0, 3)})
+    seen = {}
+
+    def load_model(self, vllm_config, model_config):
+        seen["prefetch"] = self._prefetched
+        return "built"
+
+    monkeypatch.setattr(BaseModelLoader, "load_model", load_model)
+    with log_records() as logs:
+        assert loader_with(tmp_path, prefetch=True).load_model(fake_vllm_config(), fake_model_config(tmp_path)) \
+            == "built"
+    assert seen["prefetch"] is None
+    assert any("the checkpoint holds no tensor bytes" in m.getMessage() for m in logs)

@@ -24,7 +24,7 @@ import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from ..checkpoint import Checkpoint, ShardPlan, model_shards, read_checkpoint, shard_changed, weights_source
 from ..config import StreamerConfig
@@ -114,14 +114,24 @@ def _timed_edges(tensors: Iterator[tuple[str, Any]], report: LoadReport, t0: flo
 @dataclass
 class _Prefetched:
     """A stream :meth:`RunaiStreamerLoader._start_prefetch` started before vLLM built the model: the running
-    :class:`.prefetch.Prefetch`, the ``model_config`` it reads for, its report (filled by the stream) and the
-    validated checkpoint."""
+    :class:`.prefetch.Prefetch`, the ``model_config`` it reads for, its report (filled by the stream), the
+    validated checkpoint, and what :meth:`close` undoes."""
 
     prefetch: Any
     model_config: Any
     report: LoadReport
     checkpoint: Checkpoint
+    t0: float  # time.perf_counter() when the stream was prepared (its report's marks count from it)
+    environ: Any = None  # the stream's environment variables, set on vLLM's thread until close (an ExitStack)
     stream: Any = None  # CUDA: the stream that waits for each tensor's copies (the loading thread's current one)
+
+    def close(self) -> None:
+        """Stop the prefetch (:meth:`.prefetch.Prefetch.close`), then put the environment back."""
+        try:
+            self.prefetch.close()
+        finally:
+            if self.environ is not None:
+                self.environ.close()
 
     def serves(self, model_config: Any) -> str | None:
         """Why this stream cannot serve ``load_weights(model, model_config)`` now, or None: another
@@ -135,6 +145,15 @@ class _Prefetched:
             if now != self.stream:
                 return f"the loading thread's CUDA stream changed since load_model began ({self.stream} -> {now})"
         return None
+
+
+class _Stream(NamedTuple):
+    """What :meth:`RunaiStreamerLoader._tensors` prepared: the ``(name, tensor)`` iterator (nothing read before its
+    first ``next``), the validated checkpoint, and the environment variables the stream sets while it runs."""
+
+    tensors: Iterator[tuple[str, Any]]
+    checkpoint: Checkpoint
+    env: dict[str, str]
 
 
 class RunaiStreamerLoader(BaseModelLoader):
@@ -217,15 +236,20 @@ class RunaiStreamerLoader(BaseModelLoader):
                 return None  # load_weights falls back and says why
             t0 = time.perf_counter()
             ckpt = read_checkpoint(plan)
-            weights = sum(t.nbytes for h in ckpt.headers for t in h.tensors.values())
-            budget, why = self._prefetch_budget(vllm_config, device, weights)
+            sizes = [t.nbytes for h in ckpt.headers for t in h.tensors.values()]
+            budget, why = self._prefetch_budget(vllm_config, device, sum(sizes), max(sizes, default=0))
         if why is not None:
             logger.info("fastload: prefetch off for this load (weights are read in load_weights): %s", why)
             return None
         from .prefetch import Prefetch
 
         report = LoadReport(load_format=LOAD_FORMAT, source=weights_source(model_config))
-        tensors, _ = self._tensors(plan, None, model_config, report, t0, device, ckpt)
+        tensors, _, env = self._tensors(plan, None, model_config, report, t0, device, ckpt)
+        # the stream's variables (and the direct path's ring's, runai_env.ring_env) set here, on vLLM's thread, for
+        # as long as the stream runs: the stream's own scoped_environ on the prefetch thread then finds them set and
+        # changes no environment beside model construction
+        environ = contextlib.ExitStack()
+        environ.enter_context(scoped_environ({**env, **runai_env.ring_env(self.config.pinned_slots)}))
         setup = stream = None
         if device.type == "cuda":
             import torch
@@ -236,7 +260,12 @@ class RunaiStreamerLoader(BaseModelLoader):
                 torch.cuda.set_device(device)
                 torch.cuda.set_stream(stream)
 
-        return _Prefetched(Prefetch(lambda: tensors, budget, setup), model_config, report, ckpt, stream)
+        try:
+            prefetch = Prefetch(lambda: tensors, budget, setup)
+        except BaseException:
+            environ.close()
+            raise
+        return _Prefetched(prefetch, model_config, report, ckpt, t0, environ, stream)
 
     def _no_prefetch(self, vllm_config: Any, model_config: Any) -> tuple[str | None, Any]:
         """``(why this load cannot prefetch or None, the device it loads onto)``."""
@@ -266,11 +295,16 @@ class RunaiStreamerLoader(BaseModelLoader):
         return None, device
 
     @staticmethod
-    def _prefetch_budget(vllm_config: Any, device: Any, weights: int) -> tuple[int, str | None]:
-        """``(bytes a prefetch may hold, None)`` for a checkpoint of ``weights`` tensor bytes on ``device``, or
-        ``(0, why none)``: on a GPU :func:`.prefetch.gpu_budget`; on CPU a quarter of the available host memory."""
-        from .prefetch import GPU_MARGIN, gpu_budget, host_available
+    def _prefetch_budget(vllm_config: Any, device: Any, weights: int, largest: int) -> tuple[int, str | None]:
+        """``(bytes a prefetch may hold, None)`` for a checkpoint of ``weights`` tensor bytes (the largest tensor
+        ``largest``) on ``device``, or ``(0, why none)``: :func:`.prefetch.gpu_budget` on a GPU,
+        :func:`.prefetch.host_budget` on CPU (within a container's memory limit)."""
+        from ..config import cgroup_memory_current, cgroup_memory_max
+        from .prefetch import GPU_MARGIN, gpu_budget, host_available, host_budget
 
+        if weights <= 0:
+            return 0, "the checkpoint holds no tensor bytes"
+        beside = f"beside the {weights / 2**30:.2f} GiB of weights (largest tensor {largest / 2**30:.2f} GiB)"
         if device.type == "cuda":
             import torch
 
@@ -278,20 +312,23 @@ class RunaiStreamerLoader(BaseModelLoader):
             share = getattr(getattr(vllm_config, "cache_config", None), "gpu_memory_utilization", None)
             if not isinstance(share, (int, float)):
                 return 0, "vllm_config has no cache_config.gpu_memory_utilization to size the prefetch by"
-            budget = gpu_budget(free, total, share, weights)
+            budget = gpu_budget(free, total, share, weights, largest)
             why = (f"{free / 2**30:.1f} GiB free of {total / 2**30:.1f} GiB, gpu_memory_utilization {share}: no room "
-                   f"beside the {weights / 2**30:.2f} GiB of weights and {GPU_MARGIN / 2**30:.0f} GiB")
+                   f"{beside} and {GPU_MARGIN / 2**30:.0f} GiB")
         else:
-            available = host_available()
-            budget = min(weights, available // 4)
-            why = f"host memory available unknown or small ({available} bytes)"
+            available, limit, used = host_available(), cgroup_memory_max(), cgroup_memory_current()
+            budget = host_budget(available, limit, used, weights, largest)
+            where = f"{available / 2**30:.1f} GiB available" + (
+                f", container limit {limit / 2**30:.1f} GiB of which {(used or 0) / 2**30:.1f} GiB used"
+                if limit is not None else "")
+            why = f"host memory: {where}, no room {beside}"
         return (budget, None) if budget > 0 else (0, why)
 
     def _end_prefetch(self) -> None:
         """Stop a prefetch :meth:`load_weights` did not take (vLLM failed while building the model)."""
         pre, self._prefetched = self._prefetched, None
         if pre is not None:
-            pre.prefetch.close()
+            pre.close()
 
     def _drop_arena(self) -> None:
         """Discard the arena :meth:`_start_pinning` started, if any, and give its pinned memory back."""
@@ -317,7 +354,7 @@ class RunaiStreamerLoader(BaseModelLoader):
             if why is None:
                 self._load_prefetched(model, model_config, pre)
                 return
-            pre.prefetch.close()
+            pre.close()
             logger.warning("fastload: the weights read beside model construction are not used, load_weights reads "
                            "them again: %s", why)
         t0 = time.perf_counter()
@@ -328,14 +365,15 @@ class RunaiStreamerLoader(BaseModelLoader):
             loader.load_weights(model, model_config)
             self._fell_back(report, loader, reason, t0)
             return
-        tensors, _ = self._tensors(plan, model, model_config, report, t0)  # validates the checkpoint before the model
+        tensors = self._tensors(plan, model, model_config, report, t0).tensors  # checks the files before the model
         loaded = model.load_weights(pin.stream(tensors) if pin else tensors)
         self._loaded(model, model_config, loaded, report, t0)
 
-    def _loaded(self, model: Any, model_config: Any, loaded: Any, report: LoadReport, t0: float) -> None:
-        """After ``model.load_weights`` returned ``loaded`` (``t0``: when this ``load_weights`` began): the seconds
-        into ``report``, vLLM's every-parameter check, then the report emitted."""
-        self._finish(report, t0)
+    def _loaded(self, model: Any, model_config: Any, loaded: Any, report: LoadReport, t0: float,
+                phase_t0: float | None = None) -> None:
+        """After ``model.load_weights`` returned ``loaded``: the seconds into ``report`` (:meth:`_finish`), vLLM's
+        every-parameter check, then the report emitted."""
+        self._finish(report, t0, phase_t0)
         t_check = time.perf_counter()
         self._check_all_loaded(model, model_config, loaded)
         report.extra["check_s"] = round(time.perf_counter() - t_check, 4)
@@ -343,20 +381,23 @@ class RunaiStreamerLoader(BaseModelLoader):
         self.last_report = report
 
     def _load_prefetched(self, model: Any, model_config: Any, pre: _Prefetched) -> None:
-        """:meth:`load_weights` from the stream :meth:`_start_prefetch` started: the report's ``wall_s`` holds this
-        call's seconds; ``extra`` says how long the stream ran before (``prefetch_s``), what it had read by then
-        (``prefetched_bytes``) and its ``prefetch_budget_bytes``; the log line says the same."""
+        """:meth:`load_weights` from the stream :meth:`_start_prefetch` started: the report's ``weights_phase_s``
+        holds this call's seconds (which the log line leads with), its ``wall_s`` the stream's from its preparation
+        (the base of ``prepare_s``, ``first_tensor_s``, ``last_tensor_s``); ``extra`` says how long the stream ran
+        before this call (``prefetch_s``), the bytes of the tensors it had finished by then (``prefetched_bytes``)
+        and its ``prefetch_budget_bytes``; ``consumer_wait_s`` is this thread's wait for the stream, ``read_wait_s``
+        the stream's for its reader."""
         pf, report = pre.prefetch, pre.report
         t = time.perf_counter()
         try:
             loaded = model.load_weights(iter(pf))
         finally:
-            pf.close()
-        report.extra.update(consumer_wait_s=round(pf.wait_s, 4), prefetch_s=round(t - pf.started, 4),
+            pre.close()
+        report.extra.update(consumer_wait_s=round(pf.wait_s, 4), prefetch_s=round(t - pre.t0, 4),
                             prefetched_bytes=pf.bytes_before_take, prefetch_budget_bytes=pf.budget_bytes)
         report.note = (f"{pf.bytes_before_take / 2**30:.2f} GiB of it read beside model construction, in the "
-                       f"{t - pf.started:.3f} s before load_weights")
-        self._loaded(model, model_config, loaded, report, t)
+                       f"{t - pre.t0:.3f} s before load_weights")
+        self._loaded(model, model_config, loaded, report, pre.t0, t)
 
     def get_all_weights(self, model_config: Any, model: Any) -> Iterator[tuple[str, Any]]:
         """Every ``(name, tensor)`` of ``model_config``'s checkpoint, through the same read paths as
@@ -381,7 +422,7 @@ class RunaiStreamerLoader(BaseModelLoader):
             yield from loader.get_all_weights(model_config, model)
             self._fell_back(report, loader, reason, t0)
             return
-        tensors, checkpoint = self._tensors(plan, model, model_config, report, t0, device)
+        tensors, checkpoint, _ = self._tensors(plan, model, model_config, report, t0, device)
         if pin is not None:
             pin.precheck(checkpoint)
         yield from pin.stream(tensors) if pin else tensors
@@ -416,19 +457,26 @@ class RunaiStreamerLoader(BaseModelLoader):
         report.emit(self.config.report_path)
         self.last_report = report
 
-    def _finish(self, report: LoadReport, t0: float) -> None:
-        """Wall and consumer seconds of a finished stream. CPU: reader and consumer alternate in one thread. GPU:
-        they overlap; the consumer's own time is what is left after waiting for the producer."""
-        report.wall_s = self._weights_s = time.perf_counter() - t0
+    def _finish(self, report: LoadReport, t0: float, phase_t0: float | None = None) -> None:
+        """Wall and consumer seconds of a finished stream (``t0``: when the stream was prepared). CPU: reader and
+        consumer alternate in one thread. GPU: they overlap; the consumer's own time is what is left after waiting
+        for the producer. ``phase_t0`` (``prefetch``): when ``load_weights`` began, later than ``t0``; its seconds
+        become the report's ``weights_phase_s``, while ``wall_s`` spans the whole stream as ``prepare_s``,
+        ``first_tensor_s`` and ``last_tensor_s`` do."""
+        now = time.perf_counter()
+        report.wall_s = now - t0
+        self._weights_s = now - (t0 if phase_t0 is None else phase_t0)
+        if phase_t0 is not None:
+            report.weights_phase_s = self._weights_s
         waited = report.extra.get("consumer_wait_s", report.read_wait_s)
-        report.consume_s = max(report.wall_s - waited, 0.0)
+        report.consume_s = max(self._weights_s - waited, 0.0)
 
     def _tensors(self, plan: ShardPlan, model: Any, model_config: Any, report: LoadReport, t0: float,
-                 device: Any = None, ckpt: Checkpoint | None = None) -> tuple[Iterator[tuple[str, Any]], Checkpoint]:
-        """``((name, tensor) iterator, checkpoint)``: the tensors of ``plan`` (the shards :meth:`_why_not` chose)
-        through the fan-out, GPU or CPU path (``report`` filled in), and the validated checkpoint (``ckpt``: already
-        read from ``plan``). Headers are validated, the fingerprint computed and the fan-out agreed on here, before
-        the iterator is returned: a bad checkpoint fails before the model is touched."""
+                 device: Any = None, ckpt: Checkpoint | None = None) -> _Stream:
+        """The :class:`_Stream` of ``plan`` (the shards :meth:`_why_not` chose): its tensors through the fan-out, GPU
+        or CPU path (``report`` filled in), the validated checkpoint (``ckpt``: already read from ``plan``) and the
+        environment the stream sets while it runs. Headers are validated, the fingerprint computed and the fan-out
+        agreed on here, before the iterator is returned: a bad checkpoint fails before the model is touched."""
         source = weights_source(model_config)
         ckpt = read_checkpoint(plan) if ckpt is None else ckpt
         for warning in ckpt.warnings():
@@ -473,7 +521,7 @@ class RunaiStreamerLoader(BaseModelLoader):
                     if fan is not None:
                         fan.close()
 
-        return _timed_edges(stream(), report, t0), ckpt
+        return _Stream(_timed_edges(stream(), report, t0), ckpt, env)
 
     def _gpu_tensors(self, load: _Load, device: Any, why_not_direct: str | None) -> Iterator[tuple[str, Any]]:
         """GPU path. ``why_not_direct`` is None (:meth:`_reads_into_pinned`): tensor pieces are read straight into a

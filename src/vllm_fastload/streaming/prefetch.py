@@ -20,7 +20,9 @@ while the model is built, so the interval is lowered to :data:`SWITCH_S` while a
 is closed (it is process-wide; every thread of the process switches that often meanwhile).
 
 **Memory.** The budget is device memory (host memory on CPU) held beyond the model's parameters: the loader sizes
-it from what is free before construction (:func:`gpu_budget`).
+it from what is free before construction (:func:`gpu_budget`, :func:`host_budget`). It bounds the finished tensors
+the model has not taken; the thread may hold one tensor beyond it (it learns a tensor's size when the tensor is
+done) and the read ring's pieces of the tensors being assembled.
 """
 
 from __future__ import annotations
@@ -46,8 +48,9 @@ POLL_S = 0.05
 GPU_MARGIN = 2 << 30
 
 _switch_lock = threading.Lock()
-_running = 0  # prefetches now open in this process (the switch interval is lowered while > 0)
+_running = 0  # prefetches now running in this process (the switch interval is lowered while > 0)
 _switch_before = 0.0
+_switch_set: Optional[float] = None  # the interval the first of them set, None when it left it alone
 
 
 class _End(NamedTuple):
@@ -65,18 +68,31 @@ def nbytes(tensor: Any) -> int:
     return tensor.numel() * tensor.element_size()
 
 
-def gpu_budget(free: int, total: int, utilization: float, weights: int) -> int:
+def gpu_budget(free: int, total: int, utilization: float, weights: int, largest: int = 0) -> int:
     """Bytes of device memory a prefetch may hold beyond the model's parameters, at most ``weights``.
 
     ``free``, ``total``: ``torch.cuda.mem_get_info`` before the model is built (bytes); ``utilization``: vLLM's
     ``gpu_memory_utilization`` (the share of ``total`` this engine may use, which vLLM checked was free at its
     start; the KV cache takes it only after the load); ``weights``: the checkpoint's tensor bytes, taken as what
-    construction allocates. What is left of the engine's share and of the free memory after the parameters and
+    construction allocates; ``largest``: its largest tensor's bytes (the one tensor the thread may hold beyond the
+    budget). What is left of the engine's share and of the free memory after the parameters, ``largest`` and
     :data:`GPU_MARGIN`, never negative: a prefetch never takes memory another process on the GPU may count on.
     """
     used = total - free
-    room = min(free, int(utilization * total) - used) - weights - GPU_MARGIN
+    room = min(free, int(utilization * total) - used) - weights - largest - GPU_MARGIN
     return max(0, min(weights, room))
+
+
+def host_budget(available: int, cgroup_max: Optional[int], cgroup_current: Optional[int], weights: int,
+                largest: int = 0) -> int:
+    """Bytes of host memory a CPU prefetch may hold beyond the model's parameters, at most ``weights``: a quarter
+    of what is left after the parameters and ``largest`` (as :func:`gpu_budget`) of ``available``
+    (:func:`host_available`) or, in a container, of its limit (``cgroup_max``, bytes; None: none) less what it
+    uses (``cgroup_current``), whichever is less: ``MemAvailable`` counts the whole host's memory, and a prefetch
+    must not take a pod past its limit."""
+    if cgroup_max is not None:
+        available = min(available, cgroup_max - (cgroup_current or 0))
+    return max(0, min(weights, (available - weights - largest) // 4))
 
 
 class Prefetch:
@@ -86,8 +102,9 @@ class Prefetch:
     ``budget_bytes``: finished tensors the thread holds that the consumer has not taken, in bytes (always room for
     one). ``setup``: called first in the thread (e.g. to make the consumer's CUDA device and stream the thread's
     current ones). Errors of ``produce`` or of the stream are raised by the iterator, in the consumer's thread.
-    :meth:`close` stops the thread (checked between tensors), waits for it and so for the stream's own close (the
-    reader stopped, the copies finished), and puts the switch interval back; call it always (idempotent).
+    :meth:`close` stops the thread (checked between tensors) and waits for it and so for the stream's own close
+    (the reader stopped, the copies finished); call it always (idempotent). The switch interval is lowered from
+    construction until the thread ends.
     ``started`` (``time.perf_counter()`` at construction), ``taken_at`` (when iteration began) and
     ``bytes_before_take`` (bytes the thread had produced by then) say how much the prefetch overlapped.
     """
@@ -119,6 +136,12 @@ class Prefetch:
 
     def _run(self) -> None:
         try:
+            self._stream()
+        finally:
+            _restore_switch_interval()  # here, not in close(): an interrupted close() must not leave it lowered
+
+    def _stream(self) -> None:
+        try:
             if self._setup is not None:
                 self._setup()
             it = self._produce()
@@ -149,8 +172,8 @@ class Prefetch:
             return True
 
     def __iter__(self) -> Iterator[tuple[str, Any]]:
-        if self.taken_at is not None:
-            raise RuntimeError("a Prefetch is iterated once")
+        if self.taken_at is not None or self._closed:
+            raise RuntimeError("a Prefetch is iterated once, before it is closed")
         self.taken_at = time.perf_counter()
         with self._room:
             self.bytes_before_take = self._produced
@@ -169,31 +192,31 @@ class Prefetch:
             yield name, tensor
 
     def close(self) -> None:
-        """Stop the thread, wait for it (and the stream's close) and put the switch interval back."""
+        """Stop the thread and wait for it (and so for the stream's close; the thread puts the switch interval back
+        when it ends). An interrupted wait (``KeyboardInterrupt``) leaves the prefetch open: call again."""
         if self._closed:
             return
-        self._closed = True
         self._stop.set()
         with self._room:
             self._room.notify()
-        try:
-            self._thread.join()
-        finally:
-            _restore_switch_interval()
-            while True:  # drop what the consumer never took (device memory) now, not with this object
-                try:
-                    self._ready.get_nowait()
-                except queue.Empty:
-                    break
+        self._thread.join()
+        self._closed = True
+        while True:  # drop what the consumer never took (device memory) now, not with this object
+            try:
+                self._ready.get_nowait()
+            except queue.Empty:
+                break
 
 
 def _lower_switch_interval() -> None:
-    global _running, _switch_before
+    global _running, _switch_before, _switch_set
     with _switch_lock:
         if _running == 0:
             _switch_before = sys.getswitchinterval()
+            _switch_set = None
             if SWITCH_S < _switch_before:
                 sys.setswitchinterval(SWITCH_S)
+                _switch_set = sys.getswitchinterval()  # as the interpreter keeps it (whole microseconds)
         _running += 1
 
 
@@ -201,7 +224,8 @@ def _restore_switch_interval() -> None:
     global _running
     with _switch_lock:
         _running -= 1
-        if _running == 0:
+        # put back only what a prefetch set: a value someone else set meanwhile stays
+        if _running == 0 and _switch_set is not None and sys.getswitchinterval() == _switch_set:
             sys.setswitchinterval(_switch_before)
 
 

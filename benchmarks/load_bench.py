@@ -221,7 +221,7 @@ def run_one(name: str, model: str, tp: int, gmu: float, report: Path, extra: dic
         if name.startswith("ipc_"):
             res["ipc_weights_s"] = r["extra"].get("weights_phase_s")
         elif r.get("weights_phase_s") is not None:  # our streamer with prefetch: load_weights' own seconds
-            res["fastload_weights_s"] = r["weights_phase_s"]
+            res["fastload_weights_s"] = round(r["weights_phase_s"], 3)
     if timeline.exists():
         res["timeline"] = json.loads(timeline.read_text())["summary"]
     res["log_tail"] = "\n".join(line for line in log.splitlines() if "fastload" in line or "took" in line)[-2000:]

@@ -12,6 +12,7 @@
 #   bash benchmarks/device.sh content      # content digest cost on the 16 GB model: inspect, ours hashed, daemon -> $OUT/
 #   bash benchmarks/device.sh zoo [MODELS]  # model-zoo parity (zoo_bench.py): auto, ours, ipc_cache both modes -> $OUT/zoo
 #   bash benchmarks/device.sh candidates   # TP=1: the default reader (pinned), unpinned, spaced events and instanttensor in REPEATS (3) interleaved rounds, after the candidates' GPU tests -> $OUT/bench-tp1
+#   bash benchmarks/device.sh target       # issue 28's TP=1 target in one call: ours and instanttensor BUFFERED, REPEATS (3) interleaved rounds, then tp1_target.py's verdict -> $OUT/target-tp1
 #   bash benchmarks/device.sh cmd 'CMD'    # CMD with this checkout's plugin installed and the staged vLLM on the path
 set -uo pipefail
 if [ "${1:-}" = pinprobe ]; then
@@ -112,6 +113,10 @@ case "${1:-tests}" in
     python3 benchmarks/load_bench.py --model /root/models/llama3-8b-shape --make 8b --tp 1 --interleave \
       --repeats "${REPEATS:-3}" --loaders "${LOADERS:-runai_fastload_uring,runai_fastload_uringnoa,runai_fastload_uringe2,instanttensor_buffered}" \
       --out "$OUT/bench-tp1" 2>&1 | tail -40; exit ${PIPESTATUS[0]} ;;
+  target)
+    python3 benchmarks/load_bench.py --model /root/models/llama3-8b-shape --make 8b --tp 1 --interleave \
+      --repeats "${REPEATS:-3}" --loaders runai_fastload,instanttensor_buffered --out "$OUT/target-tp1" 2>&1 | tail -12
+    python3 benchmarks/tp1_target.py "$OUT/target-tp1/results.json"; exit $? ;;
   bench)
     # a cold run writes beside a warm one of the same call, not over it
     tag=bench-tp${2:-1}$([ "${COLD:-0}" = 1 ] && echo -cold)

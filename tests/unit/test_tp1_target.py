@@ -1,0 +1,44 @@
+"""benchmarks/tp1_target.py: issue 28's TP=1 verdict from one load_bench results file (medians of every run)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+sys.path.insert(0, str(BENCH))
+
+from tp1_target import verdict  # noqa: E402
+
+
+def results(ours, peer):
+    return {"machine": "H100 x1", "loaders": [
+        {"loader": "runai_fastload", "weights_s_runs": ours},
+        {"loader": "instanttensor_buffered", "weights_s_runs": peer},
+    ]}
+
+
+@pytest.mark.parametrize("ours, peer, met", [
+    ([0.33, 0.35, 0.40], [0.36, 0.38, 0.39], True),   # median 0.35 <= 0.36 and below 0.38
+    ([0.33, 0.37, 0.37], [0.38, 0.39, 0.40], False),  # below the peer, but 0.37 > 0.36
+    ([0.34, 0.35, 0.36], [0.30, 0.33, 0.35], False),  # <= 0.36, but the peer's 0.33 is lower
+    ([0.36, None], [0.37], True),                      # a run without a weights phase is left out
+])
+def test_the_verdict_takes_every_runs_median(ours, peer, met):
+    got, line = verdict(results(ours, peer), "runai_fastload", "instanttensor_buffered")
+    assert got is met
+    assert ("met in this call" if met else "missed in this call") in line
+
+
+def test_a_loader_without_runs_is_named(tmp_path):
+    with pytest.raises(KeyError, match="instanttensor_buffered"):
+        verdict(results([0.3], []), "runai_fastload", "instanttensor_buffered")
+    f = tmp_path / "results.json"
+    f.write_text(json.dumps(results([0.3], [])))
+    p = subprocess.run([sys.executable, str(BENCH / "tp1_target.py"), str(f)], capture_output=True, text=True)
+    assert p.returncode == 2 and "no weights phase of loader 'instanttensor_buffered'" in p.stderr
+    f.write_text(json.dumps(results([0.33, 0.34], [0.40, 0.41])))
+    p = subprocess.run([sys.executable, str(BENCH / "tp1_target.py"), str(f)], capture_output=True, text=True)
+    assert p.returncode == 0 and "runai_fastload median 0.335 s" in p.stdout

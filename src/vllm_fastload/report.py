@@ -67,11 +67,13 @@ class LoadReport:
     """Facts of one load.
 
     ``load_format``: the format asked for; ``format_used``: what actually loaded (``auto`` after a fallback);
-    ``bytes``: tensor bytes delivered to the model; ``wall_s``: seconds inside the loader's ``load_weights``;
+    ``bytes``: tensor bytes delivered to the model; ``wall_s``: seconds inside the loader's ``load_weights`` (with
+    ``prefetch``: from the stream's preparation in ``load_model``, before the model was built);
     ``read_wait_s``: seconds the consumer waited for the reader (storage bound when close to ``wall_s``);
     ``consume_s``: seconds in the model's ``weight_loader`` calls; ``fallback_reason``: None when no fallback;
-    ``weights_phase_s``: when set (``ipc_cache``), the seconds comparable to a disk loader's weight loading, which
-    the line leads with (``wall_s`` also counts model construction and re-processing there);
+    ``weights_phase_s``: when set (``ipc_cache``; ``runai_streamer`` with ``prefetch``, where it is
+    ``load_weights``' own seconds), the seconds comparable to a disk loader's weight loading, which the line leads
+    with (``wall_s`` also counts model construction, and for ``ipc_cache`` re-processing);
     ``content_digest``: the checkpoint's BLAKE3 content digest when the load hashed it (:mod:`~vllm_fastload.content`).
     """
 

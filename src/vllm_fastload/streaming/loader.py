@@ -12,6 +12,9 @@ Flow of :meth:`RunaiStreamerLoader.load_weights`:
    model's ``weight_loader``;
 5. check every parameter was loaded (vLLM's own ``track_weights_loading``) and emit the load report.
 
+With ``prefetch`` steps 1-4 start in ``load_model``, before vLLM builds the model, the stream running on a thread of
+its own (:mod:`.prefetch`); ``load_weights`` takes its tensors and does step 5.
+
 Facts from vLLM (0.26-0.33 sources): ``BaseModelLoader.load_model`` calls ``load_weights(model, model_config)``
 then ``process_weights_after_loading``; for object storage vLLM pulls ``*.json``/tokenizer files to a local
 directory (``model_config.model``) and keeps the URI in ``model_config.model_weights``.

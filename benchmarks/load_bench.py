@@ -83,6 +83,10 @@ LOADERS = {
     "runai_fastload_prefetch32msw1ms": ("runai_streamer", {"FASTLOAD_PREFETCH_SWITCH_US": "1000"}),
     "runai_fastload_uring32m": ("runai_streamer", {}),
     "runai_fastload_prefetch64m": ("runai_streamer", {}),  # 64 MiB slots (8 read requests each)
+    # the prefetch leaving the constructing thread CPUs: at most 4 io-wq workers (FASTLOAD_URING_IOWQ_WORKERS), or 4
+    # reads in flight (`concurrency: 4`); not yet run (docs/benchmarks.md, TP=1, reading beside construction)
+    "runai_fastload_prefetchw4": ("runai_streamer", {"FASTLOAD_URING_IOWQ_WORKERS": "4"}),
+    "runai_fastload_prefetchc4": ("runai_streamer", {}),
     # the io_uring reader with its slots registered (READV_FIXED reads; FASTLOAD_URING_FIXED=1)
     "runai_fastload_uringfixed": ("runai_streamer", {"FASTLOAD_URING_FIXED": "1"}),
     # ipc_cache needs a `vllm-fastload preload` daemon for the same model/TP; started by main() when asked for.
@@ -172,6 +176,8 @@ def run_one(name: str, model: str, tp: int, gmu: float, report: Path, extra: dic
         ex["issue_thread"] = True
     if name.startswith("runai_fastload_prefetch"):
         ex["prefetch"] = True
+    if name == "runai_fastload_prefetchc4":
+        ex["concurrency"] = 4
     if name.startswith("runai_fastload_uring"):
         ex["fs_strategy"] = "uring_buffered"
         suffix = name[len("runai_fastload_uring"):]

@@ -76,12 +76,18 @@ def gc_paused() -> Iterator[None]:
 
 
 def _rss_anon_bytes() -> Optional[int]:
-    """This process's resident anonymous memory in bytes (``RssAnon`` of ``/proc/self/status``, kB; Linux
-    ``proc(5)``), None where the file or the field is missing."""
+    """This process's resident anonymous memory in bytes (``RssAnon`` of ``/proc/self/status``), None where the file
+    or the field is missing."""
+    return proc_kib_field("/proc/self/status", "RssAnon")
+
+
+def proc_kib_field(path: str, field: str) -> Optional[int]:
+    """Field ``field`` of a ``/proc`` file of ``name: value kB`` lines (``/proc/self/status``, ``/proc/meminfo``;
+    Linux ``proc(5)``) in bytes, None where the file or the field is missing."""
     try:
-        with open("/proc/self/status") as f:
+        with open(path) as f:
             for line in f:
-                if line.startswith("RssAnon:"):
+                if line.startswith(field + ":"):
                     return int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
         pass

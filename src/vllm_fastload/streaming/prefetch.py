@@ -232,11 +232,6 @@ def _restore_switch_interval() -> None:
 def host_available() -> int:
     """``MemAvailable`` of ``/proc/meminfo`` in bytes (the kernel's estimate of memory available without
     swapping, proc(5)); 0 where it cannot be read."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return 0
+    from ..heap import proc_kib_field
+
+    return proc_kib_field("/proc/meminfo", "MemAvailable") or 0

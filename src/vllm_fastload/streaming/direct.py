@@ -51,7 +51,6 @@ stream; memory allocated on one stream and used on another needs ``record_stream
 from __future__ import annotations
 
 import contextlib
-import queue
 import threading
 import time
 import weakref
@@ -85,8 +84,6 @@ EVENT_EVERY = env_int("FASTLOAD_H2D_EVENT_EVERY", 1)
 #: pinned_slot_bytes): enough that a consumer's pause between two tensors does not stop the copies, small against
 #: the model (that memory is device memory the load holds beyond the consumer's).
 AHEAD_SPANS = 2
-#: Seconds between the issue thread's looks at its stop flag while it waits for the consumer.
-POLL_S = 0.05
 
 
 #: How a reason from :func:`internals_changed` starts (the loader logs those at WARNING: an upgrade broke the path).
@@ -571,92 +568,67 @@ def _assemble(source: Iterator[tuple], where: list, info: dict, device: torch.de
         set_stream(consumer)
 
 
-class _End(NamedTuple):
-    """The issue thread's last message: every piece issued."""
-
-
-class _Failed(NamedTuple):
-    """The issue thread's last message: what it raised."""
-
-    error: BaseException
-
-
 class _IssueThread:
-    """:func:`_issue` on a thread of its own, so that issuing thousands of H2D copies (a driver call each, under the
-    GIL) overlaps the consumer's work between tensors (vLLM's ``weight_loader`` calls) instead of taking turns
-    with it. Iterate once in the consumer's thread: ``(key, tensor)`` as :func:`_assemble` yields them, the
-    consumer's stream waiting for each tensor's copies (waited for here, in the consumer's thread, so that the wait
-    is ordered after the consumer's own work on its stream). The thread holds at most ``ahead_bytes`` of finished
-    tensors the consumer has not taken (at least one): device memory beyond the buffers being filled.
-    :meth:`close` stops the thread (checked per piece), waits for it and so for the source's own close (the
-    copy stream synchronized, the reader stopped) before it returns. Errors of the thread (the reader's, CUDA out of
-    memory) are raised by the iterator."""
+    """:func:`_issue` on a thread of its own (a :class:`.prefetch.Prefetch`), so that issuing thousands of H2D copies
+    (a driver call each, under the GIL) overlaps the consumer's work between tensors (vLLM's ``weight_loader``
+    calls) instead of taking turns with it. Iterate once in the consumer's thread: ``(key, tensor)`` as
+    :func:`_assemble` yields them, the consumer's stream waiting for each tensor's copies (waited for here, in the
+    consumer's thread, so that the wait is ordered after the consumer's own work on its stream). The thread holds
+    at most ``ahead_bytes`` of finished tensors the consumer has not taken (at least one): device memory beyond the
+    buffers being filled. :meth:`close` stops the thread (checked per piece), waits for it and so for the source's
+    own close (the copy stream synchronized, the reader stopped) before it returns. Errors of the thread (the
+    reader's, CUDA out of memory) are raised by the iterator."""
 
     def __init__(self, source: Iterator[tuple], where: list, info: dict, device: torch.device, consumer: Any,
                  copy_stream: Any, times: StageTimes, ahead_bytes: int, every: int = 1):
+        from .prefetch import Prefetch
+
         self._info, self._consumer, self._times = info, consumer, times
         self._dtypes = torch_dtypes()
-        self._device, self._copy_stream = device, copy_stream
-        self._ahead_bytes, self._ahead = ahead_bytes, 0
         self._waited = None
-        self._stop = threading.Event()
-        self._room = threading.Condition()
-        self._ready: queue.SimpleQueue = queue.SimpleQueue()
-        self._issuing = _issue(source, where, info, device, consumer, copy_stream, times, self._stop.is_set, every)
-        self._thread = threading.Thread(target=self._run, name="fastload-h2d-issue", daemon=True)
-        self._thread.start()
 
-    def _run(self) -> None:
-        try:
-            if self._device.type == "cuda":
+        def setup() -> None:
+            if device.type == "cuda":
                 # a new thread's current device is device 0 and its current stream that device's default stream
-                torch.cuda.set_device(self._device)
-            torch.cuda.set_stream(self._copy_stream)
-            with contextlib.closing(self._issuing) as done:
-                for key, buf, end in done:
-                    if not self._wait_for_room(buf.numel()):
-                        return
-                    self._ready.put((key, buf, end))
-            self._ready.put(_End())
-        except BaseException as e:  # noqa: BLE001 - raised in the consumer's thread by __iter__
-            self._ready.put(_Failed(e))
+                torch.cuda.set_device(device)
+            torch.cuda.set_stream(copy_stream)
 
-    def _wait_for_room(self, nbytes: int) -> bool:
-        """Wait until the consumer took enough finished tensors for ``nbytes`` more (always room for one); False
-        when the thread was stopped meanwhile."""
-        with self._room:
-            while self._ahead and self._ahead + nbytes > self._ahead_bytes and not self._stop.is_set():
-                self._room.wait(POLL_S)
-            if self._stop.is_set():
-                return False
-            self._ahead += nbytes
-            return True
+        stop = threading.Event()  # checked per piece by _issue
+        self._producer = Prefetch(
+            lambda: _issue(source, where, info, device, consumer, copy_stream, times, stop.is_set, every),
+            ahead_bytes, setup, name="fastload-h2d-issue", lower_switch=False, stop=stop)
+
+    @property
+    def _thread(self) -> threading.Thread:
+        return self._producer._thread
+
+    @property
+    def _ahead(self) -> int:
+        """Bytes of finished tensors the thread holds that the consumer has not taken."""
+        return self._producer._held
+
+    @property
+    def _ready(self) -> Any:
+        """The queue of finished tensors the consumer has not taken."""
+        return self._producer._ready
 
     def __iter__(self) -> Iterator[tuple[tuple[int, str], torch.Tensor]]:
-        while True:
-            t = time.perf_counter()
-            item = self._ready.get()
-            self._times.consumer_wait_s += time.perf_counter() - t
-            if isinstance(item, _End):
-                return
-            if isinstance(item, _Failed):
-                raise item.error
-            key, buf, end = item
-            with self._room:
-                self._ahead -= buf.numel()
-                self._room.notify()
-            if end is not None and end is not self._waited:
-                self._consumer.wait_event(end)
-                self._waited = end  # the other tensors of its range share the event
-            self._times.tensors += 1
-            yield key, _typed(key, buf, self._info, self._dtypes)
+        waited = 0.0  # of the producer's wait_s, what is in times already
+        try:
+            for key, buf, end in self._producer:
+                self._times.consumer_wait_s += self._producer.wait_s - waited
+                waited = self._producer.wait_s
+                if end is not None and end is not self._waited:
+                    self._consumer.wait_event(end)
+                    self._waited = end  # the other tensors of its range share the event
+                self._times.tensors += 1
+                yield key, _typed(key, buf, self._info, self._dtypes)
+        finally:
+            self._times.consumer_wait_s += self._producer.wait_s - waited
 
     def close(self) -> None:
         """Stop the thread and wait for it (idempotent)."""
-        self._stop.set()
-        with self._room:
-            self._room.notify()
-        self._thread.join()
+        self._producer.close()
 
 
 def _runai_pieces(requests: list, arena: Optional[torch.Tensor], ring: Ring, copy_stream: Any, times: StageTimes,

@@ -96,12 +96,16 @@ def host_budget(available: int, cgroup_max: Optional[int], cgroup_current: Optio
 
 
 class Prefetch:
-    """``produce()``'s ``(name, tensor)`` pairs, produced on a thread of their own from now on; iterate once (the
-    consumer's thread): each pair in the order produced, waiting for the thread when it has none ready.
+    """``produce()``'s items (tuples whose second element is a tensor: ``(name, tensor)``, the direct path's
+    ``(key, buffer, event)``), produced on a thread of their own from now on; iterate once (the consumer's thread):
+    each item in the order produced, waiting for the thread when it has none ready. Serves ``prefetch`` and the
+    direct path's copy-issue thread (:class:`.direct._IssueThread`).
 
-    ``budget_bytes``: finished tensors the thread holds that the consumer has not taken, in bytes (always room for
-    one). ``setup``: called first in the thread (e.g. to make the consumer's CUDA device and stream the thread's
-    current ones). Errors of ``produce`` or of the stream are raised by the iterator, in the consumer's thread.
+    ``budget_bytes``: the tensors of items the thread holds that the consumer has not taken, in bytes (always room
+    for one). ``setup``: called first in the thread (e.g. to make the consumer's CUDA device and stream the thread's
+    current ones). ``lower_switch``: lower the switch interval while the thread runs (below). ``stop``: the event
+    :meth:`close` sets (a ``produce`` that checks it stops mid-item; default a new one).
+    Errors of ``produce`` or of the stream are raised by the iterator, in the consumer's thread.
     :meth:`close` stops the thread (checked between tensors) and waits for it and so for the stream's own close
     (the reader stopped, the copies finished); call it always (idempotent). The switch interval is lowered from
     construction until the thread ends.
@@ -109,8 +113,9 @@ class Prefetch:
     ``bytes_before_take`` (bytes the thread had produced by then) say how much the prefetch overlapped.
     """
 
-    def __init__(self, produce: Callable[[], Iterator[tuple[str, Any]]], budget_bytes: int,
-                 setup: Optional[Callable[[], None]] = None, name: str = "fastload-prefetch"):
+    def __init__(self, produce: Callable[[], Iterator[tuple]], budget_bytes: int,
+                 setup: Optional[Callable[[], None]] = None, name: str = "fastload-prefetch",
+                 lower_switch: bool = True, stop: Optional[threading.Event] = None):
         if budget_bytes < 0:
             raise ValueError(f"budget_bytes must be >= 0, got {budget_bytes}")
         self.budget_bytes = budget_bytes
@@ -122,23 +127,27 @@ class Prefetch:
         self._produced = 0
         self._produce, self._setup = produce, setup
         self._held = 0
-        self._stop = threading.Event()
+        self._stop = threading.Event() if stop is None else stop
         self._room = threading.Condition()
         self._ready: queue.SimpleQueue = queue.SimpleQueue()
         self._closed = False
-        _lower_switch_interval()
+        self._lower_switch = lower_switch
+        if lower_switch:
+            _lower_switch_interval()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         try:
             self._thread.start()
         except BaseException:
-            _restore_switch_interval()
+            if lower_switch:
+                _restore_switch_interval()
             raise
 
     def _run(self) -> None:
         try:
             self._stream()
         finally:
-            _restore_switch_interval()  # here, not in close(): an interrupted close() must not leave it lowered
+            if self._lower_switch:  # here, not in close(): an interrupted close() must not leave it lowered
+                _restore_switch_interval()
 
     def _stream(self) -> None:
         try:
@@ -146,12 +155,12 @@ class Prefetch:
                 self._setup()
             it = self._produce()
             try:
-                for name, tensor in it:
-                    n = nbytes(tensor)
+                for item in it:
+                    n = nbytes(item[1])
                     if not self._wait_for_room(n):
                         return
                     self._produced += n
-                    self._ready.put((name, tensor, n))
+                    self._ready.put((item, n))
             finally:
                 close = getattr(it, "close", None)
                 if close is not None:
@@ -171,7 +180,7 @@ class Prefetch:
             self._held += n
             return True
 
-    def __iter__(self) -> Iterator[tuple[str, Any]]:
+    def __iter__(self) -> Iterator[tuple]:
         if self.taken_at is not None or self._closed:
             raise RuntimeError("a Prefetch is iterated once, before it is closed")
         self.taken_at = time.perf_counter()
@@ -185,11 +194,11 @@ class Prefetch:
                 return
             if isinstance(item, _Failed):
                 raise item.error
-            name, tensor, n = item
+            item, n = item
             with self._room:
                 self._held -= n
                 self._room.notify()
-            yield name, tensor
+            yield item
 
     def close(self) -> None:
         """Stop the thread and wait for it (and so for the stream's close; the thread puts the switch interval back

@@ -170,8 +170,6 @@ def run_one(name: str, model: str, tp: int, gmu: float, report: Path, extra: dic
         ex["content_hash"] = True
     if name.startswith("runai_fastload_runai"):
         ex["fs_strategy"] = "sync_buffered"
-    if name == "runai_fastload_runai32":
-        ex["pinned_slot_bytes"] = 32 * 2**20
     if name == "runai_fastload_issue":
         ex["issue_thread"] = True
     if name.startswith("runai_fastload_prefetch"):
@@ -185,9 +183,11 @@ def run_one(name: str, model: str, tp: int, gmu: float, report: Path, extra: dic
             ex["pinned_slots"] = ex["concurrency"] = int(suffix)
         elif suffix in ("8m16", "2m32", "1m48"):  # the read request size is the loader's environment
             ex["concurrency"] = int(suffix.split("m")[1])
-    slot_mib = {"uring16m": 16, "uring32m": 32, "prefetch32m": 32, "prefetch32msw1ms": 32, "prefetch64m": 64}
-    if name[len("runai_fastload_"):] in slot_mib:
-        ex["pinned_slot_bytes"] = slot_mib[name[len("runai_fastload_"):]] << 20
+    slot_mib = {"runai32": 32, "uring16m": 16, "uring32m": 32, "prefetch32m": 32, "prefetch32msw1ms": 32,
+                "prefetch64m": 64}
+    variant = name[len("runai_fastload_"):] if name.startswith("runai_fastload_") else ""
+    if variant in slot_mib:
+        ex["pinned_slot_bytes"] = slot_mib[variant] << 20
     if name.startswith("ipc_"):
         ex = {"socket_dir": SOCKET_DIR[-1], "mode": name[4:], "report_path": str(report), "fallback": False}
     timeline = report.with_name(f"{name}.timeline.json")

@@ -16,8 +16,8 @@ workers are per thread), so the stream is never handed to another thread midway.
 the thread then waits for the GIL until the interpreter makes the thread running Python (model construction,
 vLLM's ``weight_loader`` calls) drop it, which happens after ``sys.getswitchinterval()`` (5 ms by default, "the
 thread switch interval", Python's ``sys`` docs). At 5 ms per copy issued the thread would stream a few hundred MB
-while the model is built, so the interval is lowered to :data:`SWITCH_S` while a prefetch runs and put back when it
-is closed (it is process-wide; every thread of the process switches that often meanwhile).
+while the model is built, so the interval is lowered to :data:`SWITCH_S` while a prefetch's thread runs and put
+back when that thread ends (it is process-wide; every thread of the process switches that often meanwhile).
 
 **Memory.** The budget is device memory (host memory on CPU) held beyond the model's parameters: the loader sizes
 it from what is free before construction (:func:`gpu_budget`, :func:`host_budget`). It bounds the finished tensors

@@ -427,7 +427,8 @@ def main() -> int:
     results = {"machine": f"{gpu} x{max(torch.cuda.device_count(), 1)}, {os.cpu_count()} CPUs ({host_cpu()})",
                "date": time.strftime("%Y-%m-%d"),
                "vllm": vllm.__version__, "torch": torch.__version__, "model": a.model.name, "model_gb": size / 1e9,
-               "tp": a.tp, "h2d": h2d, "command": " ".join(sys.argv), "loaders": [], "cold": a.cold, "disk": disk}
+               "tp": a.tp, "h2d": h2d, "command": " ".join(sys.argv), "loaders": [], "cold": a.cold, "disk": disk,
+               "boot_id": boot_id()}
     names = [n for n in a.loaders.split(",") if available(n)]
     results["skipped"] = [n for n in a.loaders.split(",") if not available(n)]
     if results["skipped"]:
@@ -468,6 +469,16 @@ def main() -> int:
     if failed:
         print(f"[bench] every run of {', '.join(failed)} failed (results.json has why)", flush=True)
     return 1 if failed else 0
+
+
+def boot_id() -> str | None:
+    """This boot of the host (Linux's ``/proc/sys/kernel/random/boot_id``, a UUID drawn at each boot), or None
+    where it cannot be read: results files with the same one come from one machine start, which a target judged
+    over several calls on one host (``tp1_target.py``) asks for."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip() or None
+    except OSError:
+        return None
 
 
 def host_cpu() -> str:

@@ -42,3 +42,31 @@ def test_a_loader_without_runs_is_named(tmp_path):
     f.write_text(json.dumps(results([0.33, 0.34], [0.40, 0.41])))
     p = subprocess.run([sys.executable, str(BENCH / "tp1_target.py"), str(f)], capture_output=True, text=True)
     assert p.returncode == 0 and "runai_fastload median 0.335 s" in p.stdout
+
+
+def test_several_calls_need_every_one_met_on_one_machine_start(tmp_path):
+    from tp1_target import verdict_of_calls
+
+    met, unmet = results([0.33, 0.34], [0.40]), results([0.37, 0.38], [0.40])
+    for r in (met, unmet):
+        r["boot_id"] = "b1"
+    ok, lines = verdict_of_calls([met, met, met], "runai_fastload", "instanttensor_buffered")
+    assert ok and lines[-1] == "met in 3 of 3 call(s); one machine start"
+    ok, lines = verdict_of_calls([met, unmet, met], "runai_fastload", "instanttensor_buffered")
+    assert not ok and lines[-1].startswith("met in 2 of 3")
+    assert "call 2 (H100 x1; boot b1): runai_fastload median 0.375 s" in lines[1]
+    other = dict(met, boot_id="b2")
+    ok, lines = verdict_of_calls([met, other, met], "runai_fastload", "instanttensor_buffered")
+    assert not ok and lines[-1] == "met in 3 of 3 call(s); 2 machine starts (or a boot id unknown)"
+    ok, _ = verdict_of_calls([met, dict(met, boot_id=None)], "runai_fastload", "instanttensor_buffered")
+    assert not ok  # a call without a boot id is not known to be the same machine
+    files = []
+    for i, r in enumerate((met, met, unmet)):
+        files.append(tmp_path / f"r{i}.json")
+        files[-1].write_text(json.dumps(r))
+    p = subprocess.run([sys.executable, str(BENCH / "tp1_target.py"), *map(str, files[:2])], capture_output=True,
+                       text=True)
+    assert p.returncode == 0 and "met in 2 of 2 call(s); one machine start" in p.stdout
+    p = subprocess.run([sys.executable, str(BENCH / "tp1_target.py"), *map(str, files)], capture_output=True,
+                       text=True)
+    assert p.returncode == 1 and "met in 2 of 3" in p.stdout

@@ -159,7 +159,6 @@ class Prefetch:
                     n = nbytes(item[1])
                     if not self._wait_for_room(n):
                         return
-                    self._produced += n
                     self._ready.put((item, n))
             finally:
                 close = getattr(it, "close", None)
@@ -170,14 +169,16 @@ class Prefetch:
             self._ready.put(_Failed(e))
 
     def _wait_for_room(self, n: int) -> bool:
-        """Wait until the consumer took enough for ``n`` more bytes (always room for one tensor); False when the
-        prefetch was stopped meanwhile."""
+        """Wait until the consumer took enough for ``n`` more bytes (always room for one tensor) and count them as
+        held and produced, under the lock the consumer reads the count with; False when the prefetch was stopped
+        meanwhile."""
         with self._room:
             while self._held and self._held + n > self.budget_bytes and not self._stop.is_set():
                 self._room.wait(POLL_S)
             if self._stop.is_set():
                 return False
             self._held += n
+            self._produced += n
             return True
 
     def __iter__(self) -> Iterator[tuple]:

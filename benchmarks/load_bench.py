@@ -87,6 +87,13 @@ LOADERS = {
     # reads in flight (`concurrency: 4`); not yet run (docs/benchmarks.md, TP=1, reading beside construction)
     "runai_fastload_prefetchw4": ("runai_streamer", {"FASTLOAD_URING_IOWQ_WORKERS": "4"}),
     "runai_fastload_prefetchc4": ("runai_streamer", {}),
+    # the io_uring reader with the untimed H2D copies and their events issued through the CUDA driver API
+    # (FASTLOAD_H2D_DRIVER=1, streaming/cudriver.py) instead of PyTorch; and the same on the copy-issue thread
+    "runai_fastload_uringdrv": ("runai_streamer", {"FASTLOAD_H2D_DRIVER": "1"}),
+    "runai_fastload_issuedrv": ("runai_streamer", {"FASTLOAD_H2D_DRIVER": "1"}),
+    # the driver path with 24 slots and 16 reads in flight: up to 8 slots hold pieces whose copies are queued, so
+    # the copy engine has work queued while the loading thread is in vLLM's weight_loader
+    "runai_fastload_uringdrv24": ("runai_streamer", {"FASTLOAD_H2D_DRIVER": "1"}),
     # the io_uring reader with its slots registered (READV_FIXED reads; FASTLOAD_URING_FIXED=1)
     "runai_fastload_uringfixed": ("runai_streamer", {"FASTLOAD_URING_FIXED": "1"}),
     # ipc_cache needs a `vllm-fastload preload` daemon for the same model/TP; started by main() when asked for.
@@ -170,7 +177,7 @@ def run_one(name: str, model: str, tp: int, gmu: float, report: Path, extra: dic
         ex["content_hash"] = True
     if name.startswith("runai_fastload_runai"):
         ex["fs_strategy"] = "sync_buffered"
-    if name == "runai_fastload_issue":
+    if name.startswith("runai_fastload_issue"):
         ex["issue_thread"] = True
     if name.startswith("runai_fastload_prefetch"):
         ex["prefetch"] = True
@@ -181,6 +188,8 @@ def run_one(name: str, model: str, tp: int, gmu: float, report: Path, extra: dic
         suffix = name[len("runai_fastload_uring"):]
         if suffix.isdigit():  # uring12 / 24 / 48: that many slots, all in flight
             ex["pinned_slots"] = ex["concurrency"] = int(suffix)
+        elif suffix == "drv24":
+            ex["pinned_slots"], ex["concurrency"] = 24, 16
         elif suffix in ("8m16", "2m32", "1m48"):  # the read request size is the loader's environment
             ex["concurrency"] = int(suffix.split("m")[1])
     slot_mib = {"runai32": 32, "uring16m": 16, "uring32m": 32, "prefetch32m": 32, "prefetch32msw1ms": 32,

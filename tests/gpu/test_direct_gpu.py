@@ -148,6 +148,32 @@ def test_the_h2d_timeline_times_every_copy_on_the_gpu(tmp_path, monkeypatch):
     assert s["span_s"] >= s["copying_s"] + s["idle_s"] - 1e-5
 
 
+@pytest.mark.parametrize("issue_thread", [False, True], ids=["consumer-issues", "issue-thread"])
+@pytest.mark.parametrize("threads, uring", [(None, False), (3, False), (3, True)], ids=["runai", "pread", "uring"])
+def test_zoo_bit_exact_with_copies_and_events_through_the_cuda_driver(tmp_path, monkeypatch, threads, uring,
+                                                                      issue_thread):
+    """``FASTLOAD_H2D_DRIVER`` on real CUDA (streaming/cudriver.py): the untimed copies go through
+    ``cuMemcpyHtoDAsync`` and the slots come back with driver events; a slow consumer stream holds the copies back,
+    so a slot read into again before its copy finished would show in the bytes."""
+    from vllm_fastload.streaming import cudriver
+    from vllm_fastload.streaming.uring import unavailable
+
+    if uring and unavailable():
+        pytest.skip(f"no io_uring here: {unavailable()}")
+    monkeypatch.setattr(cudriver, "ENABLED", True)
+    expected = write_zoo(tmp_path / "model.safetensors")
+    times, got = StageTimes(), {}
+    for name, t in direct.stream_to_device([read_header(str(tmp_path / "model.safetensors"))],
+                                           torch.device("cuda", torch.cuda.current_device()),
+                                           direct.Ring(4096, 3, threads, issue_thread, uring), times, None, {}):
+        got[name] = t
+        torch.cuda._sleep(1000)
+    torch.cuda.synchronize()
+    assert_zoo_bit_exact(got, expected)
+    assert times.driver_copies > 0  # the driver was found and used, not the PyTorch fallback
+    assert times.h2d_s > 0  # the timed sample (PyTorch events) still measured
+
+
 @pytest.mark.parametrize("uring", [False, True], ids=["pread", "uring"])
 def test_zoo_bit_exact_with_an_event_every_third_copy(tmp_path, monkeypatch, uring):
     """``EVENT_EVERY`` on real CUDA: slots given back with a later copy's event are never read into before their

@@ -11,7 +11,8 @@ Data flow (:func:`stream_to_device`)::
   load (``issue_thread``, :class:`_IssueThread`), which runs at most :data:`AHEAD_SPANS` ring spans of finished
   tensors ahead of the consumer. Each piece's copy is a few driver calls under the GIL; on a thread of their own
   they overlap vLLM's ``weight_loader`` calls but contend with them and the readers for the GIL, which measured
-  slower (docs/benchmarks.md), so that thread is opt-in.
+  slower (docs/benchmarks.md), so that thread is opt-in. With ``FASTLOAD_H2D_DRIVER=1`` (opt-in, :mod:`.cudriver`)
+  the untimed copies and their events are driver calls made through ctypes instead of PyTorch's.
 
 * **Pieces.** runai places each requested range in one ring buffer, so with whole tensors every buffer must hold
   the largest tensor (an embedding matrix is often over a GB) and a ring deep enough to keep the readers busy needs
@@ -61,6 +62,7 @@ from typing import Any, NamedTuple, Optional
 import torch
 
 from ..checkpoint import SafetensorsHeader, torch_dtypes
+from . import cudriver
 from .devmem import copy_target
 from .runai_env import MAX_PADS, ring_env
 from .timeline import CopyTimeline
@@ -485,6 +487,7 @@ def _issue(source: Iterator[tuple], where: list, info: dict, device: torch.devic
     issued = 0
     use_pinned = copy_stream is not None
     deferred: deque = deque()  # give-backs of slots copied out of without an event of their own
+    drv, asked = None, False  # the driver path (opt-in, streaming/cudriver.py) for the untimed copies
     try:
         with contextlib.closing(source) as pieces:
             while not stopped():
@@ -513,7 +516,18 @@ def _issue(source: Iterator[tuple], where: list, info: dict, device: torch.devic
                     # an event where the consumer needs one (the copy ends a tensor) or the slots do (every
                     # ``every``-th copy); the slots of the copies between wait for the next event
                     mark = every == 1 or timed or len(parts) > 1 or left[key] == 1 or issued % every == every - 1
-                    end = times.h2d_copy(dst[off:off + n], src, None, timed=timed, event=mark)
+                    fast = not timed and times.timeline is None
+                    if fast and not asked:
+                        # asked at the first untimed copy, after the first copy (always timed) went through
+                        # PyTorch: that made the device's context current on this thread, which a new issue
+                        # thread has none of before its first CUDA call (cudriver.for_stream needs it)
+                        drv, asked = cudriver.for_stream(copy_stream), True
+                    if fast and drv is not None:
+                        drv.copy(dst.data_ptr() + off, src.data_ptr(), n)
+                        times.count_copy(n)
+                        end = drv.record() if mark else None
+                    else:
+                        end = times.h2d_copy(dst[off:off + n], src, None, timed=timed, event=mark)
                     issued += 1
                 else:
                     dst[off:off + n].copy_(src)
@@ -535,6 +549,9 @@ def _issue(source: Iterator[tuple], where: list, info: dict, device: torch.devic
                     yield key, dst, end
     finally:
         building.clear()
+        if drv is not None:
+            times.driver_copies = (times.driver_copies or 0) + drv.copies
+            drv.close()
 
 
 def _typed(key: tuple[int, str], buf: torch.Tensor, info: dict, dtypes: dict) -> torch.Tensor:

@@ -35,7 +35,8 @@ class StageTimes:
     ``slot_wait_s``, seconds waiting for a pinned slot's previous H2D copy (PCIe bound when large); ``h2d_s``, GPU
     seconds of the H2D copies (CUDA events, summed by :meth:`settle_h2d`, estimated from a sample where the path
     times only every few copies); ``memcpy_s``, seconds of host copies
-    into pinned slots; ``consumer_wait_s``, seconds the consumer waited for a producer thread.
+    into pinned slots; ``consumer_wait_s``, seconds the consumer waited for a producer thread; ``driver_copies``,
+    H2D copies issued through the CUDA driver API (:mod:`.cudriver`).
     """
 
     read_wait_s: float = 0.0
@@ -45,6 +46,8 @@ class StageTimes:
     h2d_s: Optional[float] = None
     memcpy_s: Optional[float] = None
     consumer_wait_s: Optional[float] = None
+    #: copies issued through the CUDA driver API (:mod:`.cudriver`), None where the path did not use it
+    driver_copies: Optional[int] = None
     #: a :class:`.timeline.CopyTimeline` every copy of :meth:`h2d_copy` is recorded in (a benchmark's diagnostic)
     timeline: Optional[Any] = field(default=None, repr=False)
     _events: list = field(default_factory=list, repr=False)
@@ -97,6 +100,11 @@ class StageTimes:
             self._events.append((start, end))
             self._timed_bytes += n
         return end
+
+    def count_copy(self, nbytes: int) -> None:
+        """Count an untimed H2D copy of ``nbytes`` bytes issued outside :meth:`h2d_copy` (the driver path): its
+        bytes join the copied bytes :meth:`settle_h2d` scales the timed copies' seconds up to."""
+        self._copied_bytes += nbytes
 
     def settle_h2d(self) -> None:
         """Sum the GPU seconds of the timed copies :meth:`h2d_copy` issued into ``h2d_s``, scaled by copied bytes

@@ -1,0 +1,130 @@
+"""The direct read path alone on a GPU, without vLLM: read-path candidates compared in one process, in rounds.
+
+    PYTHONPATH=src python3 benchmarks/stream_probe.py --model DIR [--make 8b] [--variants torch,driver] [--rounds 5]
+
+Streams every tensor of the checkpoint in DIR (``--make SHAPE`` writes it first with ``make_model.py`` when DIR has
+no shards) through :func:`vllm_fastload.streaming.direct.stream_to_device`, the loader's direct path, with this
+package's io_uring reader (8 MiB slots, 16 reads in flight, the loading thread pinned as by default), and copies
+each tensor into a parameter allocated beforehand on the consumer's stream (what vLLM's default ``weight_loader``
+does with it). Seconds per load from the first read to the last parameter's copy finished, the pinned arena
+allocated before (the loader allocates it beside model construction); the page cache is warmed by one untimed load.
+Variants, interleaved round by round so that a drift of the machine falls on each alike: ``torch`` (the default:
+PyTorch's ``copy_`` and events), ``driver`` (``FASTLOAD_H2D_DRIVER``: streaming/cudriver.py), ``torch24`` /
+``driver24`` (24 slots, 16 reads in flight). Needs torch with CUDA, safetensors (``--make``) and the ``liburing``
+package; not vLLM nor runai-model-streamer. It screens a candidate cheaply; the numbers issue 28 is judged by are
+vLLM's weights phase in engines (``load_bench.py``), which adds vLLM's own per-tensor work. Prints Markdown; with
+``--out FILE`` also writes the rows as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from vllm_fastload.checkpoint import read_header  # noqa: E402
+from vllm_fastload.streaming import cudriver, direct  # noqa: E402
+from vllm_fastload.streaming.timing import StageTimes  # noqa: E402
+
+MIB = 1 << 20
+#: variant -> (driver path on, ring slots); every variant keeps 16 reads of 8 MiB in flight
+VARIANTS = {"torch": (False, 16), "driver": (True, 16), "torch24": (False, 24), "driver24": (True, 24)}
+
+
+def load_once(headers: list, params: dict, variant: str, arena: torch.Tensor) -> dict:
+    """One load of every tensor of ``headers`` into ``params`` (name -> CUDA tensor) under ``variant``; its wall
+    seconds and stage times."""
+    driver, slots = VARIANTS[variant]
+    cudriver.ENABLED = driver
+    ring = direct.Ring(8 * MIB, slots, 16, uring=True)
+    times, stats = StageTimes(), {}
+    device = torch.device("cuda", torch.cuda.current_device())
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    first = None
+    for name, t in direct.stream_to_device(headers, device, ring, times, arena, stats):
+        params[name].copy_(t)
+        if first is None:
+            first = time.perf_counter() - t0
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    return {"variant": variant, "wall_s": wall, "first_tensor_s": first, "read_wait_s": times.read_wait_s,
+            "h2d_s": times.h2d_s, "driver_copies": times.driver_copies or 0, "bytes": times.bytes,
+            "loader_cpu": stats.get("uring_loader_cpu")}
+
+
+def pinned_h2d_gbs(nbytes: int = 1 << 30) -> float:
+    """GB/s of one ``nbytes`` copy from PyTorch pinned memory to the GPU (the link's speed alone)."""
+    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst.copy_(src, non_blocking=True)
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    dst.copy_(src, non_blocking=True)
+    b.record()
+    b.synchronize()
+    return nbytes / (a.elapsed_time(b) / 1e3) / 1e9
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", type=Path, required=True)
+    ap.add_argument("--make", default=None, help="make_model.py shape to write into --model when it has no shards")
+    ap.add_argument("--variants", default="torch,driver")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args()
+    variants = args.variants.split(",")
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown:
+        sys.exit(f"--variants: unknown {unknown}; known: {sorted(VARIANTS)}")
+    from vllm_fastload.streaming.uring import unavailable
+
+    if unavailable():
+        sys.exit(f"no io_uring reader here: {unavailable()}")
+    shards = sorted(args.model.glob("*.safetensors"))
+    if not shards and args.make:
+        from make_model import make
+
+        make(args.model, args.make)
+        shards = sorted(args.model.glob("*.safetensors"))
+    if not shards:
+        sys.exit(f"--model {args.model}: no *.safetensors (pass --make SHAPE to write one)")
+    headers = [read_header(str(p)) for p in shards]
+    dtypes = direct.torch_dtypes()
+    params = {t.name: torch.empty(t.shape, dtype=dtypes[t.dtype], device="cuda")
+              for h in headers for t in h.tensors.values()}
+    arenas = {slots: direct.allocate_arena(8 * MIB, slots) for slots in {VARIANTS[v][1] for v in variants}}
+    load_once(headers, params, variants[0], arenas[VARIANTS[variants[0]][1]])  # warms the page cache
+    rows = []
+    for _ in range(args.rounds):
+        for v in variants:
+            rows.append(load_once(headers, params, v, arenas[VARIANTS[v][1]]))
+    gbs = pinned_h2d_gbs()
+    total = rows[0]["bytes"]
+    print(f"{total / 1e9:.2f} GB in {sum(len(h.tensors) for h in headers)} tensors; pinned H2D of 1 GiB "
+          f"{gbs:.1f} GB/s; {args.rounds} interleaved rounds")
+    print("| variant | wall s, each round | median s | GB/s (median) | first tensor s | read wait s | H2D GPU s "
+          "| driver copies |")
+    print("|---|---|---|---|---|---|---|---|")
+    for v in variants:
+        mine = [r for r in rows if r["variant"] == v]
+        walls = [r["wall_s"] for r in mine]
+        med = statistics.median(walls)
+        print(f"| {v} | {', '.join(f'{w:.3f}' for w in walls)} | {med:.3f} | {total / med / 1e9:.1f} "
+              f"| {statistics.median(r['first_tensor_s'] for r in mine):.3f} "
+              f"| {statistics.median(r['read_wait_s'] for r in mine):.3f} "
+              f"| {statistics.median(r['h2d_s'] for r in mine):.3f} | {mine[-1]['driver_copies']} |")
+    if args.out:
+        args.out.write_text(json.dumps({"pinned_h2d_gbs": gbs, "rows": rows}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -242,6 +242,14 @@ def loader_with(tmp_path, **extra):
         "report_path": str(tmp_path / "r.json"), **extra}))
 
 
+def assert_received(sink, ts):
+    """``sink`` received every tensor of ``ts`` (name -> tensor) with its dtype, its shape and its bytes."""
+    assert set(sink.seen) == set(ts)
+    for k, v in ts.items():
+        assert sink.seen[k].dtype == v.dtype and sink.seen[k].shape == v.shape
+        assert torch.equal(sink.seen[k].view(torch.uint8), v.view(torch.uint8)) if v.numel() else True
+
+
 def test_weights_read_while_the_model_is_built_load_bit_exact(ckpt, monkeypatch):
     path, ts = ckpt
     seen = {}
@@ -250,9 +258,7 @@ def test_weights_read_while_the_model_is_built_load_bit_exact(ckpt, monkeypatch)
     with log_records() as logs:
         sink = loader.load_model(fake_vllm_config(), fake_model_config(path))
     assert seen["prefetch"] is not None and set(sink.seen) == set(ts)
-    for k, v in ts.items():
-        assert sink.seen[k].dtype == v.dtype and sink.seen[k].shape == v.shape
-        assert torch.equal(sink.seen[k].view(torch.uint8), v.view(torch.uint8)) if v.numel() else True
+    assert_received(sink, ts)
     total = sum(v.numel() * v.element_size() for v in ts.values())
     r = json.loads((path / "r.json").read_text())
     ex = r["extra"]
@@ -267,6 +273,50 @@ def test_weights_read_while_the_model_is_built_load_bit_exact(ckpt, monkeypatch)
     assert any(r["line"] in m.getMessage() for m in logs)
     assert not any(t.name == "fastload-prefetch" for t in threading.enumerate())
     assert sys.getswitchinterval() == pytest.approx(0.005)
+
+
+def test_weights_read_from_object_storage_while_the_model_is_built_load_bit_exact(ckpt, monkeypatch, moto_s3):
+    """The same from ``s3://`` (a moto S3 on 127.0.0.1): runai reads the bucket on the prefetch thread with the
+    environment the load set on vLLM's thread, every byte of every tensor arrives, all of it before
+    ``load_weights``."""
+    pytest.importorskip("moto")
+    path, ts = ckpt
+    for k, v in moto_s3.env().items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("RUNAI_STREAMER_S3_ENDPOINT", moto_s3.endpoint)
+    uri = moto_s3.upload_dir(path, "prefetch", "m")
+    seen = {}
+    building(monkeypatch, seen)
+    sink = loader_with(path, prefetch=True).load_model(fake_vllm_config(), fake_model_config(uri))
+    assert seen["prefetch"] is not None and set(sink.seen) == set(ts)
+    assert_received(sink, ts)
+    total = sum(v.numel() * v.element_size() for v in ts.values())
+    r = json.loads((path / "r.json").read_text())
+    assert r["source"] == uri and r["bytes"] == total and r["fallback_reason"] is None
+    assert r["extra"]["prefetched_bytes"] == total
+
+
+def test_the_zoo_read_while_the_model_is_built_loads_bit_exact(tmp_path, monkeypatch):
+    """Every dtype, odd lengths, unaligned offsets and zero-element tensors (``write_zoo``) through the prefetch
+    thread on CPU: bit for bit, all of it read before ``load_weights``."""
+    from tests.conftest import assert_zoo_bit_exact, write_zoo
+
+    expected = write_zoo(tmp_path / "model.safetensors")
+    total = sum(len(raw) for _, _, raw in expected.values())
+    seen = {}
+
+    def load_model(self, vllm_config, model_config):
+        seen["prefetch"] = pre = self._prefetched
+        wait_until(lambda: pre.prefetch._produced == total)
+        sink = Sink({k: (shape, dtype) for k, (dtype, shape, _) in expected.items()})
+        self.load_weights(sink, model_config)
+        return sink
+
+    monkeypatch.setattr(BaseModelLoader, "load_model", load_model)
+    sink = loader_with(tmp_path, prefetch=True).load_model(fake_vllm_config(), fake_model_config(tmp_path))
+    assert seen["prefetch"] is not None
+    assert_zoo_bit_exact(sink.seen, expected)
+    assert json.loads((tmp_path / "r.json").read_text())["extra"]["prefetched_bytes"] == total
 
 
 def test_without_prefetch_the_weights_are_read_in_load_weights(ckpt, monkeypatch):

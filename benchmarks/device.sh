@@ -6,6 +6,7 @@
 #   bash benchmarks/device.sh ipcprobe [GiB]  # legacy CUDA IPC vs VMM fds -> $OUT/ipc-probe.md
 #   bash benchmarks/device.sh bench [TP]   # 16 GB 8B-shaped model: auto, built-in runai, ours, the peers -> $OUT/bench-tpN (COLD=1: a cold page cache, load_bench --cold -> $OUT/bench-tpN-cold)
 #   bash benchmarks/device.sh pinprobe     # no staging needed: page-locking vs model construction (pin_probe.py)
+#   bash benchmarks/device.sh streamprobe  # no staging needed (carry .whl with liburing): the direct path alone, read-path variants (stream_probe.py; VARIANTS, ROUNDS) -> $OUT/stream-probe.{md,json}
 #   bash benchmarks/device.sh profile      # where "Model loading took" goes (ipc_cache zero_copy and copy, ours, auto) -> $OUT/profile-*
 #   bash benchmarks/device.sh sleep        # sleep mode with our loaders (tests/gpu/test_sleep_gpu.py)
 #   bash benchmarks/device.sh sleepbench   # sleep / wake / reload seconds on the 16 GB model (sleep_bench.py) -> $OUT/sleep-8b
@@ -17,6 +18,14 @@
 set -uo pipefail
 if [ "${1:-}" = pinprobe ]; then
   PYTHONPATH=$PWD/src python3 benchmarks/pin_probe.py; exit $?
+fi
+if [ "${1:-}" = streamprobe ]; then
+  # the image's torch and safetensors suffice; liburing (the io_uring reader) comes from the carried .whl
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/streamprobe-site .whl/liburing-*.whl || exit 3
+  OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+  PYTHONPATH=/tmp/streamprobe-site:$PWD/src PYTHONUNBUFFERED=1 python3 benchmarks/stream_probe.py \
+    --model /root/models/llama3-8b-shape --make 8b --variants "${VARIANTS:-torch,driver}" --rounds "${ROUNDS:-5}" \
+    --out "$OUT/stream-probe.json" 2>&1 | tee "$OUT/stream-probe.md"; exit ${PIPESTATUS[0]}
 fi
 ls /root/site/vllm >/dev/null || exit 3
 export PYTHONPATH=/root/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1

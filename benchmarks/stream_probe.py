@@ -26,12 +26,11 @@ import time
 from pathlib import Path
 
 import torch
+from load_bench import h2d_bandwidth
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from vllm_fastload.checkpoint import read_header  # noqa: E402
-from vllm_fastload.streaming import cudriver, direct  # noqa: E402
-from vllm_fastload.streaming.timing import StageTimes  # noqa: E402
+from vllm_fastload.checkpoint import read_header
+from vllm_fastload.streaming import cudriver, direct
+from vllm_fastload.streaming.timing import StageTimes
 
 MIB = 1 << 20
 #: variant -> (driver path on, ring slots); every variant keeps 16 reads of 8 MiB in flight
@@ -58,19 +57,6 @@ def load_once(headers: list, params: dict, variant: str, arena: torch.Tensor) ->
     return {"variant": variant, "wall_s": wall, "first_tensor_s": first, "read_wait_s": times.read_wait_s,
             "h2d_s": times.h2d_s, "driver_copies": times.driver_copies or 0, "bytes": times.bytes,
             "loader_cpu": stats.get("uring_loader_cpu")}
-
-
-def pinned_h2d_gbs(nbytes: int = 1 << 30) -> float:
-    """GB/s of one ``nbytes`` copy from PyTorch pinned memory to the GPU (the link's speed alone)."""
-    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    dst.copy_(src, non_blocking=True)
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    dst.copy_(src, non_blocking=True)
-    b.record()
-    b.synchronize()
-    return nbytes / (a.elapsed_time(b) / 1e3) / 1e9
 
 
 def main() -> None:
@@ -107,7 +93,7 @@ def main() -> None:
     for _ in range(args.rounds):
         for v in variants:
             rows.append(load_once(headers, params, v, arenas[VARIANTS[v][1]]))
-    gbs = pinned_h2d_gbs()
+    gbs = h2d_bandwidth()["pinned_h2d_gbps"]  # the link alone, as load_bench.py measures it
     total = rows[0]["bytes"]
     print(f"{total / 1e9:.2f} GB in {sum(len(h.tensors) for h in headers)} tensors; pinned H2D of 1 GiB "
           f"{gbs:.1f} GB/s; {args.rounds} interleaved rounds")

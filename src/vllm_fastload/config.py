@@ -77,7 +77,10 @@ def as_seconds(value: Any) -> float:
         raise ValueError("expected a number of seconds")
     if value != value:  # NaN (vLLM's json.loads takes it): every range check would fail with a misleading bound
         raise ValueError("NaN is not a number of seconds")
-    return float(value)
+    try:
+        return float(value)
+    except OverflowError:  # a JSON integer past float's range; pydantic turns only ValueError into the field's error
+        raise ValueError("too large a number of seconds") from None
 
 
 def key(default: Any, *, allowed: str, description: str, **bounds: Any) -> Any:

@@ -205,3 +205,13 @@ def test_a_nan_timeout_is_named_as_nan(cls, key):
     """vLLM's json.loads takes NaN; the range check then said "less than or equal to 86400"."""
     with pytest.raises(ConfigError, match=rf"key '{key}'.*NaN is not a number of seconds"):
         cls.from_extra({key: float("nan")})
+
+
+@pytest.mark.parametrize("cls,key", [(StreamerConfig, "distributed_timeout_s"), (IpcCacheConfig, "connect_timeout_s"),
+                                     (IpcCacheConfig, "state_timeout_s")])
+def test_a_timeout_past_floats_range_is_named(cls, key):
+    """A JSON integer of 310 digits raised a bare OverflowError from float() (adversarial pass, 2026-12-07)."""
+    import json
+
+    with pytest.raises(ConfigError, match=rf"key '{key}'.*too large a number of seconds"):
+        cls.from_extra(json.loads(f'{{"{key}": 1{"0" * 309}}}'))

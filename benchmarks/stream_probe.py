@@ -27,8 +27,10 @@ from pathlib import Path
 
 import torch
 from load_bench import h2d_bandwidth
+from make_model import SHAPES, make
 
 from vllm_fastload.checkpoint import read_header
+from vllm_fastload.errors import CheckpointError
 from vllm_fastload.streaming import cudriver, direct
 from vllm_fastload.streaming.timing import StageTimes
 
@@ -62,28 +64,40 @@ def load_once(headers: list, params: dict, variant: str, arena: torch.Tensor) ->
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", type=Path, required=True)
-    ap.add_argument("--make", default=None, help="make_model.py shape to write into --model when it has no shards")
+    ap.add_argument("--make", default=None, choices=sorted(SHAPES),
+                    help="make_model.py shape to write into --model when it has no shards")
     ap.add_argument("--variants", default="torch,driver")
-    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds (>= 1)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     variants = args.variants.split(",")
     unknown = [v for v in variants if v not in VARIANTS]
     if unknown:
         sys.exit(f"--variants: unknown {unknown}; known: {sorted(VARIANTS)}")
+    if args.rounds < 1:
+        sys.exit(f"--rounds: {args.rounds}; give 1 or more")
+    if args.out is not None and not args.out.parent.is_dir():
+        sys.exit(f"--out {args.out}: its folder does not exist")
+    if not torch.cuda.is_available():
+        sys.exit("no CUDA device here: the probe copies to a GPU (run it on the device machine, "
+                 "bash benchmarks/device.sh streamprobe)")
     from vllm_fastload.streaming.uring import unavailable
 
     if unavailable():
         sys.exit(f"no io_uring reader here: {unavailable()}")
-    shards = sorted(args.model.glob("*.safetensors"))
+    if args.model.exists() and not args.model.is_dir():
+        sys.exit(f"--model {args.model}: not a folder")
+    shards = sorted(p for p in args.model.glob("*.safetensors") if p.is_file())
     if not shards and args.make:
-        from make_model import make
-
         make(args.model, args.make)
         shards = sorted(args.model.glob("*.safetensors"))
     if not shards:
-        sys.exit(f"--model {args.model}: no *.safetensors (pass --make SHAPE to write one)")
-    headers = [read_header(str(p)) for p in shards]
+        sys.exit(f"--model {args.model}: " + ("no such folder" if not args.model.exists() else "no *.safetensors")
+                 + " (pass --make SHAPE to write one)")
+    try:
+        headers = [read_header(str(p)) for p in shards]
+    except CheckpointError as e:
+        sys.exit(f"--model {args.model}: {e}")
     dtypes = direct.torch_dtypes()
     params = {t.name: torch.empty(t.shape, dtype=dtypes[t.dtype], device="cuda")
               for h in headers for t in h.tensors.values()}

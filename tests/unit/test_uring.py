@@ -363,11 +363,6 @@ def test_without_the_variable_a_ring_leaves_the_worker_limit_alone(tmp_path, mon
         assert ring.iowq_workers is None
     finally:
         liburing.io_uring_queue_exit(probe)
-    # the variable: a positive integer, else unset
-    monkeypatch.setenv("FASTLOAD_URING_IOWQ_WORKERS", "x")
-    assert uring.env_int("FASTLOAD_URING_IOWQ_WORKERS", 0) == 0
-    monkeypatch.setenv("FASTLOAD_URING_IOWQ_WORKERS", "14")
-    assert uring.env_int("FASTLOAD_URING_IOWQ_WORKERS", 0) == 14
 
 
 @pytest.fixture

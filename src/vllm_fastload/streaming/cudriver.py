@@ -25,12 +25,13 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
 import threading
 from typing import Any, Optional
 
+from .knobs import env_switch
+
 #: ``FASTLOAD_H2D_DRIVER=1``: the direct path issues its untimed copies and events through :class:`Driver`.
-ENABLED = os.environ.get("FASTLOAD_H2D_DRIVER", "0") == "1"
+ENABLED = env_switch("FASTLOAD_H2D_DRIVER") is True
 CUDA_SUCCESS = 0
 CUDA_ERROR_NOT_READY = 600
 CU_EVENT_DISABLE_TIMING = 0x2

@@ -64,11 +64,11 @@ import torch
 from ..checkpoint import SafetensorsHeader, torch_dtypes
 from . import cudriver
 from .devmem import copy_target
+from .knobs import env_int
 from .runai_env import MAX_PADS, ring_env
 from .timeline import CopyTimeline
 from .timeline import requested as requested_timeline
 from .timing import StageTimes, next_timed
-from .uring import env_int
 
 #: Slots of the arena beyond runai's ring depth: a released slot can wait for its copies while runai refills.
 SPARE_SLOTS = 2

@@ -34,7 +34,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple, Optional
 
-from .uring import env_int
+from .knobs import env_int
 
 #: The interpreter's thread switch interval while a prefetch runs, in seconds: ``FASTLOAD_PREFETCH_SWITCH_US``
 #: microseconds (default 100). Short enough that the prefetch thread gets the GIL back within a fraction of one 8

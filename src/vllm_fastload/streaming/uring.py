@@ -32,19 +32,8 @@ from collections import deque
 from collections.abc import Iterator
 from typing import Any, Optional
 
+from .knobs import env_int, env_switch
 from .preader import Piece, plan_reads
-
-
-def env_int(name: str, default: int) -> int:
-    """Environment variable ``name`` as a positive int, else ``default`` (unset, not a number, or <= 0): how the
-    streaming path's benchmark knobs (``FASTLOAD_URING_*``, ``FASTLOAD_H2D_EVENT_EVERY``) are read."""
-    raw = os.environ.get(name, "")
-    try:
-        value = int(raw)
-    except ValueError:
-        return default
-    return value if value > 0 else default
-
 
 #: Bytes per read request: a range longer than this is read as several requests, each copied by its own io-wq
 #: worker. The default is the default slot size (one request per range): smaller requests measured slower on the
@@ -58,7 +47,7 @@ MAX_DEPTH = 4096
 #: ``FASTLOAD_URING_FIXED=1``: on this project's CPU machine it read slower than plain ``readv`` (CHANGELOG.md), and
 #: the GPU host has not measured it. Where registering is refused (``RLIMIT_MEMLOCK``, memory the kernel cannot
 #: pin) or the kernel lacks the opcode (``EINVAL``), the ring reads with plain ``readv``.
-FIXED_BUFFERS = os.environ.get("FASTLOAD_URING_FIXED", "0") == "1"
+FIXED_BUFFERS = env_switch("FASTLOAD_URING_FIXED") is True
 #: Most io-wq workers copying for the loading thread at once (``IORING_REGISTER_IOWQ_MAX_WORKERS``, bounded class,
 #: Linux 5.15 on; 0: the kernel's default, min(ring entries, 4 x CPUs)). The per-copy timeline of a TP=1 load on a
 #: 16-CPU host (docs/benchmarks.md) found the loading thread slow to issue copies while 16 workers copied, so a
@@ -78,7 +67,7 @@ _IORING_UNREGISTER_IOWQ_AFF = 18
 #: least :data:`AFFINITY_MIN_CPUS` CPUs. The per-copy timeline of a TP=1 load on a 16-CPU host found the loading
 #: thread slow to issue copies while 16 workers copied on every CPU; capping the workers helped issuing but slowed
 #: the reads, this keeps all of them and gives the loading thread a CPU of its own (docs/benchmarks.md).
-IOWQ_AFFINITY: Optional[bool] = {"1": True, "0": False}.get(os.environ.get("FASTLOAD_URING_IOWQ_AFF", ""))
+IOWQ_AFFINITY: Optional[bool] = env_switch("FASTLOAD_URING_IOWQ_AFF")
 #: Fewest CPUs the loading thread may use for :data:`IOWQ_AFFINITY`'s default to pin it: it was measured on 16-CPU
 #: hosts; with few CPUs, one taken from the workers is a large share of their copying.
 AFFINITY_MIN_CPUS = 8

@@ -174,7 +174,7 @@ def _status(args: argparse.Namespace) -> int:
     import os
     import stat
 
-    from .ipc.wire.client import status_of
+    from .ipc.wire.client import probe_status
     from .ipc.wire.paths import SocketDir, file_kind, socket_dir_spec
 
     spec = socket_dir_spec(args.weight_cache_socket_dir)
@@ -186,19 +186,23 @@ def _status(args: argparse.Namespace) -> int:
     except FileNotFoundError:
         names, odd = [], {}
     d = spec.path
-    rows = [(str(d / name), None if name in odd else status_of(str(d / name))) for name in names]
     states = {str(d / n): f"not a socket (a {file_kind(st.st_mode)})" for n, st in odd.items()}
-    stale = "not answering (stale socket?)"
+    rows = []
+    for name in names:
+        sock = str(d / name)
+        st, why = (None, states[sock]) if name in odd else probe_status(sock)
+        rows.append((sock, st))
+        states.setdefault(sock, why)
     if args.json:
-        print(json.dumps([st.model_dump() if st else {"socket": sock, "state": states.get(sock, stale)}
-                          for sock, st in rows], indent=2))
+        print(json.dumps([st.model_dump() if st else {"socket": sock, "state": states[sock]} for sock, st in rows],
+                         indent=2))
         return 0 if any(st for _, st in rows) else 1  # the same exit codes as the text form
     if not rows:
         print(f"no preload daemons in {d}" + ("" if d.exists() else " (the directory does not exist)"))
         return 1
     for sock, st in rows:
         if st is None:
-            print(f"{sock}: {states.get(sock, stale)}")
+            print(f"{sock}: {states[sock]}")
             continue
         print(f"{st.device}: {st.state}, model {st.model}, fingerprint {st.fingerprint_short}, {st.tensors} tensors, "
               f"{st.bytes / 2**30:.2f} GiB, {st.clients} client(s) {st.client_modes}, uptime {st.uptime_s:.0f} s, "

@@ -124,9 +124,55 @@ def test_status_with_only_stale_sockets_is_no_daemon(tmp_path, capsys):
     s.bind(str(d / "cpu-x-r0.sock"))  # bound, never listening: a stale socket
     s.close()
     assert cli.main(["status", "--weight-cache-socket-dir", str(d)]) == 1
-    assert "not answering (stale socket?)" in capsys.readouterr().out
+    assert f"{d / 'cpu-x-r0.sock'}: not answering: nothing listens (a stale socket: remove it once no daemon of it " \
+           f"runs)" in capsys.readouterr().out
     assert cli.main(["status", "--weight-cache-socket-dir", str(tmp_path / "missing")]) == 1
     assert "(the directory does not exist)" in capsys.readouterr().out
+
+
+def test_status_does_not_call_a_listener_that_answers_wrongly_stale(tmp_path, capsys):
+    """A listener that sends no valid status reply (a daemon of another protocol version, another program) or none
+    at all was reported as "not answering (stale socket?)", inviting the removal of a live daemon's socket
+    (adversarial pass, 2026-12-07)."""
+    import socket
+    import threading
+
+    d = tmp_path / "sock"
+    d.mkdir(mode=0o700)
+    servers, stop = [], threading.Event()
+
+    def serve(name, reply):
+        s = socket.socket(socket.AF_UNIX)
+        s.bind(str(d / name))
+        s.listen(4)
+        servers.append(s)
+
+        def run():
+            while not stop.is_set():
+                try:
+                    c, _ = s.accept()
+                except OSError:
+                    return
+                if reply is not None:
+                    c.sendall(reply)
+                    c.close()
+                else:
+                    stop.wait(10)  # accepts, never answers
+                    c.close()
+        threading.Thread(target=run, daemon=True).start()
+
+    serve("cpu-a-r0.sock", b"garbage that is no frame\n" * 4)
+    serve("cpu-b-r0.sock", None)
+    try:
+        assert cli.main(["status", "--weight-cache-socket-dir", str(d)]) == 1
+    finally:
+        stop.set()
+        for s in servers:
+            s.close()
+    out = capsys.readouterr().out
+    assert f"{d / 'cpu-a-r0.sock'}: a listener answered, but not with a valid status reply (" in out
+    assert f"{d / 'cpu-b-r0.sock'}: a listener accepted but sent no status reply within 2 s" in out
+    assert "not a stale socket" in out and "nothing listens" not in out
 
 
 def test_a_daemon_that_exits_before_ready_raises_with_its_log(tmp_path):

@@ -19,7 +19,7 @@ from . import messages, protocol
 from .messages import MessageError, parse_reply, to_frame
 from .paths import ENGINE_KEY, SocketDir, SocketDirSpec, upstream_sockets
 
-__all__ = ["CacheUnavailable", "FingerprintMismatch", "Lease", "connect", "open_lease", "status_of"]
+__all__ = ["CacheUnavailable", "FingerprintMismatch", "Lease", "connect", "open_lease", "probe_status", "status_of"]
 
 
 class FingerprintMismatch(CacheUnavailable):
@@ -201,8 +201,10 @@ def connect(path: str, timeout_s: float, spec: Optional[SocketDirSpec] = None) -
                       f"ipc_cache is this plugin's and cannot map it; run `vllm-fastload preload <same engine args>` "
                       f"instead of `vllm preload`, or set VLLM_PLUGINS to a list without vllm_fastload to use vLLM's "
                       f"own (README, \"Beside vLLM's own weight cache\")") if theirs else ""
-            raise CacheUnavailable(f"no preload daemon at {path} within {timeout_s:g} s ({what}); start "
+            err = CacheUnavailable(f"no preload daemon at {path} within {timeout_s:g} s ({what}); start "
                                    f"`vllm-fastload preload <same engine args>` first{beside}")
+            err.nobody_listening = isinstance(last, ConnectionRefusedError)  # for probe_status: a stale socket
+            raise err
         time.sleep(0.1)
 
 
@@ -305,15 +307,34 @@ def _manifest_of(raw: dict[str, Any], fds: list[int], path: str) -> messages.Man
 
 def status_of(path: str, timeout_s: float = 2.0) -> Optional[messages.StatusReply]:
     """The daemon's ``status`` reply (validated), or None when nothing usable answers on ``path`` (no daemon, a
-    daemon of another user, an invalid reply)."""
+    daemon of another user, an invalid reply; :func:`probe_status` says which)."""
+    return probe_status(path, timeout_s)[0]
+
+
+#: :func:`probe_status`'s reason for a socket nothing listens on.
+NOT_LISTENING = "not answering: nothing listens (a stale socket: remove it once no daemon of it runs)"
+
+
+def probe_status(path: str, timeout_s: float = 2.0) -> tuple[Optional[messages.StatusReply], str]:
+    """``(reply, "")`` with the daemon's validated ``status`` reply, or ``(None, reason)``: :data:`NOT_LISTENING`
+    when nothing listens on ``path`` within ``timeout_s`` seconds; otherwise what went wrong with a listener that is
+    there (not this user's, no reply within ``timeout_s``, or a reply that is not a valid status: a daemon of
+    another protocol version or another program), which ``vllm-fastload status`` prints so that nobody removes a
+    live daemon's socket as stale. Raises nothing."""
     try:
         conn = connect(path, timeout_s)
-    except FastloadError:
-        return None
+    except FastloadError as e:
+        if getattr(e, "nobody_listening", False):
+            return None, NOT_LISTENING
+        return None, f"unusable: {e}"
     try:
         conn.settimeout(timeout_s)
-        return _exchange(conn, messages.Status(), messages.StatusReply)
-    except (OSError, protocol.ProtocolError):
-        return None
+        return _exchange(conn, messages.Status(), messages.StatusReply), ""
+    except TimeoutError:
+        return None, (f"a listener accepted but sent no status reply within {timeout_s:g} s (a daemon busy or hung, "
+                      f"or another program): not a stale socket")
+    except (OSError, protocol.ProtocolError) as e:
+        return None, (f"a listener answered, but not with a valid status reply ({e}): a daemon of another "
+                      f"vllm-fastload version or another program, not a stale socket")
     finally:
         conn.close()

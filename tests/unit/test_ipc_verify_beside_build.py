@@ -165,19 +165,28 @@ def test_an_interrupt_during_the_build_is_not_turned_into_a_fallback_by_what_the
     KeyboardInterrupt (the check's ChecksumMismatch is a CacheUnavailable, which the fallback policy would have
     answered with a disk load)."""
     srv, model_config, vllm_config = setup
+    # what a Ctrl-C needs to reach the build (this failed once in a full CI run, 2026-12-07, the build running its
+    # 10 s to the end: these say which precondition was missing if it fails again)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler, signal.getsignal(signal.SIGINT)
+    assert signal.SIGINT not in signal.pthread_sigmask(signal.SIG_BLOCK, []), "SIGINT blocked in the main thread"
+    assert threading.current_thread() is threading.main_thread()
     verify = mapping._verify
     building = threading.Event()
+    seen = {}
 
     def interrupting_verify(lease, path):
-        building.wait(timeout=10)
+        seen["build_began"] = building.wait(timeout=10)
+        seen["sent_at"] = time.monotonic()
         signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
         time.sleep(0.3)
         verify(lease, path)
 
     def build(*a):
+        seen["began_at"] = time.monotonic()
         building.set()
         for _ in range(200):
             time.sleep(0.05)
+        seen["build_ended"] = True
         return nn.Module()
 
     monkeypatch.setattr(mapping, "_verify", interrupting_verify)
@@ -186,5 +195,11 @@ def test_an_interrupt_during_the_build_is_not_turned_into_a_fallback_by_what_the
     parallel(monkeypatch, 1, 0)
     e = srv.state.manifest.tensors["w"]
     srv.state.segment.buf[e.offset + 8] ^= 0xFF
-    with pytest.raises(KeyboardInterrupt):
-        ipc_loader(srv.path).load_model(vllm_config, model_config)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            ipc_loader(srv.path).load_model(vllm_config, model_config)
+    except pytest.fail.Exception:
+        sent = seen.get("sent_at", 0) - seen.get("began_at", 0)
+        pytest.fail(f"no KeyboardInterrupt: the build began {seen.get('build_began')}, SIGINT sent {sent:.3f} s after "
+                    f"it began, the build ran to its end {seen.get('build_ended', False)}; SIGINT's handler now "
+                    f"{signal.getsignal(signal.SIGINT)!r}")

@@ -186,28 +186,24 @@ def _status(args: argparse.Namespace) -> int:
     except FileNotFoundError:
         names, odd = [], {}
     d = spec.path
-    states = {str(d / n): f"not a socket (a {file_kind(st.st_mode)})" for n, st in odd.items()}
-    rows = []
-    for name in names:
-        sock = str(d / name)
-        st, why = (None, states[sock]) if name in odd else probe_status(sock)
-        rows.append((sock, st))
-        states.setdefault(sock, why)
+    # (socket, its status reply or None, why None)
+    rows = [(str(d / n), None, f"not a socket (a {file_kind(odd[n].st_mode)})") if n in odd
+            else (str(d / n), *probe_status(str(d / n))) for n in names]
     if args.json:
-        print(json.dumps([st.model_dump() if st else {"socket": sock, "state": states[sock]} for sock, st in rows],
+        print(json.dumps([st.model_dump() if st else {"socket": sock, "state": why} for sock, st, why in rows],
                          indent=2))
-        return 0 if any(st for _, st in rows) else 1  # the same exit codes as the text form
+        return 0 if any(st for _, st, _ in rows) else 1  # the same exit codes as the text form
     if not rows:
         print(f"no preload daemons in {d}" + ("" if d.exists() else " (the directory does not exist)"))
         return 1
-    for sock, st in rows:
+    for sock, st, why in rows:
         if st is None:
-            print(f"{sock}: {states[sock]}")
+            print(f"{sock}: {why}")
             continue
         print(f"{st.device}: {st.state}, model {st.model}, fingerprint {st.fingerprint_short}, {st.tensors} tensors, "
               f"{st.bytes / 2**30:.2f} GiB, {st.clients} client(s) {st.client_modes}, uptime {st.uptime_s:.0f} s, "
               f"socket {st.socket}" + (f", content {st.content_digest}" if st.content_digest else ""))
-    return 0 if any(st for _, st in rows) else 1  # only stale sockets: no daemon found
+    return 0 if any(st for _, st, _ in rows) else 1  # only stale sockets: no daemon found
 
 
 if __name__ == "__main__":

@@ -22,8 +22,8 @@ def env_int(name: str, default: int) -> int:
     try:
         value = int(raw)
     except ValueError:
-        value = 0
-    if value > 0 or (value == default and raw.lstrip("+-").isdigit()):
+        value = None
+    if value is not None and (value > 0 or value == default):
         return value
     logger.warning("fastload: %s=%r is not a whole number > 0; using the default, %d", name, raw, default)
     return default

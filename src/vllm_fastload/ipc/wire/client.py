@@ -19,7 +19,13 @@ from . import messages, protocol
 from .messages import MessageError, parse_reply, to_frame
 from .paths import ENGINE_KEY, SocketDir, SocketDirSpec, upstream_sockets
 
-__all__ = ["CacheUnavailable", "FingerprintMismatch", "Lease", "connect", "open_lease", "probe_status", "status_of"]
+__all__ = ["CacheUnavailable", "FingerprintMismatch", "Lease", "NoListener", "connect", "open_lease", "probe_status",
+           "status_of"]
+
+
+class NoListener(CacheUnavailable):
+    """:func:`connect` found the socket but nothing listening on it until its timeout (connection refused): a
+    socket its daemon left behind, or a daemon not listening yet."""
 
 
 class FingerprintMismatch(CacheUnavailable):
@@ -201,10 +207,9 @@ def connect(path: str, timeout_s: float, spec: Optional[SocketDirSpec] = None) -
                       f"ipc_cache is this plugin's and cannot map it; run `vllm-fastload preload <same engine args>` "
                       f"instead of `vllm preload`, or set VLLM_PLUGINS to a list without vllm_fastload to use vLLM's "
                       f"own (README, \"Beside vLLM's own weight cache\")") if theirs else ""
-            err = CacheUnavailable(f"no preload daemon at {path} within {timeout_s:g} s ({what}); start "
-                                   f"`vllm-fastload preload <same engine args>` first{beside}")
-            err.nobody_listening = isinstance(last, ConnectionRefusedError)  # for probe_status: a stale socket
-            raise err
+            error = NoListener if isinstance(last, ConnectionRefusedError) else CacheUnavailable
+            raise error(f"no preload daemon at {path} within {timeout_s:g} s ({what}); start "
+                        f"`vllm-fastload preload <same engine args>` first{beside}")
         time.sleep(0.1)
 
 
@@ -323,9 +328,9 @@ def probe_status(path: str, timeout_s: float = 2.0) -> tuple[Optional[messages.S
     live daemon's socket as stale. Raises nothing."""
     try:
         conn = connect(path, timeout_s)
+    except NoListener:
+        return None, NOT_LISTENING
     except FastloadError as e:
-        if getattr(e, "nobody_listening", False):
-            return None, NOT_LISTENING
         return None, f"unusable: {e}"
     try:
         conn.settimeout(timeout_s)

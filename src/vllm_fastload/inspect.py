@@ -197,7 +197,8 @@ def render(rep: dict[str, Any]) -> str:
             lines.append(f"  {s['shard']}: PROBLEM: {s['problem']}")
             continue
         dt = ", ".join(f"{k} x{v}" for k, v in s["dtypes"].items())
-        lines.append(f"  {s['shard']}: {s['tensors']} tensors, {s['bytes'] / 2**30:.2f} GiB, largest "
+        n = s["tensors"]
+        lines.append(f"  {s['shard']}: {n} tensor{'' if n == 1 else 's'}, {s['bytes'] / 2**30:.2f} GiB, largest "
                      f"{s['largest_tensor']} {s['largest_mib']} MiB; dtypes {dt}")
         if s["unaligned_tensors"]:
             lines.append(f"    warning: {s['unaligned_tensors']} tensor(s) at offsets not aligned to their element "

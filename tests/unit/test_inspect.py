@@ -23,6 +23,15 @@ def test_inspect_reports_shards_alignment_and_suggestions(tmp_path):
     assert rep["problems"] == [] and rep["suggested"]["memory_limit"] == 2**20 + 11
 
 
+def test_inspect_text_counts_one_tensor_and_several_in_plain_words(tmp_path, capsys):
+    write_safetensors(tmp_path / "model-00001-of-00002.safetensors", {"a": torch.ones(4)})
+    write_safetensors(tmp_path / "model-00002-of-00002.safetensors", {"b": torch.ones(2), "c": torch.ones(2)})
+    assert main(["inspect", str(tmp_path), "--no-fingerprint"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1].startswith("  model-00001-of-00002.safetensors: 1 tensor, 0.00 GiB, largest a ")
+    assert lines[2].startswith("  model-00002-of-00002.safetensors: 2 tensors, 0.00 GiB, largest ")
+
+
 def test_inspect_cli_names_a_broken_shard_and_exits_1(tmp_path, capsys):
     p = write_safetensors(tmp_path / "model.safetensors", {"a": torch.ones(4)})
     with open(p, "ab") as f:

@@ -252,3 +252,35 @@ def test_zoo_bit_exact_through_a_prefetch_thread_onto_the_consumers_stream(tmp_p
             p.close()
         consumer.synchronize()
     assert_zoo_bit_exact(got, expected)
+
+
+@pytest.mark.parametrize("region_pages", [1, 3, 4096])
+def test_zoo_bit_exact_copied_out_of_the_registered_page_cache(tmp_path, monkeypatch, region_pages):
+    """``FASTLOAD_PAGECACHE_DMA``: the copies read the shard's page cache itself (registered read-only, region by
+    region on threads); the bytes are the checkpoint's, whatever the region size against the ranges, and every
+    region is unregistered after the load."""
+    import mmap
+
+    from vllm_fastload.streaming import pagecache
+
+    monkeypatch.setenv("FASTLOAD_PAGECACHE_REGION_MIB", "1")
+    monkeypatch.setattr(pagecache, "region_bytes", lambda: region_pages * mmap.PAGESIZE)
+    calls = {"reg": 0, "unreg": 0}
+    real = pagecache.cuda_register
+
+    def counted(device):
+        reg, unreg = real(device)
+        return (lambda p, n: calls.__setitem__("reg", calls["reg"] + 1) or reg(p, n),
+                lambda p: calls.__setitem__("unreg", calls["unreg"] + 1) or unreg(p))
+
+    monkeypatch.setattr(pagecache, "cuda_register", counted)
+    expected = write_zoo(tmp_path / "model.safetensors")
+    got, stats = {}, {}
+    for name, t in direct.stream_to_device([read_header(str(tmp_path / "model.safetensors"))],
+                                           torch.device("cuda", torch.cuda.current_device()),
+                                           direct.Ring(4096, 2, 2, pagecache=True), StageTimes(), None, stats):
+        got[name] = t
+        torch.cuda._sleep(1000)
+    torch.cuda.synchronize()
+    assert_zoo_bit_exact(got, expected)
+    assert calls["reg"] > 0 and calls["unreg"] == calls["reg"] and "pagecache_register_s" in stats

@@ -62,6 +62,7 @@ from typing import Any, NamedTuple, Optional
 import torch
 
 from ..checkpoint import SafetensorsHeader, torch_dtypes
+from ..log import logger
 from . import cudriver
 from .devmem import copy_target
 from .knobs import env_int
@@ -391,7 +392,8 @@ class Ring(NamedTuple):
     the copies are issued by a thread of the load, :class:`_IssueThread`, at most :data:`AHEAD_SPANS` ring spans of
     finished tensors ahead of the consumer; False: by the consumer's thread between the tensors it takes) and
     ``pin`` (``uring`` only: the reading thread may get a CPU of its own, :data:`.uring.IOWQ_AFFINITY`; off for a
-    fan-out, whose collectives run on that thread)."""
+    fan-out, whose collectives run on that thread) and ``pagecache`` (pinned path, local files: the copies read the
+    page cache itself, :mod:`.pagecache`; the ring's reader where the first registration is refused)."""
 
     slot_bytes: int
     slots: int
@@ -399,6 +401,7 @@ class Ring(NamedTuple):
     issue_thread: bool = False
     uring: bool = False
     pin: bool = True
+    pagecache: bool = False
 
 
 def stream_to_device(headers: list[SafetensorsHeader], device: torch.device, ring: Ring, times: StageTimes,
@@ -449,9 +452,10 @@ def stream_tensors(headers: list[SafetensorsHeader], device: torch.device, ring:
         times.timeline = CopyTimeline(timeline_path, copy_stream)
         if stats is not None:
             stats["h2d_timeline"] = timeline_path
-    if ring.threads is None:
+    source = _pagecache_pieces(chunks, device, copy_stream, stats) if use_pinned and ring.pagecache else None
+    if source is None and ring.threads is None:
         source = _runai_pieces(requests, arena if use_pinned else None, ring, copy_stream, times, stats)
-    else:
+    elif source is None:
         source = _pread_pieces(chunks, arena if use_pinned else None, ring, copy_stream, times, stats)
     arena = None  # the reader holds it until it is closed
     # slots held back for a later event stay fewer than the ring's (the reader needs one free to go on)
@@ -714,3 +718,41 @@ def _pread_pieces(chunks: list, arena: Optional[torch.Tensor], ring: Ring, copy_
                     stats["uring_iowq_workers"] = reader.iowq_workers
                 if reader.loader_cpu is not None:
                     stats["uring_loader_cpu"] = reader.loader_cpu
+
+
+def _pagecache_pieces(chunks: list, device: torch.device, copy_stream: Any,
+                      stats: Optional[dict]) -> Optional[Iterator[tuple]]:
+    """``(file id, range index, host bytes, None)`` per range, the host bytes the shard's page cache itself,
+    page-locked (:class:`.pagecache.RegisteredShards`); None, said at INFO, where the first region cannot be
+    registered (the caller reads through its ring). Closing the generator waits for ``copy_stream``, then
+    unregisters and unmaps (``stats``: ``pagecache_register_s``, the registrations' seconds summed over threads)."""
+    from . import pagecache
+
+    register, unregister = pagecache.cuda_register(device.index)
+    shards = pagecache.RegisteredShards([path for path, _, _ in chunks], register, unregister,
+                                        pagecache.region_bytes(), pagecache.threads())
+    try:
+        first = next(((i, offsets[0]) for i, (_, offsets, _) in enumerate(chunks) if offsets), None)
+        if first is not None:
+            shards.host(first[0], first[1], 1)
+    except pagecache.RegistrationRefused as e:
+        shards.close()
+        logger.info("fastload: page-cache copies not possible here (%s); reading through the pinned ring", e)
+        return None
+    except BaseException:
+        shards.close()
+        raise
+
+    def pieces() -> Iterator[tuple]:
+        try:
+            for file_id, (_, offsets, sizes) in enumerate(chunks):
+                for range_index, (off, n) in enumerate(zip(offsets, sizes)):
+                    yield file_id, range_index, shards.host(file_id, off, n), None
+        finally:
+            if copy_stream is not None:
+                copy_stream.synchronize()  # no copy may read a mapping being unregistered
+            if stats is not None:
+                stats["pagecache_register_s"] = round(shards.register_s(), 4)
+            shards.close()
+
+    return pieces()

@@ -70,11 +70,13 @@ class _Load:
 
     def ring(self, config: Any) -> Any:
         """The direct read's :class:`.direct.Ring` for this load under ``config`` (a StreamerConfig)."""
+        from . import pagecache
         from .direct import Ring
 
         r = self.reader
+        # the page-cache copies (opt-in) where this package reads local files itself
         return Ring(config.pinned_slot_bytes, config.pinned_slots, r.threads if r else None, config.issue_thread,
-                    bool(r and r.uring))
+                    bool(r and r.uring), pagecache=bool(r) and pagecache.enabled())
 
     @property
     def headers(self) -> list:

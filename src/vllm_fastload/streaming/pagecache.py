@@ -1,0 +1,165 @@
+"""Copies straight out of the page cache (opt-in: ``FASTLOAD_PAGECACHE_DMA=1``; direct GPU path, local files).
+
+The other readers of the direct path copy every byte twice on a warm page cache: a CPU copies it from the page
+cache into a pinned ring slot, then the copy engine copies the slot to the GPU, and the two copies share the host's
+memory. Here each shard is mapped read-only (``mmap``, shared) and its pages are page-locked where they are, with
+``cudaHostRegister`` and the flag ``cudaHostRegisterReadOnly`` ("the memory will be considered as read-only by the
+device", CUDA Runtime API, CUDA 11.1 on), region by region on a few threads, in file order; the copy engine then
+reads the page cache itself. A range is handed to the copies once the regions it lies in are registered, so the
+registrations of later regions overlap the copies of earlier ones.
+
+Linux allows long-term pins of a read-only shared file mapping's pages (``pin_user_pages`` with
+``FOLL_LONGTERM``, refused only for writable file mappings and DAX); a file system or driver that refuses anyway
+answers the first registration with a CUDA error, and the loader reads through its ring instead, said at INFO.
+The registered pages stay in memory (the page cache cannot evict them) until :meth:`RegisteredShards.close`.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import mmap
+import os
+import threading
+import time
+import warnings
+from collections.abc import Callable
+from typing import Any, Optional
+
+import torch
+
+from .knobs import env_int, env_switch
+
+#: cudaHostRegisterReadOnly (CUDA Runtime API, ``cudaHostRegister``'s flags)
+READ_ONLY = 0x08
+
+
+def enabled() -> bool:
+    """``FASTLOAD_PAGECACHE_DMA=1``: the direct path copies out of the registered page cache."""
+    return bool(env_switch("FASTLOAD_PAGECACHE_DMA"))
+
+
+def region_bytes() -> int:
+    """Bytes per registration (``FASTLOAD_PAGECACHE_REGION_MIB``, default 256 MiB), whole pages."""
+    return env_int("FASTLOAD_PAGECACHE_REGION_MIB", 256) << 20
+
+
+def threads() -> int:
+    """Threads registering regions at once (``FASTLOAD_PAGECACHE_THREADS``, default 4)."""
+    return env_int("FASTLOAD_PAGECACHE_THREADS", 4)
+
+
+def cuda_register(device: int) -> tuple[Callable[[int, int], int], Callable[[int], int]]:
+    """``(register(ptr, nbytes) -> CUDA error code, unregister(ptr) -> CUDA error code)`` for CUDA ``device``
+    (an index), through PyTorch's runtime binding; each sets the device on its calling thread first (a thread
+    that never chose one would get a context on GPU 0)."""
+
+    def register(ptr: int, nbytes: int) -> int:
+        torch.cuda.set_device(device)
+        return int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, READ_ONLY))
+
+    def unregister(ptr: int) -> int:
+        torch.cuda.set_device(device)
+        return int(torch.cuda.cudart().cudaHostUnregister(ptr))
+
+    return register, unregister
+
+
+class RegistrationRefused(OSError):
+    """``cudaHostRegister`` refused a region of a shard (the message names the shard, the offset and the CUDA
+    error): the caller reads through its ring instead."""
+
+
+class RegisteredShards:
+    """``paths`` mapped read-only, each region of ``region`` bytes page-locked by ``register`` on a pool of
+    ``workers`` threads in file order (started here). :meth:`host` waits for the regions a range lies in and
+    returns the range as a flat ``torch.uint8`` CPU tensor over the mapping; :meth:`close` unregisters every
+    registered region (``unregister``) and unmaps. ``wait_s``: seconds :meth:`host` waited for registrations.
+
+    ``register(ptr, nbytes)`` / ``unregister(ptr)`` return a CUDA error code (0: done); :func:`cuda_register`
+    gives the CUDA runtime's. Raises ``OSError`` when a shard cannot be opened or mapped; :meth:`host` raises
+    :class:`RegistrationRefused`."""
+
+    def __init__(self, paths: list[str], register: Callable[[int, int], int], unregister: Callable[[int], int],
+                 region: int, workers: int):
+        if region <= 0 or region % mmap.PAGESIZE:
+            raise ValueError(f"region must be a positive multiple of the page size, got {region}")
+        self.paths, self.region, self.wait_s = list(paths), region, 0.0
+        self._unregister = unregister
+        self._maps: list[Optional[mmap.mmap]] = []
+        self._hosts: list[Optional[torch.Tensor]] = []
+        self._lock = threading.Lock()
+        self._done: list[int] = []  # pointers registered (unregistered by close)
+        self._closed = False
+        try:
+            for p in self.paths:
+                with open(p, "rb") as f:
+                    mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if _size(f) else None
+                self._maps.append(mm)
+                with warnings.catch_warnings():  # read-only on purpose: only the device reads it
+                    warnings.simplefilter("ignore")
+                    self._hosts.append(torch.frombuffer(mm, dtype=torch.uint8) if mm is not None else None)
+        except BaseException:
+            self._unmap()
+            raise
+        self._pool = cf.ThreadPoolExecutor(max(1, workers), thread_name_prefix="fastload-pcreg")
+        self._futures: dict[tuple[int, int], cf.Future] = {}
+        for i, mm in enumerate(self._maps):
+            if mm is None:
+                continue
+            for a in range(0, len(mm), region):
+                n = min(region, len(mm) - a)
+                self._futures[(i, a)] = self._pool.submit(self._register, register, i, a, n)
+
+    def _register(self, register: Callable[[int, int], int], i: int, a: int, n: int) -> tuple[int, float]:
+        if self._closed:
+            return -1, 0.0
+        ptr = self._hosts[i].data_ptr() + a
+        t = time.perf_counter()
+        rc = register(ptr, n)
+        if rc == 0:
+            with self._lock:
+                self._done.append(ptr)
+        return rc, time.perf_counter() - t
+
+    def host(self, i: int, offset: int, nbytes: int) -> torch.Tensor:
+        """Bytes ``[offset, offset + nbytes)`` of shard ``i`` once page-locked (waits for their regions). Raises
+        :class:`RegistrationRefused` naming the shard and region that were refused."""
+        first, last = offset - offset % self.region, (offset + nbytes - 1) - (offset + nbytes - 1) % self.region
+        t = time.perf_counter()
+        for a in range(first, last + 1, self.region):
+            rc, _ = self._futures[(i, a)].result()
+            if rc:
+                raise RegistrationRefused(f"cudaHostRegister of {self.paths[i]} at byte {a} returned CUDA error {rc}")
+        self.wait_s += time.perf_counter() - t
+        return self._hosts[i][offset:offset + nbytes]
+
+    def register_s(self) -> float:
+        """Seconds the registrations that finished took, summed over the threads."""
+        return sum(f.result()[1] for f in self._futures.values() if f.done() and not f.cancelled())
+
+    def close(self) -> None:
+        """Stop registering, unregister what was registered, unmap. The caller must have waited for every copy
+        out of the mappings. Raises nothing; a failed unregistration is left to the process's end."""
+        self._closed = True
+        for f in self._futures.values():
+            f.cancel()
+        self._pool.shutdown(wait=True)
+        with self._lock:
+            done, self._done = self._done, []
+        for ptr in done:
+            self._unregister(ptr)
+        self._unmap()
+
+    def _unmap(self) -> None:
+        self._hosts = [None] * len(self._hosts)
+        for mm in self._maps:
+            if mm is not None:
+                try:
+                    mm.close()
+                except BufferError:  # a tensor over it still lives: the mapping goes with the last one
+                    pass
+        self._maps = []
+
+
+def _size(f: Any) -> int:
+    return os.fstat(f.fileno()).st_size

@@ -93,3 +93,13 @@ def test_refused_first_region_falls_back_to_the_ring_said_at_info(tmp_path, monk
         assert direct._pagecache_pieces(chunks, torch.device("cpu"), None, {}) is None
     assert f"cudaHostRegister of {path} at byte 0 returned CUDA error 801" in caplog.text
     assert "reading through the pinned ring" in caplog.text
+
+
+def test_close_later_unregisters_on_a_thread(tmp_path):
+    paths = _files(tmp_path, [2 * PAGE])
+    unregistered = []
+    shards = pagecache.RegisteredShards(paths, lambda p, n: 0, lambda p: unregistered.append(p) or 0, PAGE, 1)
+    shards.host(0, 0, 2 * PAGE)
+    th = shards.close_later()
+    th.join(5)
+    assert not th.is_alive() and len(unregistered) == 2

@@ -725,7 +725,8 @@ def _pagecache_pieces(chunks: list, device: torch.device, copy_stream: Any,
     """``(file id, range index, host bytes, None)`` per range, the host bytes the shard's page cache itself,
     page-locked (:class:`.pagecache.RegisteredShards`); None, said at INFO, where the first region cannot be
     registered (the caller reads through its ring). Closing the generator waits for ``copy_stream``, then
-    unregisters and unmaps (``stats``: ``pagecache_register_s``, the registrations' seconds summed over threads)."""
+    unregisters and unmaps on a thread (``stats``: ``pagecache_register_s``, the registrations' seconds summed
+    over threads)."""
     from . import pagecache
 
     register, unregister = pagecache.cuda_register(device.index)
@@ -753,6 +754,6 @@ def _pagecache_pieces(chunks: list, device: torch.device, copy_stream: Any,
                 copy_stream.synchronize()  # no copy may read a mapping being unregistered
             if stats is not None:
                 stats["pagecache_register_s"] = round(shards.register_s(), 4)
-            shards.close()
+            shards.close_later()  # the copies are done: the load need not wait for the driver to unpin
 
     return pieces()

@@ -150,6 +150,13 @@ class RegisteredShards:
             self._unregister(ptr)
         self._unmap()
 
+    def close_later(self) -> threading.Thread:
+        """:meth:`close` on a thread of its own (returned, started): unregistering gigabytes of pages takes the
+        driver a while, which a load need not wait for once its copies finished."""
+        th = threading.Thread(target=self.close, name="fastload-pcunreg", daemon=True)
+        th.start()
+        return th
+
     def _unmap(self) -> None:
         self._hosts = [None] * len(self._hosts)
         for mm in self._maps:

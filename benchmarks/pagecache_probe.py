@@ -13,7 +13,9 @@ mapping into a CUDA buffer allocated before (split where a chunk ends). Per roun
 
 - ``seq``: every chunk registered, then every copy: ``reg_s``, ``copy_s`` and their sum;
 - ``pipe``: the copies issued as the chunks they need are registered, the registrations on the threads:
-  ``wall_s`` from the first registration to the last copy finished.
+  ``wall_s`` from the first registration to the last copy finished;
+- ``-populate``: the same with every page of a chunk mapped first (``madvise(MADV_POPULATE_READ)``) by the
+  registering thread, so the registration finds the page table filled.
 
 Each round maps the shards anew (a loading process starts with no page table for them) and unregisters and unmaps
 them after (``unreg_s``). With the ``liburing`` package importable, the direct path of ``stream_probe.py``
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures as cf
+import ctypes
 import json
 import mmap
 import statistics
@@ -47,10 +50,21 @@ PAGE = mmap.PAGESIZE
 READ_ONLY = 0x08
 
 
-def _register(ptr: int, nbytes: int, device: int, flags: int) -> tuple[int, float]:
-    """``cudaHostRegister(ptr, nbytes, flags)`` with ``device`` current; (CUDA error code, seconds)."""
+#: madvise(MADV_POPULATE_READ) (Linux 5.14): map every page of a range now, in one call
+MADV_POPULATE_READ = 22
+_LIBC = ctypes.CDLL(None, use_errno=True)
+_LIBC.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+
+
+def _register(ptr: int, nbytes: int, device: int, flags: int, populate: bool = False) -> tuple[int, float]:
+    """``cudaHostRegister(ptr, nbytes, flags)`` with ``device`` current, after ``MADV_POPULATE_READ`` of the range
+    with ``populate``; (CUDA error code, seconds)."""
     torch.cuda.set_device(device)
     t = time.perf_counter()
+    if populate:
+        start = ptr - ptr % PAGE
+        if _LIBC.madvise(start, ptr + nbytes - start, MADV_POPULATE_READ):
+            return -ctypes.get_errno(), time.perf_counter() - t
     rc = int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, flags))
     return rc, time.perf_counter() - t
 
@@ -101,7 +115,7 @@ def pieces(headers: list, chunk: int) -> list[tuple[int, int, int, int]]:
 
 
 def load_once(shards: list[Path], headers: list, dst: torch.Tensor, mode: str, threads: int, chunk: int,
-              flags: int) -> dict:
+              flags: int, populate: bool = False) -> dict:
     """One load of every tensor into ``dst`` from page-locked mappings; seconds of each step."""
     device = torch.cuda.current_device()
     torch.cuda.synchronize()
@@ -113,7 +127,8 @@ def load_once(shards: list[Path], headers: list, dst: torch.Tensor, mode: str, t
     copy_s = reg_s = None
     with cf.ThreadPoolExecutor(threads) as pool:
         t1 = time.perf_counter()
-        futs = {(i, a): pool.submit(_register, m.ptr(i, a), b - a, device, flags) for i, a, b in m.chunks}
+        futs = {(i, a): pool.submit(_register, m.ptr(i, a), b - a, device, flags, populate)
+                for i, a, b in m.chunks}
         if mode == "seq":
             for (i, a), f in futs.items():
                 rc, _ = f.result()
@@ -142,7 +157,8 @@ def load_once(shards: list[Path], headers: list, dst: torch.Tensor, mode: str, t
     unreg = time.perf_counter() - t3
     if bad:
         raise RuntimeError(f"cudaHostUnregister failed: CUDA errors {sorted(set(bad))}")
-    return {"variant": f"{mode}{threads}", "map_s": t_map, "reg_s": reg_s, "copy_s": copy_s, "wall_s": wall,
+    return {"variant": f"{mode}{threads}" + ("-populate" if populate else ""), "map_s": t_map, "reg_s": reg_s,
+            "copy_s": copy_s, "wall_s": wall,
             "unreg_s": unreg, "bytes": sum(n for _, _, n, _ in plan)}
 
 
@@ -211,7 +227,8 @@ def main() -> None:
             baseline = lambda: stream_probe.load_once(headers, params, "torch", arena)  # noqa: E731
     except ImportError as e:
         print(f"no baseline: {e}")
-    variants = [("seq", t) for t in threads] + [("pipe", t) for t in threads]
+    variants = ([("seq", t, False) for t in threads] + [("pipe", t, False) for t in threads]
+                + [("seq", threads[-1], True), ("pipe", threads[-1], True)])
     rows = []
     try:
         load_once(shards, headers, dst, "seq", threads[-1], chunk, a.flags)  # first touch of the driver path
@@ -221,15 +238,16 @@ def main() -> None:
         if baseline is not None:
             r = baseline()
             rows.append({"variant": "ours (io_uring ring)", "wall_s": r["wall_s"], "bytes": r["bytes"]})
-        for mode, th in variants:
-            rows.append(load_once(shards, headers, dst, mode, th, chunk, a.flags))
+        for mode, th, pop in variants:
+            rows.append(load_once(shards, headers, dst, mode, th, chunk, a.flags, pop))
     bad = check_bytes(shards, headers, dst, chunk)
     gbs = h2d_bandwidth()["pinned_h2d_gbps"]
     print(f"{total / 1e9:.2f} GB, {len(pieces(headers, chunk))} copies; chunks of {a.chunk_mib} MiB; flags "
           f"{a.flags:#x}; pinned H2D of 1 GiB {gbs:.1f} GB/s; {a.rounds} rounds; bytes differ in {bad} copies")
     print("| variant | wall s, each round | median s | GB/s | map s | register s | copy s (GB/s) | unregister s |")
     print("|---|---|---|---|---|---|---|---|")
-    names = ["ours (io_uring ring)"] * (baseline is not None) + [f"{m}{t}" for m, t in variants]
+    names = ["ours (io_uring ring)"] * (baseline is not None) + [f"{m}{t}" + ("-populate" if p else "")
+                                                                  for m, t, p in variants]
     for v in names:
         mine = [r for r in rows if r["variant"] == v]
         walls = [r["wall_s"] for r in mine]

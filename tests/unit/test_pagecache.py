@@ -103,3 +103,22 @@ def test_close_later_unregisters_on_a_thread(tmp_path):
     th = shards.close_later()
     th.join(5)
     assert not th.is_alive() and len(unregistered) == 2
+
+
+def test_a_registration_started_early_is_handed_to_the_load_of_the_same_shards_only(tmp_path, monkeypatch):
+    paths = _files(tmp_path, [2 * PAGE, PAGE])
+    unregistered = []
+    monkeypatch.setattr(pagecache, "cuda_register",
+                        lambda device: (lambda p, n: 0, lambda p: unregistered.append(p) or 0))
+    pagecache.start_early(paths, 0)
+    early = pagecache.take_early(paths)
+    assert isinstance(early, pagecache.RegisteredShards) and pagecache.take_early(paths) is None
+    assert bytes(early.host(1, 0, PAGE).numpy()) == open(paths[1], "rb").read()
+    early.close()
+    pagecache.start_early(paths, 0)
+    assert pagecache.take_early(paths[:1]) is None  # other shards: dropped, unregistered on a thread
+    for _ in range(100):
+        if len(unregistered) == 4:
+            break
+        threading.Event().wait(0.02)
+    assert len(unregistered) == 4 and pagecache._EARLY == []

@@ -729,9 +729,12 @@ def _pagecache_pieces(chunks: list, device: torch.device, copy_stream: Any,
     over threads)."""
     from . import pagecache
 
-    register, unregister = pagecache.cuda_register(device.index)
-    shards = pagecache.RegisteredShards([path for path, _, _ in chunks], register, unregister,
-                                        pagecache.region_bytes(), pagecache.threads())
+    paths = [path for path, _, _ in chunks]
+    shards = pagecache.take_early(paths)  # started beside model construction, if the loader did
+    if shards is None:
+        register, unregister = pagecache.cuda_register(device.index)
+        shards = pagecache.RegisteredShards(paths, register, unregister, pagecache.region_bytes(),
+                                            pagecache.threads())
     try:
         first = next(((i, offsets[0]) for i, (_, offsets, _) in enumerate(chunks) if offsets), None)
         if first is not None:

@@ -32,7 +32,7 @@ from typing import Any, NamedTuple
 from ..checkpoint import Checkpoint, ShardPlan, model_shards, read_checkpoint, shard_changed, weights_source
 from ..config import StreamerConfig
 from ..content import ContentPin
-from ..errors import CheckpointError, ConfigError
+from ..errors import CheckpointError, ConfigError, FastloadError
 from ..fallback import default_loader, fall_back, step_down
 from ..fingerprint import from_vllm
 from ..heap import freeze_for_load
@@ -196,11 +196,15 @@ class RunaiStreamerLoader(BaseModelLoader):
         freeze_for_load(self.config.freeze_gc)
         self._arena_future = self._start_pinning()
         try:
+            self._start_pagecache(*args, **kwargs)
             self._prefetched = self._start_prefetch(*args, **kwargs)
             model = super().load_model(*args, **kwargs)
         finally:
             self._end_prefetch()  # not taken by load_weights (an error while vLLM built the model)
             self._drop_arena()  # not used by this load (a fallback, a CPU model, an error before the weights)
+            from .pagecache import drop_early
+
+            drop_early()  # not taken by the load
         total = time.perf_counter() - t
         create, weights = self._create_s, self._weights_s
         if weights is not None:
@@ -209,6 +213,26 @@ class RunaiStreamerLoader(BaseModelLoader):
                 "fastload: load_model took %.3f s: create_model %s, load_weights %.3f s, post-processing + gc %.3f s",
                 total, f"{create:.3f} s" if create is not None else "n/a", weights, rest)
         return model
+
+    def _start_pagecache(self, vllm_config: Any = None, model_config: Any = None, *_: Any, **kwargs: Any) -> None:
+        """``FASTLOAD_PAGECACHE_DMA`` (opt-in): start page-locking the local shards' page cache now, beside vLLM's
+        model construction (:func:`.pagecache.start_early`), where the direct path will read them; nothing
+        otherwise. Arguments: vLLM's ``load_model(vllm_config, model_config)``."""
+        from . import pagecache
+
+        model_config = kwargs.get("model_config", model_config)
+        if not pagecache.enabled() or not self.config.pinned_reader or model_config is None:
+            return
+        import torch
+
+        if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+            return
+        try:
+            reason, _, plan = self._why_not(model_config)
+        except FastloadError:
+            return  # load_weights raises it
+        if reason is None and not is_object_uri(weights_source(model_config)):
+            pagecache.start_early(list(plan.files), torch.cuda.current_device())
 
     def _start_pinning(self) -> Any:
         """GPU with ``pinned_reader``: start page-locking the read ring's arena in a thread now, so it overlaps

@@ -170,3 +170,32 @@ class RegisteredShards:
 
 def _size(f: Any) -> int:
     return os.fstat(f.fileno()).st_size
+
+
+#: registrations started before vLLM builds the model (:func:`start_early`): (the shards' paths, the registration)
+_EARLY: list[tuple[tuple[str, ...], RegisteredShards]] = []
+
+
+def start_early(paths: list[str], device: int) -> None:
+    """Start registering ``paths`` on CUDA ``device`` (an index) now, on one thread (more threads did not
+    register faster: the driver serializes them), so that the registrations overlap vLLM's model construction
+    as the read arena's page-locking does; :func:`take_early` hands it to the load. A previous one not taken is
+    dropped."""
+    drop_early()
+    register, unregister = cuda_register(device)
+    _EARLY.append((tuple(paths), RegisteredShards(paths, register, unregister, region_bytes(), 1)))
+
+
+def take_early(paths: list[str]) -> Optional[RegisteredShards]:
+    """The registration :func:`start_early` started for exactly ``paths`` (then no longer held here), or None
+    (one for other paths is dropped)."""
+    if _EARLY and _EARLY[0][0] == tuple(paths):
+        return _EARLY.pop()[1]
+    drop_early()
+    return None
+
+
+def drop_early() -> None:
+    """Unregister (on a thread) a registration :func:`start_early` started that no load took."""
+    while _EARLY:
+        _EARLY.pop()[1].close_later()

@@ -384,6 +384,10 @@ class ArenaFuture:
         return arena, time.perf_counter() - t
 
 
+#: Bytes per range (copy) when the copies read the page cache itself (``Ring.pagecache``): no slot bounds them
+PAGECACHE_RANGE_BYTES = 64 << 20
+
+
 class Ring(NamedTuple):
     """The shape of a direct read: ``slot_bytes`` (bytes per read range and ring slot, > 0), ``slots`` (ring
     slots, >= 1), ``threads`` (None: runai-model-streamer reads, its ring recycled through :class:`PinnedSlots`; a
@@ -432,7 +436,11 @@ def stream_tensors(headers: list[SafetensorsHeader], device: torch.device, ring:
     times.measures("slot_wait_s", "h2d_s")
     dtypes = torch_dtypes()
     info = {(i, t.name): t for i, h in enumerate(headers) for t in h.tensors.values()}
-    chunks, where, empty = split_into_pieces(headers, ring.slot_bytes, only)
+    # copies out of the page cache need no slot: ranges as large as PAGECACHE_RANGE_BYTES, fewer copies to issue
+    range_bytes = ring.slot_bytes
+    if ring.pagecache and device.type == "cuda":
+        range_bytes = max(range_bytes, PAGECACHE_RANGE_BYTES)
+    chunks, where, empty = split_into_pieces(headers, range_bytes, only)
     for key in empty:
         t = info[key]
         times.tensors += 1

@@ -107,9 +107,9 @@ def test_close_later_unregisters_on_a_thread(tmp_path):
 
 def test_a_registration_started_early_is_handed_to_the_load_of_the_same_shards_only(tmp_path, monkeypatch):
     paths = _files(tmp_path, [2 * PAGE, PAGE])
-    unregistered = []
+    registered, unregistered = [], []
     monkeypatch.setattr(pagecache, "cuda_register",
-                        lambda device: (lambda p, n: 0, lambda p: unregistered.append(p) or 0))
+                        lambda device: (lambda p, n: registered.append(p) or 0, lambda p: unregistered.append(p) or 0))
     pagecache.start_early(paths, 0)
     early = pagecache.take_early(paths)
     assert isinstance(early, pagecache.RegisteredShards) and pagecache.take_early(paths) is None
@@ -117,8 +117,8 @@ def test_a_registration_started_early_is_handed_to_the_load_of_the_same_shards_o
     early.close()
     pagecache.start_early(paths, 0)
     assert pagecache.take_early(paths[:1]) is None  # other shards: dropped, unregistered on a thread
-    for _ in range(100):
-        if len(unregistered) == 4:
+    for _ in range(100):  # what the dropped one registered before it was stopped (none to both regions)
+        if sorted(unregistered) == sorted(registered):
             break
         threading.Event().wait(0.02)
-    assert len(unregistered) == 4 and pagecache._EARLY == []
+    assert sorted(unregistered) == sorted(registered) and len(registered) >= 2 and pagecache._EARLY == []

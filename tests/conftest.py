@@ -458,3 +458,28 @@ class StallingProxy:
 
     def close(self) -> None:
         self.sock.close()
+
+
+def run_script(argv: list[str], env: dict, timeout_s: float) -> subprocess.CompletedProcess:
+    """``subprocess.run(argv)`` in a session of its own, except that a timeout or an interrupt stops the script
+    with SIGTERM (its trap stops the servers it started), not SIGKILL as ``subprocess.run`` does, which left its
+    moto and vLLM servers running; what is still alive in its process group after 30 s is killed."""
+    import signal
+
+    p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                         start_new_session=True)
+    try:
+        out, err = p.communicate(timeout=timeout_s)
+    except BaseException:
+        os.killpg(p.pid, signal.SIGTERM)
+        try:
+            p.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            pass
+        try:
+            os.killpg(p.pid, signal.SIGKILL)  # the script's group: only what it started
+        except ProcessLookupError:
+            pass
+        p.wait()
+        raise
+    return subprocess.CompletedProcess(argv, p.returncode, out, err)

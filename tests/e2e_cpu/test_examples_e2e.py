@@ -14,6 +14,7 @@ import pytest
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.e2e
 
+from tests.conftest import run_script  # noqa: E402
 from vllm_fastload.servers import PreloadDaemon  # noqa: E402
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "python" / "offline_llm.py"
@@ -65,8 +66,7 @@ def test_s3_local_example_answers_once(demo_model, e2e_logs, tmp_path):
 
     env = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_CPU_", "RUNAI_STREAMER_", "AWS_"))}
     env.update(PATH=f"{Path(sys.executable).parent}:{env['PATH']}", PORT=str(free_port()), TMPDIR=str(tmp_path))
-    p = subprocess.run(["bash", str(S3_EXAMPLE), str(demo_model), "--once"], capture_output=True, text=True, env=env,
-                       timeout=900, start_new_session=True)
+    p = run_script(["bash", str(S3_EXAMPLE), str(demo_model), "--once"], env, timeout_s=900)
     (e2e_logs / "example-s3-local.log").write_text(p.stdout + p.stderr)
     assert p.returncode == 0, f"exit {p.returncode}:\n{p.stderr[-3000:]}"
     answer = json.loads(p.stdout.strip().splitlines()[-1])["choices"][0]["message"]["content"]

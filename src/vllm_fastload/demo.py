@@ -16,6 +16,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import sys
 import tempfile
 from pathlib import Path
@@ -105,5 +106,17 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if ok else 1
 
 
+def exit_on_sigterm() -> None:
+    """Make SIGTERM (``timeout``, a CI job cancelled, ``docker stop``) raise ``SystemExit(143)`` in the main thread,
+    so the ``with`` blocks of :func:`main` stop the servers the demo started; Python's default action ends the
+    process at once and leaves them running."""
+
+    def handler(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, handler)
+
+
 if __name__ == "__main__":
+    exit_on_sigterm()
     raise SystemExit(main())

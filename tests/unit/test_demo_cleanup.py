@@ -138,3 +138,39 @@ def test_a_failed_row_answers_with_the_plugins_error_line(tmp_path, monkeypatch,
     assert row["format"] == "FAILED"
     assert row["answer"] == f"server exited: StorageError: cannot read s3://models/m: timeout (log {log})"
     assert capsys.readouterr().err.startswith("reason: StorageError: cannot read s3://models/m: timeout")
+
+
+def test_sigterm_to_the_demo_stops_the_servers_it_started(tmp_path):
+    """`python -m vllm_fastload.demo` turns SIGTERM into SystemExit, so its `with` blocks stop their servers: a
+    stand-in process of servers.ManagedProcess (its own session) is gone after the demo's process got SIGTERM."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    code = f"""
+import time
+from pathlib import Path
+from vllm_fastload.demo import exit_on_sigterm
+from vllm_fastload.servers import ManagedProcess
+exit_on_sigterm()
+with ManagedProcess(["sleep", "300"], Path({str(tmp_path / "child.log")!r})) as p:
+    print(p.pid, flush=True)
+    time.sleep(60)
+"""
+    demo = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    child = int(demo.stdout.readline())
+    os.kill(child, 0)  # running
+    demo.send_signal(signal.SIGTERM)
+    assert demo.wait(30) == 143
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.05)
+    else:
+        os.kill(child, signal.SIGKILL)
+        raise AssertionError("the demo's server outlived its SIGTERM")

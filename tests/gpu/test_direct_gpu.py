@@ -254,16 +254,14 @@ def test_zoo_bit_exact_through_a_prefetch_thread_onto_the_consumers_stream(tmp_p
     assert_zoo_bit_exact(got, expected)
 
 
-@pytest.mark.parametrize("region_pages", [1, 3, 4096])
-def test_zoo_bit_exact_copied_out_of_the_registered_page_cache(tmp_path, monkeypatch, region_pages):
-    """``FASTLOAD_PAGECACHE_DMA``: the copies read the shard's page cache itself (registered read-only, region by
-    region on threads); the bytes are the checkpoint's, whatever the region size against the ranges, and every
-    region is unregistered after the load."""
-    import mmap
+def test_zoo_bit_exact_copied_out_of_the_registered_page_cache(tmp_path, monkeypatch):
+    """``FASTLOAD_PAGECACHE_DMA``: the copies read the shards' page cache itself (each shard registered read-only,
+    started before the load as the loader starts it beside model construction, and without); the bytes are the
+    checkpoint's, and every registration is unregistered after the load."""
+    import time
 
     from vllm_fastload.streaming import pagecache
 
-    monkeypatch.setattr(pagecache, "region_bytes", lambda: region_pages * mmap.PAGESIZE)
     calls = {"reg": 0, "unreg": 0}
     real = pagecache.cuda_register
 
@@ -274,18 +272,20 @@ def test_zoo_bit_exact_copied_out_of_the_registered_page_cache(tmp_path, monkeyp
 
     monkeypatch.setattr(pagecache, "cuda_register", counted)
     expected = write_zoo(tmp_path / "model.safetensors")
-    got, stats = {}, {}
-    for name, t in direct.stream_to_device([read_header(str(tmp_path / "model.safetensors"))],
-                                           torch.device("cuda", torch.cuda.current_device()),
-                                           direct.Ring(4096, 2, 2, pagecache=True), StageTimes(), None, stats):
-        got[name] = t
-        torch.cuda._sleep(1000)
-    torch.cuda.synchronize()
-    assert_zoo_bit_exact(got, expected)
-    import time
-
+    header = read_header(str(tmp_path / "model.safetensors"))
+    for early in (False, True):
+        if early:
+            pagecache.start_early([header.path], torch.cuda.current_device())
+        got, stats = {}, {}
+        for name, t in direct.stream_to_device([header], torch.device("cuda", torch.cuda.current_device()),
+                                               direct.Ring(4096, 2, 2, pagecache=True), StageTimes(), None, stats):
+            got[name] = t
+            torch.cuda._sleep(1000)
+        torch.cuda.synchronize()
+        assert_zoo_bit_exact(got, expected)
+        assert "pagecache_register_s" in stats and pagecache._EARLY == []
     for _ in range(100):  # unregistered on a thread of its own after the copies
         if calls["unreg"] == calls["reg"]:
             break
         time.sleep(0.05)
-    assert calls["reg"] > 0 and calls["unreg"] == calls["reg"] and "pagecache_register_s" in stats
+    assert calls["reg"] == 2 and calls["unreg"] == 2

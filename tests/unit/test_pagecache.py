@@ -29,8 +29,10 @@ def test_ranges_are_the_files_bytes_and_every_region_is_unregistered(tmp_path):
     shards = pagecache.RegisteredShards(paths, lambda p, n: registered.append((p, n)) or 0, lambda p:
                                         unregistered.append(p) or 0, 2 * PAGE, 3)
     data = open(paths[0], "rb").read()
-    got = shards.host(0, PAGE - 5, 3 * PAGE + 9)  # spans three regions
-    assert bytes(got.numpy()) == data[PAGE - 5:4 * PAGE + 4]
+    got = shards.host(0, 2 * PAGE + 5, 2 * PAGE - 9)  # inside the second region
+    assert bytes(got.numpy()) == data[2 * PAGE + 5:4 * PAGE - 4]
+    with pytest.raises(ValueError, match=rf"bytes \[{PAGE - 5}, {2 * PAGE + 4}\) of {paths[0]} lie in two"):
+        shards.host(0, PAGE - 5, PAGE + 9)  # a copy across two registrations: CUDA refuses it
     assert bytes(shards.host(2, 0, 2 * PAGE).numpy()) == open(paths[2], "rb").read()
     shards.host(0, 5 * PAGE, 17)
     del got
@@ -52,7 +54,7 @@ def test_a_refused_region_is_named_and_nothing_stays_registered(tmp_path):
     shards = pagecache.RegisteredShards(paths, register, lambda p: unregistered.append(p) or 0, 2 * PAGE, 1)
     shards.host(0, 0, PAGE)
     with pytest.raises(pagecache.RegistrationRefused, match=rf"{paths[0]} at byte {2 * PAGE} returned CUDA error 1"):
-        shards.host(0, PAGE, 2 * PAGE)
+        shards.host(0, 2 * PAGE, 2 * PAGE)
     shards.close()
     assert unregistered == [base["p"]]
 
@@ -67,13 +69,13 @@ def test_a_range_waits_for_its_regions(tmp_path):
 
     shards = pagecache.RegisteredShards(paths, register, lambda p: 0, PAGE, 2)
     out = {}
-    th = threading.Thread(target=lambda: out.setdefault("t", shards.host(0, 0, 4 * PAGE)))
+    th = threading.Thread(target=lambda: out.setdefault("t", shards.host(0, 3 * PAGE, PAGE)))
     th.start()
     th.join(0.2)
     assert th.is_alive() and "t" not in out  # no region registered yet
     gate.set()
     th.join(5)
-    assert out["t"].numel() == 4 * PAGE and shards.wait_s > 0.1
+    assert out["t"].numel() == PAGE and shards.wait_s > 0.1
     del out["t"]
     shards.close()
 
@@ -99,7 +101,8 @@ def test_close_later_unregisters_on_a_thread(tmp_path):
     paths = _files(tmp_path, [2 * PAGE])
     unregistered = []
     shards = pagecache.RegisteredShards(paths, lambda p, n: 0, lambda p: unregistered.append(p) or 0, PAGE, 1)
-    shards.host(0, 0, 2 * PAGE)
+    shards.host(0, 0, PAGE)
+    shards.host(0, PAGE, PAGE)
     th = shards.close_later()
     th.join(5)
     assert not th.is_alive() and len(unregistered) == 2
@@ -122,3 +125,15 @@ def test_a_registration_started_early_is_handed_to_the_load_of_the_same_shards_o
             break
         threading.Event().wait(0.02)
     assert sorted(unregistered) == sorted(registered) and len(registered) >= 2 and pagecache._EARLY == []
+
+
+def test_whole_files_makes_each_shard_one_registration(tmp_path):
+    paths = _files(tmp_path, [3 * PAGE + 1, PAGE, 0])
+    region = pagecache.whole_files(paths)
+    assert region == 4 * PAGE
+    registered = []
+    shards = pagecache.RegisteredShards(paths, lambda p, n: registered.append(n) or 0, lambda p: 0, region, 1)
+    shards.host(0, 5, 3 * PAGE - 4)
+    shards.host(1, 0, PAGE)
+    shards.close()
+    assert sorted(registered) == [PAGE, 3 * PAGE + 1]

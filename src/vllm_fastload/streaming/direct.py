@@ -741,8 +741,7 @@ def _pagecache_pieces(chunks: list, device: torch.device, copy_stream: Any,
     shards = pagecache.take_early(paths)  # started beside model construction, if the loader did
     if shards is None:
         register, unregister = pagecache.cuda_register(device.index)
-        shards = pagecache.RegisteredShards(paths, register, unregister, pagecache.region_bytes(),
-                                            pagecache.threads())
+        shards = pagecache.RegisteredShards(paths, register, unregister, pagecache.whole_files(paths), 1)
     try:
         first = next(((i, offsets[0]) for i, (_, offsets, _) in enumerate(chunks) if offsets), None)
         if first is not None:

@@ -4,9 +4,9 @@ The other readers of the direct path copy every byte twice on a warm page cache:
 cache into a pinned ring slot, then the copy engine copies the slot to the GPU, and the two copies share the host's
 memory. Here each shard is mapped read-only (``mmap``, shared) and its pages are page-locked where they are, with
 ``cudaHostRegister`` and the flag ``cudaHostRegisterReadOnly`` ("the memory will be considered as read-only by the
-device", CUDA Runtime API, CUDA 11.1 on), region by region on a few threads, in file order; the copy engine then
-reads the page cache itself. A range is handed to the copies once the regions it lies in are registered, so the
-registrations of later regions overlap the copies of earlier ones.
+device", CUDA Runtime API, CUDA 11.1 on), one registration per shard, in file order, started beside vLLM's model
+construction (:func:`start_early`); the copy engine then reads the page cache itself. A range is handed to the
+copies once its shard is registered.
 
 Linux allows long-term pins of a read-only shared file mapping's pages (``pin_user_pages`` with
 ``FOLL_LONGTERM``, refused only for writable file mappings and DAX); a file system or driver that refuses anyway
@@ -27,7 +27,7 @@ from typing import Any, Optional
 
 import torch
 
-from .knobs import env_int, env_switch
+from .knobs import env_switch
 
 #: cudaHostRegisterReadOnly (CUDA Runtime API, ``cudaHostRegister``'s flags)
 READ_ONLY = 0x08
@@ -38,14 +38,12 @@ def enabled() -> bool:
     return bool(env_switch("FASTLOAD_PAGECACHE_DMA"))
 
 
-def region_bytes() -> int:
-    """Bytes per registration (``FASTLOAD_PAGECACHE_REGION_MIB``, default 256 MiB), whole pages."""
-    return env_int("FASTLOAD_PAGECACHE_REGION_MIB", 256) << 20
-
-
-def threads() -> int:
-    """Threads registering regions at once (``FASTLOAD_PAGECACHE_THREADS``, default 4)."""
-    return env_int("FASTLOAD_PAGECACHE_THREADS", 4)
+def whole_files(paths: list[str]) -> int:
+    """A region size that makes each of ``paths`` one registration: the largest file's size in whole pages. A copy
+    must come out of one registration (CUDA refuses one across two: "invalid argument", measured on an H100), and
+    a range of the direct path may lie anywhere in its shard."""
+    largest = max((os.path.getsize(p) for p in paths), default=0)
+    return max(mmap.PAGESIZE, -(-largest // mmap.PAGESIZE) * mmap.PAGESIZE)
 
 
 def cuda_register(device: int) -> tuple[Callable[[int, int], int], Callable[[int], int]]:
@@ -71,7 +69,7 @@ class RegistrationRefused(OSError):
 
 class RegisteredShards:
     """``paths`` mapped read-only, each region of ``region`` bytes page-locked by ``register`` on a pool of
-    ``workers`` threads in file order (started here). :meth:`host` waits for the regions a range lies in and
+    ``workers`` threads in file order (started here). :meth:`host` waits for the region a range lies in and
     returns the range as a flat ``torch.uint8`` CPU tensor over the mapping; :meth:`close` unregisters every
     registered region (``unregister``) and unmaps. ``wait_s``: seconds :meth:`host` waited for registrations.
 
@@ -122,14 +120,17 @@ class RegisteredShards:
         return rc, time.perf_counter() - t
 
     def host(self, i: int, offset: int, nbytes: int) -> torch.Tensor:
-        """Bytes ``[offset, offset + nbytes)`` of shard ``i`` once page-locked (waits for their regions). Raises
-        :class:`RegistrationRefused` naming the shard and region that were refused."""
-        first, last = offset - offset % self.region, (offset + nbytes - 1) - (offset + nbytes - 1) % self.region
+        """Bytes ``[offset, offset + nbytes)`` of shard ``i`` once page-locked (waits for its region). Raises
+        :class:`RegistrationRefused` naming the shard and region that were refused, ``ValueError`` for bytes in two
+        regions."""
+        a = offset - offset % self.region
+        if offset + nbytes > a + self.region:
+            raise ValueError(f"bytes [{offset}, {offset + nbytes}) of {self.paths[i]} lie in two registrations of "
+                             f"{self.region} bytes; a copy must come out of one")
         t = time.perf_counter()
-        for a in range(first, last + 1, self.region):
-            rc, _ = self._futures[(i, a)].result()
-            if rc:
-                raise RegistrationRefused(f"cudaHostRegister of {self.paths[i]} at byte {a} returned CUDA error {rc}")
+        rc, _ = self._futures[(i, a)].result()
+        if rc:
+            raise RegistrationRefused(f"cudaHostRegister of {self.paths[i]} at byte {a} returned CUDA error {rc}")
         self.wait_s += time.perf_counter() - t
         return self._hosts[i][offset:offset + nbytes]
 
@@ -177,13 +178,13 @@ _EARLY: list[tuple[tuple[str, ...], RegisteredShards]] = []
 
 
 def start_early(paths: list[str], device: int) -> None:
-    """Start registering ``paths`` on CUDA ``device`` (an index) now, on one thread (more threads did not
-    register faster: the driver serializes them), so that the registrations overlap vLLM's model construction
-    as the read arena's page-locking does; :func:`take_early` hands it to the load. A previous one not taken is
-    dropped."""
+    """Start registering ``paths`` on CUDA ``device`` (an index) now, one registration per shard on one thread
+    (more threads did not register faster: the driver serializes them), so that the registrations overlap vLLM's
+    model construction as the read arena's page-locking does; :func:`take_early` hands it to the load. A previous
+    one not taken is dropped."""
     drop_early()
     register, unregister = cuda_register(device)
-    _EARLY.append((tuple(paths), RegisteredShards(paths, register, unregister, region_bytes(), 1)))
+    _EARLY.append((tuple(paths), RegisteredShards(paths, register, unregister, whole_files(paths), 1)))
 
 
 def take_early(paths: list[str]) -> Optional[RegisteredShards]:

@@ -35,19 +35,30 @@ from vllm_fastload.streaming import cudriver, direct
 from vllm_fastload.streaming.timing import StageTimes
 
 MIB = 1 << 20
-#: variant -> (driver path on, ring slots); every variant keeps 16 reads of 8 MiB in flight
-VARIANTS = {"torch": (False, 16), "driver": (True, 16), "torch24": (False, 24), "driver24": (True, 24)}
+#: variant -> (driver path on, ring slots, page cache: None, "inline" or "early"); every ring variant keeps 16
+#: reads of 8 MiB in flight. ``pagecache``: the copies read the page cache itself (streaming/pagecache.py), its
+#: registration inside the timed load; ``pagecache-early``: registration started EARLY_S before the timed load, as
+#: the loader starts it beside vLLM's model construction (which this probe does not run)
+VARIANTS = {"torch": (False, 16, None), "driver": (True, 16, None), "torch24": (False, 24, None),
+            "driver24": (True, 24, None), "pagecache": (False, 16, "inline"), "pagecache-early": (False, 16, "early")}
+#: seconds the early registration gets before the timed load (vLLM's construction of the 8B shape: 0.23-0.35 s)
+EARLY_S = 0.3
 
 
 def load_once(headers: list, params: dict, variant: str, arena: torch.Tensor) -> dict:
     """One load of every tensor of ``headers`` into ``params`` (name -> CUDA tensor) under ``variant``; its wall
     seconds and stage times."""
-    driver, slots = VARIANTS[variant]
+    driver, slots, pagecache_mode = VARIANTS[variant]
     cudriver.ENABLED = driver
-    ring = direct.Ring(8 * MIB, slots, 16, uring=True)
+    ring = direct.Ring(8 * MIB, slots, 16, uring=True, pagecache=pagecache_mode is not None)
     times, stats = StageTimes(), {}
     device = torch.device("cuda", torch.cuda.current_device())
     torch.cuda.synchronize()
+    if pagecache_mode == "early":
+        from vllm_fastload.streaming import pagecache
+
+        pagecache.start_early([h.path for h in headers], device.index)
+        time.sleep(EARLY_S)
     t0 = time.perf_counter()
     first = None
     for name, t in direct.stream_to_device(headers, device, ring, times, arena, stats):
@@ -57,6 +68,7 @@ def load_once(headers: list, params: dict, variant: str, arena: torch.Tensor) ->
     torch.cuda.synchronize()
     wall = time.perf_counter() - t0
     return {"variant": variant, "wall_s": wall, "first_tensor_s": first, "read_wait_s": times.read_wait_s,
+            "pagecache_register_s": stats.get("pagecache_register_s"),
             "h2d_s": times.h2d_s, "driver_copies": times.driver_copies or 0, "bytes": times.bytes,
             "loader_cpu": stats.get("uring_loader_cpu")}
 
@@ -107,6 +119,8 @@ def main() -> None:
     for _ in range(args.rounds):
         for v in variants:
             rows.append(load_once(headers, params, v, arenas[VARIANTS[v][1]]))
+            if VARIANTS[v][2]:
+                time.sleep(0.5)  # the page cache is unregistered on a thread after the load: not beside the next
     gbs = h2d_bandwidth()["pinned_h2d_gbps"]  # the link alone, as load_bench.py measures it
     total = rows[0]["bytes"]
     print(f"{total / 1e9:.2f} GB in {sum(len(h.tensors) for h in headers)} tensors; pinned H2D of 1 GiB "

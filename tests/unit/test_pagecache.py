@@ -137,3 +137,15 @@ def test_whole_files_makes_each_shard_one_registration(tmp_path):
     shards.host(1, 0, PAGE)
     shards.close()
     assert sorted(registered) == [PAGE, 3 * PAGE + 1]
+
+
+def test_a_registration_that_raises_is_a_refusal_naming_the_error(tmp_path):
+    paths = _files(tmp_path, [PAGE])
+
+    def register(p, n):
+        raise RuntimeError("no CUDA runtime")
+
+    shards = pagecache.RegisteredShards(paths, register, lambda p: 0, PAGE, 1)
+    with pytest.raises(pagecache.RegistrationRefused, match="returned RuntimeError: no CUDA runtime"):
+        shards.host(0, 0, 10)
+    shards.close()

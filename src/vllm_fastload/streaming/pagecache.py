@@ -108,12 +108,16 @@ class RegisteredShards:
                 n = min(region, len(mm) - a)
                 self._futures[(i, a)] = self._pool.submit(self._register, register, i, a, n)
 
-    def _register(self, register: Callable[[int, int], int], i: int, a: int, n: int) -> tuple[int, float]:
+    def _register(self, register: Callable[[int, int], int], i: int, a: int, n: int) -> tuple[Any, float]:
+        """(CUDA error code, or what ``register`` raised as text; seconds)."""
         if self._closed:
-            return -1, 0.0
+            return "stopped", 0.0
         ptr = self._hosts[i].data_ptr() + a
         t = time.perf_counter()
-        rc = register(ptr, n)
+        try:
+            rc = register(ptr, n)
+        except Exception as e:  # noqa: BLE001 - e.g. no CUDA runtime: a refusal like the driver's, read by host()
+            rc = f"{type(e).__name__}: {e}"
         if rc == 0:
             with self._lock:
                 self._done.append(ptr)
@@ -130,7 +134,8 @@ class RegisteredShards:
         t = time.perf_counter()
         rc, _ = self._futures[(i, a)].result()
         if rc:
-            raise RegistrationRefused(f"cudaHostRegister of {self.paths[i]} at byte {a} returned CUDA error {rc}")
+            why = f"CUDA error {rc}" if isinstance(rc, int) else rc
+            raise RegistrationRefused(f"cudaHostRegister of {self.paths[i]} at byte {a} returned {why}")
         self.wait_s += time.perf_counter() - t
         return self._hosts[i][offset:offset + nbytes]
 

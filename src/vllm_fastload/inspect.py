@@ -189,6 +189,14 @@ def one_line(e: BaseException) -> str:
     return text if text.startswith("vLLM rejected") else f"{type(e).__name__}: {text}"
 
 
+def _size_text(nbytes: int) -> str:
+    """``nbytes`` in the largest of GiB, MiB, KiB that it reaches (two decimals), else in bytes."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= size:
+            return f"{nbytes / size:.2f} {unit}"
+    return f"{nbytes} bytes"
+
+
 def render(rep: dict[str, Any]) -> str:
     """Human-readable text of :func:`inspect`'s report."""
     lines = [f"{rep['source']}" + (f" (index {os.path.basename(rep['index'])})" if rep["index"] else "")]
@@ -215,7 +223,7 @@ def render(rep: dict[str, Any]) -> str:
     sg = rep["suggested"]
     if sg:
         lines.append(f"suggested runai_streamer extra-config: {sg['extra_config']}  "
-                     f"(memory_limit {sg['memory_limit_gib']} GiB)")
+                     f"(memory_limit {_size_text(sg['memory_limit'])})")
     if rep.get("content_digest_not_computed"):
         lines.append(f"content digest not computed: {rep['content_digest_not_computed']}")
     if rep.get("content_digest"):

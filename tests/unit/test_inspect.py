@@ -1,4 +1,5 @@
 import json
+import os
 
 import torch
 
@@ -30,6 +31,9 @@ def test_inspect_text_counts_one_tensor_and_several_in_plain_words(tmp_path, cap
     lines = capsys.readouterr().out.splitlines()
     assert lines[1].startswith("  model-00001-of-00002.safetensors: 1 tensor, 0.00 GiB, largest a ")
     assert lines[2].startswith("  model-00002-of-00002.safetensors: 2 tensors, 0.00 GiB, largest ")
+    # the whole checkpoint (32 bytes) is less than the 1 GiB floor: the limit is the checkpoint, said in bytes
+    assert lines[3] == ('suggested runai_streamer extra-config: {"memory_limit": 32, "concurrency": '
+                        f'{min(32, 2 * (os.cpu_count() or 8))}}}  (memory_limit 32 bytes)')
 
 
 def test_inspect_cli_names_a_broken_shard_and_exits_1(tmp_path, capsys):

@@ -165,9 +165,18 @@ def test_an_interrupt_during_the_build_is_not_turned_into_a_fallback_by_what_the
     KeyboardInterrupt (the check's ChecksumMismatch is a CacheUnavailable, which the fallback policy would have
     answered with a disk load)."""
     srv, model_config, vllm_config = setup
-    # what a Ctrl-C needs to reach the build (this failed once in a full CI run, 2026-12-07, the build running its
-    # 10 s to the end: these say which precondition was missing if it fails again)
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler, signal.getsignal(signal.SIGINT)
+    # Python's Ctrl-C handler for this test: a suite started as a background job of a non-interactive shell
+    # (`bash -c 'make test &'`) inherits SIGINT ignored, and Python then installs no handler (SIG_IGN stays), so
+    # the SIGINT below would be dropped and the build run its 10 s out (how this test failed in two new-user
+    # trials, 2026-12-07)
+    old_handler = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        _interrupt_during_build(srv, model_config, vllm_config, monkeypatch)
+    finally:
+        signal.signal(signal.SIGINT, old_handler)
+
+
+def _interrupt_during_build(srv, model_config, vllm_config, monkeypatch):
     assert signal.SIGINT not in signal.pthread_sigmask(signal.SIG_BLOCK, []), "SIGINT blocked in the main thread"
     assert threading.current_thread() is threading.main_thread()
     verify = mapping._verify

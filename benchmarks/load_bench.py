@@ -94,10 +94,9 @@ LOADERS = {
     # the driver path with 24 slots and 16 reads in flight: up to 8 slots hold pieces whose copies are queued, so
     # the copy engine has work queued while the loading thread is in vLLM's weight_loader
     "runai_fastload_uringdrv24": ("runai_streamer", {"FASTLOAD_H2D_DRIVER": "1"}),
-    # the copies reading the page cache itself (its pages page-locked in place, streaming/pagecache.py;
-    # FASTLOAD_PAGECACHE_DMA=1), with 4 and 8 registering threads
+    # the copies reading the page cache itself (its pages page-locked in place, one registration per shard,
+    # started beside model construction: streaming/pagecache.py; FASTLOAD_PAGECACHE_DMA=1)
     "runai_fastload_pcdma": ("runai_streamer", {"FASTLOAD_PAGECACHE_DMA": "1"}),
-    "runai_fastload_pcdma8": ("runai_streamer", {"FASTLOAD_PAGECACHE_DMA": "1", "FASTLOAD_PAGECACHE_THREADS": "8"}),
     # the io_uring reader with its slots registered (READV_FIXED reads; FASTLOAD_URING_FIXED=1)
     "runai_fastload_uringfixed": ("runai_streamer", {"FASTLOAD_URING_FIXED": "1"}),
     # ipc_cache needs a `vllm-fastload preload` daemon for the same model/TP; started by main() when asked for.

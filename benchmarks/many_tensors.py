@@ -48,18 +48,30 @@ class Skeleton(nn.Module):
     parameter with the attributes vLLM's linear layers set on theirs (``set_weight_attrs``: ``input_dim``,
     ``output_dim``, ``weight_loader``), which install carries over."""
 
-    def __init__(self, names: list[str], numel: int):
+    def __init__(self, names: list[str], numel: int, vllm_params: bool = False):
         super().__init__()
         layers: dict[str, nn.Module] = {}
+        cls = _vllm_param_class() if vllm_params else nn.Parameter
         for name in names:
             _, _, i, sub, leaf = name.split(".")
             mod = nn.Module()
-            p = nn.Parameter(torch.empty(numel, device="meta"), requires_grad=False)
-            vars(p).update(input_dim=1, output_dim=0, weight_loader=_weight_loader)
+            p = torch.Tensor._make_subclass(cls, torch.empty(numel, device="meta"), False)
+            if vllm_params:  # what BasevLLMParameter's and ModelWeightParameter's __init__ set
+                vars(p).update(_input_dim=1, _output_dim=0, _weight_loader=_weight_loader, tp_rank=0, tp_size=1)
+            else:
+                vars(p).update(input_dim=1, output_dim=0, weight_loader=_weight_loader)
             mod.register_parameter(leaf, p)
             layers.setdefault(i, nn.Module()).add_module(sub, mod)
         self.model = nn.Module()
         self.model.layers = nn.ModuleDict(layers)
+
+
+def _vllm_param_class() -> type:
+    """vLLM's ``ModelWeightParameter``, the class of a linear layer's weight in a GPU engine's skeleton (made without
+    its ``__init__``, which asks for the tensor-parallel group)."""
+    from vllm.model_executor.parameter import ModelWeightParameter
+
+    return ModelWeightParameter
 
 
 #: Phases that are not the engine's (the engine total leaves them out).
@@ -82,9 +94,10 @@ def _inspect_cost(ts: dict[str, torch.Tensor]) -> float:
     return took
 
 
-def run(n: int, nbytes: int, device: torch.device | None = None) -> dict[str, float]:
+def run(n: int, nbytes: int, device: torch.device | None = None, vllm_params: bool = False) -> dict[str, float]:
     """Seconds of each phase for ``n`` tensors of ``nbytes`` bytes exported on ``device`` (default CPU: memfd; CUDA:
-    the VMM transport, engine and daemon in this one process)."""
+    the VMM transport, engine and daemon in this one process); ``vllm_params``: the skeleton's parameters of vLLM's
+    ``ModelWeightParameter`` class instead of ``nn.Parameter``."""
     from tests.conftest import make_fingerprint
     from vllm_fastload.heap import gc_paused
     from vllm_fastload.ipc.daemon.export import pack
@@ -135,7 +148,7 @@ def run(n: int, nbytes: int, device: torch.device | None = None) -> dict[str, fl
             t = time.perf_counter()
             got = _view_tensors(lease, "zero_copy")
             out["views"] = time.perf_counter() - t
-            model = Skeleton(list(ts), nbytes // 4)
+            model = Skeleton(list(ts), nbytes // 4, vllm_params)
             t = time.perf_counter()
             _apply_entries(model, got, lease.manifest)  # install as the engine calls it
             out["install"] = time.perf_counter() - t
@@ -161,13 +174,17 @@ def main() -> int:
     ap.add_argument("--bytes-per-tensor", type=int, default=256)
     ap.add_argument("--repeat", type=int, default=3, help="runs per size; each phase's best is printed")
     ap.add_argument("--device", default="cpu", help="cpu (memfd transport) or cuda (VMM transport)")
+    ap.add_argument("--vllm-params", action="store_true",
+                    help="skeleton parameters of vLLM's ModelWeightParameter (a GPU engine's linear weights, which "
+                         "install replaces by new nn.Parameter objects) instead of nn.Parameter")
     ap.add_argument("--out", type=Path)
     a = ap.parse_args()
     device = torch.device(a.device)
-    run(100, a.bytes_per_tensor, device)  # warm-up: imports (vLLM's, through install), first-call costs off the table
+    # warm-up: imports (vLLM's, through install), first-call costs off the table
+    run(100, a.bytes_per_tensor, device, a.vllm_params)
     rows = {}
     for n in map(int, a.sizes.split(",")):
-        runs = [run(n, a.bytes_per_tensor, device) for _ in range(a.repeat)]
+        runs = [run(n, a.bytes_per_tensor, device, a.vllm_params) for _ in range(a.repeat)]
         rows[n] = {k: min(r[k] for r in runs) for k in runs[0]}
     phases = [k for k in next(iter(rows.values())) if k != "frame MB"]
     lines = ["| phase | " + " | ".join(f"{n} tensors: s (us/tensor)" for n in rows) + " |",

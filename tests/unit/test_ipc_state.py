@@ -814,6 +814,10 @@ class _SubParameter(nn.Parameter):
     pass
 
 
+def _loader(param, loaded):
+    param.copy_(loaded)
+
+
 def _odd_skeleton(case):
     """A one-module skeleton ``c`` for a case the inline path of ``put_tensors`` must treat as ``put`` does."""
     m = nn.Module()
@@ -829,9 +833,13 @@ def _odd_skeleton(case):
             c.register_buffer("b", torch.empty(2))
         elif case == "attr":
             c.a = torch.empty(2)
-        elif case in ("dispatch", "subclass"):
+        elif case in ("dispatch", "subclass", "subclass_shadowing"):
             cls = _OwnDispatch if case == "dispatch" else _SubParameter
             c.register_parameter("w", cls(torch.empty(2), requires_grad=False))
+            # the attributes vLLM's parameter classes carry (set_weight_attrs), which a new object must keep
+            vars(c.w).update(output_dim=0, weight_loader=_loader)
+            if case == "subclass_shadowing":
+                vars(c.w)["T"] = "an instance attribute named like one of the class's"
         elif case == "none":
             c.register_parameter("w", None)
             c.register_buffer("b", None)
@@ -845,7 +853,8 @@ def _odd_skeleton(case):
 _ODD_CASES = {
     "tied": {"c.w": "param", "c.v": "param"}, "view": {"c.w": "param"}, "as_buffer": {"c.w": "buffer"},
     "buffer_as_attr": {"c.b": "attr"}, "attr": {"c.a": "attr"}, "dispatch": {"c.w": "param"},
-    "subclass": {"c.w": "param"}, "none": {"c.w": "param", "c.b": "buffer"}, "mismatch": {"c.w": "param"},
+    "subclass": {"c.w": "param"}, "subclass_shadowing": {"c.w": "param"}, "none": {"c.w": "param", "c.b": "buffer"},
+    "mismatch": {"c.w": "param"},
     "not_meta": {"c.w": "param"},
 }
 
@@ -865,6 +874,7 @@ def test_the_inline_path_of_put_tensors_installs_what_put_installs(case, owned):
         if owned:
             placer.owned = set(names)
         before = {k: id(v) for k, v in m.c._parameters.items()} | {k: id(v) for k, v in m.c._buffers.items()}
+        by_id = {i: k for k, i in before.items()}
         tensors = {k: (kind, torch.arange(2, dtype=torch.float32)) for k, kind in _ODD_CASES[case].items()}
         error = None
         with torch._C.DisableTorchFunctionSubclass():
@@ -877,11 +887,13 @@ def test_the_inline_path_of_put_tensors_installs_what_put_installs(case, owned):
             except InstallError as e:
                 error = str(e)
         where = {f"{store}.{k}": None if v is None else (type(v).__name__, v.device.type, tuple(v.shape),
-                                                         id(v) == before.get(k))
+                                                         id(v) == before.get(k), sorted(vars(v).items()))
                  for store, d in (("P", m.c._parameters), ("B", m.c._buffers),
                                   ("A", {k: v for k, v in vars(m.c).items() if isinstance(v, torch.Tensor)}))
                  for k, v in d.items()}
-        return where, error, len(placer.taken), sorted(placer.installed)
+        # the skeleton objects replaced by new ones, which the audit repoints references to
+        replaced = sorted((by_id[i], type(v).__name__) for i, v in placer.replaced.items())
+        return where, error, len(placer.taken), sorted(placer.installed), replaced, placer.held_elsewhere()
 
     assert run(inline=True) == run(inline=False)
 

@@ -14,6 +14,7 @@
 #   bash benchmarks/device.sh zoo [MODELS]  # model-zoo parity (zoo_bench.py): auto, ours, ipc_cache both modes -> $OUT/zoo
 #   bash benchmarks/device.sh candidates   # TP=1: the default reader (pinned), unpinned, spaced events and instanttensor in REPEATS (3) interleaved rounds, after the candidates' GPU tests -> $OUT/bench-tp1
 #   bash benchmarks/device.sh target       # issue 28's TP=1 target in one call: ours and instanttensor BUFFERED, REPEATS (3) interleaved rounds, then tp1_target.py's verdict -> $OUT/target-tp1
+#   bash benchmarks/device.sh usagestats   # the target's two loaders with and without vLLM's usage reporter (its py-cpuinfo child runs beside the load), REPEATS (3) interleaved rounds, tp1_target.py's verdict of each pair -> $OUT/usage-tp1
 #   bash benchmarks/device.sh cmd 'CMD'    # CMD with this checkout's plugin installed and the staged vLLM on the path
 set -uo pipefail
 if [ "${1:-}" = pinprobe ]; then
@@ -126,6 +127,13 @@ case "${1:-tests}" in
     python3 benchmarks/load_bench.py --model /root/models/llama3-8b-shape --make 8b --tp 1 --interleave \
       --repeats "${REPEATS:-3}" --loaders runai_fastload,instanttensor_buffered --out "$OUT/target-tp1" 2>&1 | tail -12
     python3 benchmarks/tp1_target.py "$OUT/target-tp1/results.json"; exit $? ;;
+  usagestats)
+    python3 benchmarks/load_bench.py --model /root/models/llama3-8b-shape --make 8b --tp 1 --interleave \
+      --repeats "${REPEATS:-3}" --out "$OUT/usage-tp1" \
+      --loaders runai_fastload,instanttensor_buffered,runai_fastload_nostats,instanttensor_buffered_nostats 2>&1 | tail -14
+    python3 benchmarks/tp1_target.py "$OUT/usage-tp1/results.json"
+    python3 benchmarks/tp1_target.py --ours runai_fastload_nostats --peer instanttensor_buffered_nostats \
+      "$OUT/usage-tp1/results.json"; exit $? ;;
   bench)
     # a cold run writes beside a warm one of the same call, not over it
     tag=bench-tp${2:-1}$([ "${COLD:-0}" = 1 ] && echo -cold)

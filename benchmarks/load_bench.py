@@ -108,6 +108,17 @@ LOADERS = {
     "instanttensor_buffered": ("instanttensor", {"INSTANTTENSOR_BACKEND": "BUFFERED"}),
     "fastsafetensors": ("fastsafetensors", {}),
 }
+#: Any loader name above with this suffix: the same loader with vLLM's usage statistics off in its engine
+#: (VLLM_NO_USAGE_STATS=1). vLLM's GPU worker starts its usage reporter right before load_model, and the reporter
+#: runs py-cpuinfo in a child Python process (about a CPU-second) while the weights load.
+NOSTATS = "_nostats"
+
+
+def base_loader(name: str) -> str:
+    """``name`` without :data:`NOSTATS`: the key of :data:`LOADERS` it runs."""
+    return name[:-len(NOSTATS)] if name.endswith(NOSTATS) else name
+
+
 #: loader -> the Python package its load format needs (peers run only where it is importable)
 NEEDS = {"instanttensor": "instanttensor", "instanttensor_buffered": "instanttensor",
          "fastsafetensors": "fastsafetensors"}
@@ -118,7 +129,8 @@ def available(name: str) -> bool:
     """Whether loader ``name`` can run here (its package importable; ours and vLLM's always)."""
     import importlib.util
 
-    return NEEDS.get(name) is None or importlib.util.find_spec(NEEDS[name]) is not None
+    need = NEEDS.get(base_loader(name))
+    return need is None or importlib.util.find_spec(need) is not None
 #: set by main() when an ipc_cache loader is benchmarked
 SOCKET_DIR: list = []
 
@@ -169,8 +181,11 @@ PATTERNS = {
 def run_one(name: str, model: str, tp: int, gmu: float, report: Path, extra: dict, dtype: str | None = None,
             max_model_len: int = 1024) -> dict:
     """One loader in a fresh process; returns parsed timings (seconds) and the greedy token ids."""
+    label, name = name, base_loader(name)
     fmt, env_over = LOADERS[name]
     env = {**os.environ, **env_over, "PYTHONUNBUFFERED": "1"}
+    if label != name:
+        env["VLLM_NO_USAGE_STATS"] = "1"
     ex = dict(extra) if name.startswith("runai_fastload") else {}
     if name.startswith("runai_fastload"):
         ex["report_path"] = str(report)
@@ -202,7 +217,7 @@ def run_one(name: str, model: str, tp: int, gmu: float, report: Path, extra: dic
         ex["pinned_slot_bytes"] = slot_mib[variant] << 20
     if name.startswith("ipc_"):
         ex = {"socket_dir": SOCKET_DIR[-1], "mode": name[4:], "report_path": str(report), "fallback": False}
-    timeline = report.with_name(f"{name}.timeline.json")
+    timeline = report.with_name(f"{label}.timeline.json")
     timeline.unlink(missing_ok=True)
     if name.endswith("tl"):
         env["FASTLOAD_H2D_TIMELINE"] = str(timeline)
@@ -210,7 +225,7 @@ def run_one(name: str, model: str, tp: int, gmu: float, report: Path, extra: dic
             "max_model_len": max_model_len}
     # the whole log of an engine that fails goes next to its report (the root cause of a failed start is far above
     # the tail the exception shows); one from an earlier run of this loader is not this run's
-    failed = report.with_name(f"{name}.failed.log")
+    failed = report.with_name(f"{label}.failed.log")
     failed.unlink(missing_ok=True)
     t, spawned = time.perf_counter(), time.time()
     try:
@@ -219,13 +234,13 @@ def run_one(name: str, model: str, tp: int, gmu: float, report: Path, extra: dic
     except subprocess.TimeoutExpired as e:
         out = [x.decode(errors="replace") if isinstance(x, bytes) else (x or "") for x in (e.stdout, e.stderr)]
         failed.write_text("".join(out))
-        raise RuntimeError(f"{name} did not finish within 900 s; what it wrote is in {failed}") from None
+        raise RuntimeError(f"{label} did not finish within 900 s; what it wrote is in {failed}") from None
     wall = time.perf_counter() - t
     log = p.stdout + p.stderr
     if p.returncode != 0:
         failed.write_text(log)
-        raise RuntimeError(f"{name} failed (exit {p.returncode}; whole log in {failed}):\n{log[-4000:]}")
-    res = {"loader": name, "process_s": wall}
+        raise RuntimeError(f"{label} failed (exit {p.returncode}; whole log in {failed}):\n{log[-4000:]}")
+    res = {"loader": label, "process_s": wall}
     for key, rx in PATTERNS.items():
         m = rx.findall(log)
         res[key] = (m[-1] if key == "fanout" else float(m[-1])) if m else None

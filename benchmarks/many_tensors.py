@@ -168,8 +168,23 @@ def run(n: int, nbytes: int, device: torch.device | None = None, vllm_params: bo
     return out
 
 
+def device_name(device: torch.device) -> str:
+    """The GPU's name, or the CPU's model name from /proc/cpuinfo (the platform's processor string elsewhere)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or "unknown CPU"
+
+
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     ap.add_argument("--sizes", default="1000,20000,100000")
     ap.add_argument("--bytes-per-tensor", type=int, default=256)
     ap.add_argument("--repeat", type=int, default=3, help="runs per size; each phase's best is printed")
@@ -187,7 +202,10 @@ def main() -> int:
         runs = [run(n, a.bytes_per_tensor, device, a.vllm_params) for _ in range(a.repeat)]
         rows[n] = {k: min(r[k] for r in runs) for k in runs[0]}
     phases = [k for k in next(iter(rows.values())) if k != "frame MB"]
-    lines = ["| phase | " + " | ".join(f"{n} tensors: s (us/tensor)" for n in rows) + " |",
+    skeleton = "vLLM's ModelWeightParameter" if a.vllm_params else "nn.Parameter"
+    lines = [f"{a.device} ({device_name(device)}), {a.bytes_per_tensor}-byte tensors, skeleton parameters of "
+             f"{skeleton}; each phase the best of {a.repeat} run(s) per size", "",
+             "| phase | " + " | ".join(f"{n} tensors: s (us/tensor)" for n in rows) + " |",
              "|---|" + "---|" * len(rows)]
     for ph in phases:
         lines.append(f"| {ph} | " + " | ".join(f"{r[ph]:.3f} ({r[ph] / n * 1e6:.1f})" for n, r in rows.items()) + " |")

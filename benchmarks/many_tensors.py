@@ -169,18 +169,12 @@ def run(n: int, nbytes: int, device: torch.device | None = None, vllm_params: bo
 
 
 def device_name(device: torch.device) -> str:
-    """The GPU's name, or the CPU's model name from /proc/cpuinfo (the platform's processor string elsewhere)."""
+    """The GPU's name, or the CPU's model and last-level cache (:func:`load_bench.host_cpu`)."""
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    import platform
+    from load_bench import host_cpu
 
-    return platform.processor() or "unknown CPU"
+    return host_cpu()
 
 
 def main() -> int:

@@ -787,7 +787,8 @@ class _Placer:
         of the tests stay one rule."""
         modules, owned, installed, taken, swap = self.modules, self.owned, self.installed, self.taken, _SWAP_IMPL
         plain, param, consume = torch.Tensor, nn.Parameter, self.consume
-        replaced, olds, subclass, param_names = self.replaced, self._olds, torch.Tensor._make_subclass, None
+        replaced, olds, subclass = self.replaced, self._olds, torch.Tensor._make_subclass
+        param_names = _class_names(param)
         for full, (kind, t) in tensors.items():
             if swap is not None and type(t) is plain:
                 mod_name, _, leaf = full.rpartition(".")
@@ -798,14 +799,12 @@ class _Placer:
                         old = m._parameters.get(leaf)
                         cls = type(old)
                         fits = cls is param or (mine and issubclass(cls, param) and _plain_dispatch(cls))
-                        if not fits and not mine and cls is not param and issubclass(cls, param) and not t.is_meta:
+                        if not fits and not mine and issubclass(cls, param) and not t.is_meta:
                             # a processed module's parameter of one of vLLM's classes (ModelWeightParameter...),
                             # every linear layer of a GPU engine: put gives it a new nn.Parameter with the
                             # skeleton's attributes (_take_over keeps only nn.Parameter objects there), done here
                             # without its two calls per tensor, which cost as much again as the work
                             attrs = old.__dict__
-                            if param_names is None:
-                                param_names = _class_names(param)
                             if attrs.keys().isdisjoint(param_names):
                                 p = m._parameters[leaf] = installed[full] = subclass(param, t, False)
                                 if attrs:

@@ -97,7 +97,8 @@ def _inspect_cost(ts: dict[str, torch.Tensor]) -> float:
 def run(n: int, nbytes: int, device: torch.device | None = None, vllm_params: bool = False) -> dict[str, float]:
     """Seconds of each phase for ``n`` tensors of ``nbytes`` bytes exported on ``device`` (default CPU: memfd; CUDA:
     the VMM transport, engine and daemon in this one process); ``vllm_params``: the skeleton's parameters of vLLM's
-    ``ModelWeightParameter`` class instead of ``nn.Parameter``."""
+    ``ModelWeightParameter`` class instead of ``nn.Parameter``, exported as ``kept_param`` (as the daemon exports
+    them where post-processing kept them)."""
     from tests.conftest import make_fingerprint
     from vllm_fastload.heap import gc_paused
     from vllm_fastload.ipc.daemon.export import pack
@@ -114,7 +115,8 @@ def run(n: int, nbytes: int, device: torch.device | None = None, vllm_params: bo
     device = device or torch.device("cpu")
     transport = get_transport(device)
     device = transport.resolve(device)
-    seg, entries = pack(ts, device, transport=transport)
+    # vLLM's classes: what the daemon exports when post-processing kept them (dense GPU models' linear weights)
+    seg, entries = pack(ts, device, kinds={k: "kept_param" for k in ts} if vllm_params else None, transport=transport)
     out["pack"] = time.perf_counter() - t
     fp = make_fingerprint()
     manifest = Manifest(version=protocol.PROTOCOL_VERSION, fingerprint=fp.to_dict(), fingerprint_short=fp.short(),
@@ -185,7 +187,7 @@ def main() -> int:
     ap.add_argument("--device", default="cpu", help="cpu (memfd transport) or cuda (VMM transport)")
     ap.add_argument("--vllm-params", action="store_true",
                     help="skeleton parameters of vLLM's ModelWeightParameter (a GPU engine's linear weights, which "
-                         "install replaces by new nn.Parameter objects) instead of nn.Parameter")
+                         "the daemon exports as kept_param and install keeps) instead of nn.Parameter")
     ap.add_argument("--out", type=Path)
     a = ap.parse_args()
     device = torch.device(a.device)

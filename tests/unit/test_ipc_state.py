@@ -823,9 +823,9 @@ def _odd_skeleton(case):
     m = nn.Module()
     with torch.device("meta"):
         m.c = c = nn.Module()
-        if case in ("tied", "view", "as_buffer"):
+        if case in ("tied", "view", "as_buffer", "kept_plain"):
             c.w = nn.Parameter(torch.empty(2))
-        if case == "tied":
+        if case in ("tied", "kept_plain"):
             c.register_parameter("v", c.w)
         elif case == "view":
             c.keep = c.w.view(2)  # another tensor shares its contents
@@ -833,12 +833,15 @@ def _odd_skeleton(case):
             c.register_buffer("b", torch.empty(2))
         elif case == "attr":
             c.a = torch.empty(2)
-        elif case in ("dispatch", "subclass", "subclass_shadowing"):
-            cls = _OwnDispatch if case == "dispatch" else _SubParameter
+        elif case in ("dispatch", "subclass", "subclass_shadowing", "kept", "kept_dispatch", "kept_shadowing",
+                      "kept_view"):
+            cls = _OwnDispatch if case.endswith("dispatch") else _SubParameter
             c.register_parameter("w", cls(torch.empty(2), requires_grad=False))
             # the attributes vLLM's parameter classes carry (set_weight_attrs), which a new object must keep
             vars(c.w).update(output_dim=0, weight_loader=_loader)
-            if case == "subclass_shadowing":
+            if case == "kept_view":
+                c.keep = c.w.view(2)  # another tensor shares its contents: a new object of the class
+            if case.endswith("shadowing"):
                 vars(c.w)["T"] = "an instance attribute named like one of the class's"
         elif case == "none":
             c.register_parameter("w", None)
@@ -856,6 +859,10 @@ _ODD_CASES = {
     "subclass": {"c.w": "param"}, "subclass_shadowing": {"c.w": "param"}, "none": {"c.w": "param", "c.b": "buffer"},
     "mismatch": {"c.w": "param"},
     "not_meta": {"c.w": "param"},
+    # parameters the daemon's post-processing left of their built class: the skeleton's object is kept where it can
+    # be (a class with its own dispatch, or a view of it, gets a new object), and a plain skeleton parameter too
+    "kept": {"c.w": "kept_param"}, "kept_dispatch": {"c.w": "kept_param"}, "kept_shadowing": {"c.w": "kept_param"},
+    "kept_view": {"c.w": "kept_param"}, "kept_plain": {"c.w": "kept_param", "c.v": "kept_param"},
 }
 
 

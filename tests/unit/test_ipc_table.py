@@ -37,7 +37,7 @@ def test_a_table_survives_json_and_gives_its_rows_back():
     ({"offset": [0]}, "column 'offset' has 1 entries for 2 tensor names"),
     ({"names": ["a", "a"]}, "a tensor name appears twice"),
     ({"dtype": [0, 2]}, "column 'dtype' holds an index outside the 2 names of 'dtypes'"),
-    ({"kind": [0, 3]}, "column 'kind' holds an index outside"),
+    ({"kind": [0, 4]}, "column 'kind' holds an index outside"),
     ({"ndim": [2, -1]}, "column 'ndim' holds a negative number"),
     ({"shape": [2, 3]}, "columns 'shape' (2) and 'stride' (3) must hold sum(ndim) = 3 entries"),
     ({"checksum": [0, 2**64]}, "column 'checksum' holds a value outside the unsigned 64-bit range"),

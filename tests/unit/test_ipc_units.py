@@ -385,3 +385,82 @@ def test_a_unit_processed_while_loading_unseen_by_the_capture_is_refused_by_the_
     m2.experts.quant_method.process_weights_after_loading(m2.experts)
     assert collect(m2, snap2, object_states(built(Moe))).reprocess == ["experts"]
 
+
+
+class Weight(nn.Parameter):
+    """Stands for vLLM's ModelWeightParameter (every linear weight of a GPU engine): a Parameter subclass whose
+    loader metadata is in its ``__dict__`` and whose weight loading is its own methods."""
+
+    def load_column_parallel_weight(self, loaded):
+        self.data.copy_(loaded)
+
+
+class KeepMethod(QuantizeMethodBase):
+    """Like vLLM's unquantized linear method on a GPU: post-processing leaves the parameter as it was built."""
+
+    def create_weights(self, *a, **k):
+        pass
+
+    def apply(self, layer, x):
+        return x @ layer.weight.t()
+
+    def process_weights_after_loading(self, layer):
+        pass
+
+
+class ReplaceMethod(KeepMethod):
+    """Like vLLM's FP8 linear methods: post-processing replaces the parameter by a plain ``nn.Parameter``."""
+
+    def process_weights_after_loading(self, layer):
+        layer.weight = nn.Parameter(layer.weight.data * 2, requires_grad=False)
+
+
+class Linears(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.kept, self.replaced = nn.Module(), nn.Module()
+        for mod, method in ((self.kept, KeepMethod()), (self.replaced, ReplaceMethod())):
+            w = Weight(torch.empty(4, 3), requires_grad=False)
+            vars(w).update(output_dim=0, input_dim=1, weight_loader=Weight.load_column_parallel_weight)
+            mod.weight = w
+            mod.quant_method = method
+
+
+def test_a_parameter_post_processing_kept_keeps_its_class_in_the_engine_and_a_replaced_one_does_not():
+    """The daemon exports a processed module's parameter that is still of the class the model built it with as
+    ``kept_param`` and the engine keeps its skeleton's object for it (class, attributes, the weight-loading
+    methods a later ``load_weights`` calls), as a disk load does; a parameter post-processing replaced by a
+    plain ``nn.Parameter`` is exported as ``param`` and installed as one. Without ``parameter_classes`` (an older
+    daemon's call) every parameter is ``param``."""
+    from vllm_fastload.ipc.memory.state import parameter_classes
+
+    torch.manual_seed(0)
+    m = built(Linears)
+    constructed, classes = object_states(m), parameter_classes(m)
+    assert classes == {"kept.weight": Weight, "replaced.weight": Weight}
+    for p in m.parameters():
+        p.data.normal_()
+    snap = snapshot(m)
+    for mod in (m.kept, m.replaced):
+        mod.quant_method.process_weights_after_loading(mod)
+    exp = collect(m, snap, constructed, classes)
+    assert exp.reprocess == []
+    assert {k: kind for k, (kind, _) in exp.tensors.items()} == {"kept.weight": "kept_param",
+                                                                   "replaced.weight": "param"}
+    assert {kind for kind, _ in collect(m, snap, constructed).tensors.values()} == {"param"}
+
+    eng = built(Linears, "meta")
+    skeleton = eng.kept.weight
+    tensors = {k: (kind, t.clone()) for k, (kind, t) in exp.tensors.items()}
+    install(eng, tensors, exp.aliases, exp.reprocess, exp.attrs, exp.object_attrs)
+    audit(eng, exp.objects)
+    assert eng.kept.weight is skeleton and type(skeleton) is Weight and not skeleton.is_meta
+    assert vars(skeleton)["output_dim"] == 0 and vars(skeleton)["input_dim"] == 1
+    assert torch.equal(eng.kept.weight, m.kept.weight)
+    assert type(eng.replaced.weight) is nn.Parameter and torch.equal(eng.replaced.weight, m.replaced.weight)
+    x = torch.randn(2, 3)
+    assert torch.equal(eng.kept.quant_method.apply(eng.kept, x), m.kept.quant_method.apply(m.kept, x))
+    # a later load_weights (an RL trainer's weight sync) goes through the class's own loader, as with `auto`
+    new = torch.randn(4, 3)
+    vars(eng.kept.weight)["weight_loader"](eng.kept.weight, new)
+    assert torch.equal(eng.kept.weight, new)

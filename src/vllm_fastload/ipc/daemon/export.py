@@ -146,7 +146,7 @@ def _processed_export(vllm_config: Any, device: Any) -> tuple[Any, Optional[str]
     from vllm.model_executor.model_loader.utils import initialize_model, process_weights_after_loading
     from vllm.utils.torch_utils import set_default_torch_dtype
 
-    from ..memory.state import capture_processing, collect, object_states, snapshot
+    from ..memory.state import capture_processing, collect, object_states, parameter_classes, snapshot
 
     mc = vllm_config.model_config
     loader = rank_loader(vllm_config.load_config)
@@ -154,6 +154,7 @@ def _processed_export(vllm_config: Any, device: Any) -> tuple[Any, Optional[str]
         with device:
             model = initialize_model(vllm_config=vllm_config, model_config=mc)
         constructed = object_states(model)  # what the engine's skeleton will start from
+        built = parameter_classes(model)  # likewise its parameters' classes
         # the units vLLM post-processes while loading (online quantization) and that engines must re-process
         with capture_processing(model, constructed) as captured:
             loader.load_weights(model, mc)
@@ -161,7 +162,7 @@ def _processed_export(vllm_config: Any, device: Any) -> tuple[Any, Optional[str]
             finish_online_quantization(model, mc)
         snap = snapshot(model, captured)
         process_weights_after_loading(model, mc, device)
-    exp = collect(model, snap, constructed)
+    exp = collect(model, snap, constructed, built)
     unloaded = [k for k, (_, t) in exp.tensors.items() if t.device.type == "meta"]
     if unloaded:
         raise FastloadError(f"{len(unloaded)} tensor(s) were never loaded in the daemon (still on the meta "

@@ -60,11 +60,17 @@ def _plain(v: Any) -> bool:
     return False
 
 
-def _own_tensors(m: nn.Module) -> dict[str, tuple[str, torch.Tensor]]:
+def _own_tensors(m: nn.Module, built: dict[str, type] | None = None,
+                 name: str = "") -> dict[str, tuple[str, torch.Tensor]]:
+    """Module ``m``'s own tensors, leaf -> ``(kind, tensor)`` (:data:`.messages.KINDS`): parameters (their data),
+    buffers and plain tensor attributes. With ``built`` (:func:`parameter_classes`; ``name`` is ``m``'s), a
+    parameter still of the class the model built it with is ``kept_param``."""
     out: dict[str, tuple[str, torch.Tensor]] = {}
+    prefix = name + "." if name else ""
     for leaf, p in m._parameters.items():
         if p is not None:
-            out[leaf] = ("param", p.data)
+            kept = built is not None and type(p) is not nn.Parameter and built.get(prefix + leaf) is type(p)
+            out[leaf] = ("kept_param" if kept else "param", p.data)
     for leaf, b in m._buffers.items():
         if b is not None:
             out[leaf] = ("buffer", b)
@@ -336,6 +342,18 @@ def object_states(model: nn.Module) -> dict[str, tuple[dict[str, Any], dict[str,
     return {name: (plain_attrs(m), *object_state(m)) for name, m in model.named_modules()}
 
 
+def parameter_classes(model: nn.Module) -> dict[str, type]:
+    """Full name -> class of each parameter of ``model`` whose class is a subclass of ``nn.Parameter`` (vLLM's
+    ``ModelWeightParameter``...), under each module's first name (``named_modules()``). The daemon takes it right
+    after building the model, as :func:`object_states`: the class the engine's skeleton builds under each name."""
+    out: dict[str, type] = {}
+    for name, m in model.named_modules():
+        for leaf, p in m._parameters.items():
+            if p is not None and type(p) is not nn.Parameter:
+                out[f"{name}.{leaf}" if name else leaf] = type(p)
+    return out
+
+
 class NotExportable(FastloadError):
     """The daemon cannot export this model faithfully: post-processing bound state that no processing unit owns,
     so an engine could not rebuild it. The message names the module, the attribute and the quant method."""
@@ -570,15 +588,19 @@ def _changed(now: dict[str, Any], was: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in now.items() if k not in was or was[k] != v}
 
 
-def collect(model: nn.Module, snap: Snapshot, constructed: dict[str, tuple] | None = None) -> Export:
+def collect(model: nn.Module, snap: Snapshot, constructed: dict[str, tuple] | None = None,
+            built: dict[str, type] | None = None) -> Export:
     """Apply the per-unit rule (module docstring) to a post-processed ``model``. Tensors that are the same memory
     (tied weights: same data pointer, dtype, shape, stride) are exported once and aliased. ``constructed``
     (:func:`object_states` taken right after the model was built): only plain attributes of modules and plain
     values inside their vLLM objects that differ now are exported; anything else bound anew inside such an object
     (a tensor, a closure, a replaced object: none can be exported there) makes its unit a reprocess one. Without
-    ``constructed`` every plain module attribute is exported. Raises :class:`NotExportable` when an object was
-    bound on a module that no processing unit owns, or on a unit vLLM had already processed while loading without
-    :func:`capture_processing` seeing it (the weights re-processing would start from are gone)."""
+    ``constructed`` every plain module attribute is exported. ``built`` (:func:`parameter_classes` taken then too):
+    a processed module's parameter still of the class the model built it with is exported as ``kept_param`` (the
+    engine keeps its skeleton's object); without it every parameter is ``param``. Raises :class:`NotExportable`
+    when an object was bound on a module that no processing unit owns, or on a unit vLLM had already processed
+    while loading without :func:`capture_processing` seeing it (the weights re-processing would start from are
+    gone)."""
     out = Export()
     units = processing_units(model)
     modules = list(model.named_modules())
@@ -602,7 +624,7 @@ def collect(model: nn.Module, snap: Snapshot, constructed: dict[str, tuple] | No
             f"(online quantization), not through its quant method's process_weights_after_loading where the daemon "
             f"keeps the loaded weights, and bound objects an engine must rebuild from them, which no longer exist; "
             f"serve this model with --load-format runai_streamer (or auto), or quantize the checkpoint offline")
-    _export_tensors_and_values(out, modules, units, snap, constructed)
+    _export_tensors_and_values(out, modules, units, snap, constructed, built or {})
     return out
 
 
@@ -624,16 +646,17 @@ def _bound_anew(name: str, m: nn.Module, before: dict[str, int], constructed: di
 
 
 def _export_tensors_and_values(out: Export, modules: list[tuple[str, nn.Module]], units: set[str], snap: Snapshot,
-                               constructed: dict[str, tuple] | None) -> None:
+                               constructed: dict[str, tuple] | None, built: dict[str, type]) -> None:
     """Fill ``out``'s tensors and aliases (modules of re-processed units: their snapshot's tensors; the others: as
-    they are now) and the plain values of processed modules (:func:`collect`'s docstring)."""
+    they are now, a parameter of the class ``built`` names for it as ``kept_param``) and the plain values of
+    processed modules (:func:`collect`'s docstring)."""
     again = set(out.reprocess)
     seen: dict[tuple, str] = {}
     for name, m in modules:
         if owner_unit(name, units) in again:
             own = snap.tensors.get(name, {})
         else:
-            own = _own_tensors(m)
+            own = _own_tensors(m, built, name)
             was_attrs, was_plain, _ = constructed.get(name, ({}, {}, {})) if constructed is not None else ({}, {}, {})
             attrs = plain_attrs(m) if constructed is None else _changed(plain_attrs(m), was_attrs)
             if attrs:
@@ -669,7 +692,9 @@ def install(model: nn.Module, tensors: dict[str, tuple[str, torch.Tensor]], alia
             object_attrs: dict[str, dict[str, Any]] | None = None, consume: bool = False) -> Installed:
     """Put ``tensors`` (name -> (kind, tensor)) into a skeleton ``model`` built on the meta device.
 
-    Parameters keep the Python attributes of the skeleton's parameter (``weight_loader``, ``output_dim``...).
+    Parameters keep the Python attributes of the skeleton's parameter (``weight_loader``, ``output_dim``...), and
+    the skeleton's object itself (its class: vLLM's ``ModelWeightParameter``...) where their module is re-processed
+    or the daemon's post-processing kept that class (``kept_param``), as a disk load keeps it.
     For reprocess modules each tensor must match the skeleton's shape and dtype (it is pre-post-processing
     state), and every parameter and buffer must be in the cache. Skeleton tensors of other modules that the
     daemon did not export were removed by post-processing and are removed too: here in the modules re-processing
@@ -795,15 +820,16 @@ class _Placer:
                 m = modules[mod_name]  # no method call: a known name is a plain dict lookup
                 if m is not None:
                     mine = mod_name in owned
-                    if kind == "param":
+                    if kind == "param" or kind == "kept_param":
                         old = m._parameters.get(leaf)
                         cls = type(old)
-                        fits = cls is param or (mine and issubclass(cls, param) and _plain_dispatch(cls))
-                        if not fits and not mine and issubclass(cls, param) and not t.is_meta:
-                            # a processed module's parameter of one of vLLM's classes (ModelWeightParameter...),
-                            # every linear layer of a GPU engine: put gives it a new nn.Parameter with the
-                            # skeleton's attributes (_take_over keeps only nn.Parameter objects there), done here
-                            # without its two calls per tensor, which cost as much again as the work
+                        fits = cls is param or ((mine or kind == "kept_param") and issubclass(cls, param)
+                                                and _plain_dispatch(cls))
+                        if not fits and not mine and kind == "param" and issubclass(cls, param) and not t.is_meta:
+                            # a processed module's parameter of one of vLLM's classes that the daemon's
+                            # post-processing replaced by a plain one (FP8 linear methods...; a daemon that did
+                            # not is kept_param): put gives it a new nn.Parameter with the skeleton's attributes,
+                            # done here without its two calls per tensor, which cost as much again as the work
                             attrs = old.__dict__
                             if attrs.keys().isdisjoint(param_names):
                                 p = m._parameters[leaf] = installed[full] = subclass(param, t, False)
@@ -853,9 +879,18 @@ class _Placer:
             self.put(alias, kind, self.installed[canonical])
 
     def put(self, full: str, kind: str, t: torch.Tensor) -> None:
-        """Install ``t`` as ``full`` (a dotted name) of ``kind`` ``param``, ``buffer`` or ``attr``, in place of the
-        skeleton's tensor of that name. Raises :class:`InstallError` (no such module; for an owned module, another
-        shape or dtype than the skeleton's)."""
+        """Install ``t`` as ``full`` (a dotted name) of ``kind`` ``param``, ``kept_param`` (a parameter that keeps
+        the skeleton's class, as one of an owned module does), ``buffer`` or ``attr``, in place of the skeleton's
+        tensor of that name. Raises :class:`InstallError` (no such module; for an owned module, another shape or
+        dtype than the skeleton's)."""
+        if kind == "kept_param":
+            self._put(full, "param", t, keep_class=True)
+        else:
+            self._put(full, kind, t, keep_class=False)
+
+    def _put(self, full: str, kind: str, t: torch.Tensor, keep_class: bool) -> None:
+        """:meth:`put` of a ``param``, ``buffer`` or ``attr``; ``keep_class``: a parameter of the skeleton's class,
+        whether or not its module is owned."""
         mod_name, _, leaf = full.rpartition(".")
         m = self.modules.get(mod_name)
         if m is None:
@@ -874,14 +909,14 @@ class _Placer:
             self.installed[full] = old
             return
         if old is not None:
-            meta = _take_over(old, t, kind, owned, m, leaf)
+            meta = _take_over(old, t, kind, owned or keep_class, m, leaf)
             if meta is not None:
                 self.taken.append((old, meta))
                 self.installed[full] = old
                 return
         if kind == "param" and old is not None:
             # the skeleton's parameter of this name: register_parameter's name checks passed when it was built
-            p = m._parameters[leaf] = _as_parameter(t, old, owned)
+            p = m._parameters[leaf] = _as_parameter(t, old, owned or keep_class)
             self.installed[full] = p
         elif kind == "buffer" and old is not None:
             # the skeleton's buffer of this name, likewise; it keeps the persistence the model gave it
@@ -890,7 +925,7 @@ class _Placer:
             m._parameters.pop(leaf, None)
             m._buffers.pop(leaf, None)
             if kind == "param":
-                p = _as_parameter(t, old, owned)
+                p = _as_parameter(t, old, owned or keep_class)
                 m.register_parameter(leaf, p)
                 self.installed[full] = p
             elif kind == "buffer":
@@ -958,7 +993,8 @@ def _plain_dispatch(cls: type) -> bool:
 
 def _as_parameter(t: torch.Tensor, old: torch.Tensor | None, owned: bool) -> nn.Parameter:
     """``t`` as the parameter that replaces the skeleton's ``old``, with ``old``'s Python attributes
-    (``weight_loader``, ``output_dim``...). ``owned`` (a re-processed module): of ``old``'s parameter class."""
+    (``weight_loader``, ``output_dim``...). ``owned`` (a re-processed module, or a ``kept_param``): of ``old``'s
+    parameter class."""
     if type(t) is not torch.Tensor and isinstance(t, nn.Parameter):  # views are plain tensors: skip the slow check
         p = t
     elif owned and isinstance(old, nn.Parameter) and type(old) is not nn.Parameter:

@@ -126,8 +126,11 @@ class SegmentMeta(_Reply):
     device: Optional[str] = None
 
 
-#: The kinds of exported tensor, by their index in :attr:`TensorTable.kind`.
-KINDS = ("param", "buffer", "attr")
+#: The kinds of exported tensor, by their index in :attr:`TensorTable.kind`: a parameter, a buffer, a plain tensor
+#: attribute of a module, and a parameter the daemon's post-processing left of the vLLM parameter class the model
+#: built it with (``ModelWeightParameter``...: every linear weight of a dense GPU model), whose skeleton object an
+#: engine keeps, class and attributes, as ``auto`` does (``kept_param``).
+KINDS = ("param", "buffer", "attr", "kept_param")
 #: The index of each kind in :data:`KINDS`.
 KIND_INDEX = {k: i for i, k in enumerate(KINDS)}
 

@@ -1489,3 +1489,38 @@ def test_the_walk_and_the_module_index_agree_with_the_rules_on_random_module_gra
             if again <= all_units:
                 below = {n for n in names if any(a == "" or n == a or n.startswith(a + ".") for a in again)}
                 assert {n for n, _, _ in reached} == below, (seed, again)
+
+
+@pytest.mark.parametrize("alias", ["a.", "a.sub", "a.flag", "a.forward", "a.training"])
+def test_an_alias_torch_refuses_as_a_name_is_an_install_error_and_every_exchange_is_given_back(alias):
+    """From a helper's attack of e0ac6da: an alias whose name torch refuses (empty, a submodule's, a plain
+    attribute's, a method's) raised a bare ``KeyError`` out of install, which the loader does not turn into a
+    fallback; it is an :class:`InstallError` naming the alias, as for a tensor, and the skeleton gets its meta
+    contents back."""
+    m = nn.Module()
+    with torch.device("meta"):
+        m.a = nn.Module()
+        m.a.register_parameter("w", _SubParameter(torch.empty(2), requires_grad=False))
+        m.a.sub = nn.Module()
+        m.a.flag = 3
+    with pytest.raises(InstallError, match=f"cached alias {alias!r} cannot be installed"):
+        install(m, {"a.w": ("kept_param", torch.ones(2))}, {alias: "a.w"}, [])
+    assert m.a.w.is_meta and type(m.a.w) is _SubParameter and m.a.flag == 3
+
+
+def test_an_alias_that_is_a_parameter_in_the_skeleton_stays_a_parameter_when_its_canonical_is_a_buffer():
+    """From the same attack: post-processing pointed a parameter at another module's buffer (one memory, exported
+    once as the buffer, the parameter an alias). The alias took the canonical tensor's kind, so the engine's
+    module held a buffer where the daemon's held a parameter; the skeleton's kind for the name decides."""
+    def build():
+        m = nn.Module()
+        m.x, m.y = nn.Module(), nn.Module()
+        m.x.register_buffer("b", torch.zeros(2))
+        m.y.register_parameter("w", nn.Parameter(torch.zeros(2), requires_grad=False))
+        return m
+
+    with torch.device("meta"):
+        eng = build()
+    install(eng, {"x.b": ("buffer", torch.arange(2.0))}, {"y.w": "x.b"}, [])
+    assert list(eng.y._parameters) == ["w"] and not eng.y._buffers and isinstance(eng.y.w, nn.Parameter)
+    assert eng.y.w.data_ptr() == eng.x.b.data_ptr() and eng.y.w.tolist() == [0.0, 1.0]

@@ -868,15 +868,21 @@ class _Placer:
                 raise InstallError(f"cached alias {alias!r} points at {canonical!r}, which is not in the cache")
             mod_name, _, leaf = alias.rpartition(".")
             m = self.modules.get(mod_name)
-            # the alias takes the kind the skeleton gave that name (a tied parameter, or a module's plain reference
-            # to another module's tensor); a name the skeleton lacks takes the canonical tensor's kind
-            if m is not None and leaf in m._buffers:
+            # the alias takes the kind the skeleton gave that name (a tied parameter, a parameter post-processing
+            # pointed at another module's buffer, or a module's plain reference to another module's tensor); a
+            # name the skeleton lacks takes the canonical tensor's kind
+            if m is not None and leaf in m._parameters:
+                kind = "param"
+            elif m is not None and leaf in m._buffers:
                 kind = "buffer"
-            elif m is not None and leaf not in m._parameters and isinstance(vars(m).get(leaf), torch.Tensor):
+            elif m is not None and isinstance(vars(m).get(leaf), torch.Tensor):
                 kind = "attr"
             else:
                 kind = "param" if isinstance(self.installed[canonical], nn.Parameter) else "buffer"
-            self.put(alias, kind, self.installed[canonical])
+            try:
+                self.put(alias, kind, self.installed[canonical])
+            except (KeyError, TypeError) as e:  # torch refuses the name, as in put_tensors
+                raise InstallError(f"cached alias {alias!r} cannot be installed in this model ({e})") from None
 
     def put(self, full: str, kind: str, t: torch.Tensor) -> None:
         """Install ``t`` as ``full`` (a dotted name) of ``kind`` ``param``, ``kept_param`` (a parameter that keeps

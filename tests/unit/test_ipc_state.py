@@ -1524,3 +1524,21 @@ def test_an_alias_that_is_a_parameter_in_the_skeleton_stays_a_parameter_when_its
     install(eng, {"x.b": ("buffer", torch.arange(2.0))}, {"y.w": "x.b"}, [])
     assert list(eng.y._parameters) == ["w"] and not eng.y._buffers and isinstance(eng.y.w, nn.Parameter)
     assert eng.y.w.data_ptr() == eng.x.b.data_ptr() and eng.y.w.tolist() == [0.0, 1.0]
+
+
+@pytest.mark.parametrize("case", ["buffer", "missing", "none"])
+def test_a_kept_parameter_where_the_skeleton_has_none_is_an_install_error(case):
+    """``kept_param`` says the daemon's model built a parameter of that class under the name; a skeleton with a
+    buffer there, no such name, or a ``None`` slot is not that model: an :class:`InstallError` (a fallback), on
+    the inline path as through ``put``, with the skeleton left as it was."""
+    m = nn.Module()
+    with torch.device("meta"):
+        m.c = nn.Module()
+        m.c.w = nn.Parameter(torch.empty(2))
+        if case == "buffer":
+            m.c.register_buffer("b", torch.empty(2))
+        elif case == "none":
+            m.c.register_parameter("b", None)
+    with pytest.raises(InstallError, match=r"cached tensor 'c.b' is a parameter the daemon's model built there"):
+        install(m, {"c.w": ("param", torch.ones(2)), "c.b": ("kept_param", torch.ones(2))}, {}, [])
+    assert m.c.w.is_meta and ("b" in m.c._buffers) == (case == "buffer") and "b" not in vars(m.c)

@@ -887,9 +887,14 @@ class _Placer:
     def put(self, full: str, kind: str, t: torch.Tensor) -> None:
         """Install ``t`` as ``full`` (a dotted name) of ``kind`` ``param``, ``kept_param`` (a parameter that keeps
         the skeleton's class, as one of an owned module does), ``buffer`` or ``attr``, in place of the skeleton's
-        tensor of that name. Raises :class:`InstallError` (no such module; for an owned module, another shape or
-        dtype than the skeleton's)."""
+        tensor of that name. Raises :class:`InstallError` (no such module; a ``kept_param`` where the skeleton has
+        no parameter; for an owned module, another shape or dtype than the skeleton's)."""
         if kind == "kept_param":
+            mod_name, _, leaf = full.rpartition(".")
+            m = self.modules.get(mod_name)
+            if m is not None and m._parameters.get(leaf) is None:
+                raise InstallError(f"cached tensor {full!r} is a parameter the daemon's model built there, but this "
+                                   f"model has none of that name; the daemon's manifest is not from this model")
             self._put(full, "param", t, keep_class=True)
         else:
             self._put(full, kind, t, keep_class=False)

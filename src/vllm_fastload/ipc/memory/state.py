@@ -889,30 +889,24 @@ class _Placer:
         the skeleton's class, as one of an owned module does), ``buffer`` or ``attr``, in place of the skeleton's
         tensor of that name. Raises :class:`InstallError` (no such module; a ``kept_param`` where the skeleton has
         no parameter; for an owned module, another shape or dtype than the skeleton's)."""
-        if kind == "kept_param":
-            mod_name, _, leaf = full.rpartition(".")
-            m = self.modules.get(mod_name)
-            if m is not None and m._parameters.get(leaf) is None:
-                raise InstallError(f"cached tensor {full!r} is a parameter the daemon's model built there, but this "
-                                   f"model has none of that name; the daemon's manifest is not from this model")
-            self._put(full, "param", t, keep_class=True)
-        else:
-            self._put(full, kind, t, keep_class=False)
-
-    def _put(self, full: str, kind: str, t: torch.Tensor, keep_class: bool) -> None:
-        """:meth:`put` of a ``param``, ``buffer`` or ``attr``; ``keep_class``: a parameter of the skeleton's class,
-        whether or not its module is owned."""
+        keep_class = kind == "kept_param"  # a parameter of the skeleton's class, whether or not its module is owned
+        if keep_class:
+            kind = "param"
         mod_name, _, leaf = full.rpartition(".")
         m = self.modules.get(mod_name)
         if m is None:
             raise InstallError(f"cached tensor {full!r} has no module {mod_name!r} in this model")
+        old = m._parameters.get(leaf) if kind == "param" else m._buffers.get(leaf)
+        if keep_class and old is None:
+            raise InstallError(f"cached tensor {full!r} is a parameter the daemon's model built there, but this "
+                               f"model has none of that name; the daemon's manifest is not from this model")
         if t.is_meta:  # no cached tensor is; installed, it would be swept away or refused later without its name
             raise InstallError(f"cached tensor {full!r} holds no memory (meta device); the daemon's manifest or the "
                                f"mapping is broken")
-        old = m._parameters.get(leaf) if kind == "param" else m._buffers.get(leaf)
         if old is None and kind == "attr" and isinstance(vars(m).get(leaf), torch.Tensor):
             old = vars(m)[leaf]
         owned = mod_name in self.owned
+        keep_class = keep_class or owned
         if owned and old is not None and (old.shape != t.shape or old.dtype != t.dtype):
             raise InstallError(f"cached tensor {full!r} is {t.dtype} {tuple(t.shape)}, the model expects "
                                f"{old.dtype} {tuple(old.shape)}")
@@ -920,14 +914,14 @@ class _Placer:
             self.installed[full] = old
             return
         if old is not None:
-            meta = _take_over(old, t, kind, owned or keep_class, m, leaf)
+            meta = _take_over(old, t, kind, keep_class, m, leaf)
             if meta is not None:
                 self.taken.append((old, meta))
                 self.installed[full] = old
                 return
         if kind == "param" and old is not None:
             # the skeleton's parameter of this name: register_parameter's name checks passed when it was built
-            p = m._parameters[leaf] = _as_parameter(t, old, owned or keep_class)
+            p = m._parameters[leaf] = _as_parameter(t, old, keep_class)
             self.installed[full] = p
         elif kind == "buffer" and old is not None:
             # the skeleton's buffer of this name, likewise; it keeps the persistence the model gave it
@@ -936,7 +930,7 @@ class _Placer:
             m._parameters.pop(leaf, None)
             m._buffers.pop(leaf, None)
             if kind == "param":
-                p = _as_parameter(t, old, owned or keep_class)
+                p = _as_parameter(t, old, keep_class)
                 m.register_parameter(leaf, p)
                 self.installed[full] = p
             elif kind == "buffer":

@@ -8,7 +8,8 @@ skip_tokenizer_init=True)``, generates 8 greedy tokens and exits. We parse vLLM'
 seconds" (GPU) and "Loading weights took X seconds" (default loader) lines and our load report, and time the
 whole ``LLM()`` construction. ``runai_builtin`` is vLLM's own runai loader: our plugin is disabled for that
 process with ``VLLM_PLUGINS=`` (empty). On a GPU the run also measures pinned and pageable H2D bandwidth.
-Writes ``results.json``, ``results.md`` (a Markdown table) and ``results.png`` (a bar chart) under ``--out``.
+Writes ``results.json``, ``results.md`` (a Markdown table) and ``results.png`` (a bar chart) under ``--out``, and
+appends every run to ``runs.jsonl`` there as it ends (what a call cut short still has).
 Page cache: warmed once, every shard read, before the first loader (``--cold``: dropped before every run instead).
 Each loader runs ``--repeats`` times, one after another or (``--interleave``) in rounds of one run per loader; the
 median run by "Model loading took" is reported, with every run's weights phase.
@@ -568,6 +569,13 @@ def one_run(name: str, a: argparse.Namespace, shards: list[str]) -> dict:
         print(f"[bench] {name}: this run failed: {str(e).splitlines()[0]}", flush=True)
         run = {"loader": name, "failed": str(e)[:4000]}
     run["resident_after_evict"] = resident
+    # each run as soon as it ends, one JSON line: a call cut by its time limit (the GPU machine's budget) keeps the
+    # runs it finished, which results.json (written once at the end) would lose
+    with open(a.out / "runs.jsonl", "a") as fh:
+        fh.write(json.dumps({k: v for k, v in run.items() if k != "log_tail"}, default=str) + "\n")
+    if not run.get("failed"):
+        print(f"[bench] run of {name}: weights phase {weights_s(run)} s, \"Model loading took\" "
+              f"{run.get('model_loading_s')} s", flush=True)
     return run
 
 

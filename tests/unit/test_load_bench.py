@@ -1,4 +1,5 @@
-"""benchmarks/load_bench.py: a loader name with ``_nostats`` runs its base loader with vLLM's usage reporter off."""
+"""benchmarks/load_bench.py: a loader name with ``_nostats`` runs its base loader with vLLM's usage reporter off;
+every run lands in ``runs.jsonl`` as it ends."""
 
 import subprocess
 import sys
@@ -50,3 +51,31 @@ def test_the_engine_of_a_nostats_loader_runs_with_usage_stats_off(monkeypatch, t
     if name.startswith("instanttensor_buffered"):
         assert seen["env"]["INSTANTTENSOR_BACKEND"] == "BUFFERED"
     assert (tmp_path / f"{name}.failed.log").read_text() == "engine log\n"
+
+
+def test_every_run_is_appended_to_runs_jsonl_as_it_ends(monkeypatch, tmp_path):
+    """A call cut by its time limit keeps the runs it finished: each run (a failed one too) is one JSON line of
+    runs.jsonl the moment it ends, before results.json exists; the log tail stays out of it."""
+    import argparse
+    import json
+
+    answers = iter([{"loader": "auto", "default_weights_s": 1.82, "model_loading_s": 10.06, "log_tail": "x" * 999},
+                    RuntimeError("auto failed (exit 1; whole log in somewhere):\ntraceback")])
+
+    def fake_run_one(*args, **kwargs):
+        got = next(answers)
+        if isinstance(got, Exception):
+            raise got
+        return dict(got)
+
+    monkeypatch.setattr(load_bench, "run_one", fake_run_one)
+    a = argparse.Namespace(cold=False, model=tmp_path, tp=1, gmu=0.5, out=tmp_path, extra="{}", dtype=None,
+                           max_model_len=1024)
+    load_bench.one_run("auto", a, [])
+    lines = (tmp_path / "runs.jsonl").read_text().splitlines()
+    assert [json.loads(x)["default_weights_s"] for x in lines] == [1.82]
+    assert "log_tail" not in json.loads(lines[0])
+    assert not (tmp_path / "results.json").exists()
+    load_bench.one_run("auto", a, [])
+    lines = (tmp_path / "runs.jsonl").read_text().splitlines()
+    assert len(lines) == 2 and json.loads(lines[1])["failed"].startswith("auto failed (exit 1")

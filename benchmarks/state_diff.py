@@ -4,8 +4,8 @@ Greedy ids of a random-weight model agree as long as no step's two best logits a
 slightly off (a norm weight of the wrong layer, a cache in another precision) can pass them for many tokens. This
 compares what a greedy-id test cannot: every tensor the model reaches (``benchmarks/model_state.py``: each module's
 parameters, buffers and tensor attributes, under every module path; not the attention layers' ``kv_cache``) by
-dtype, shape, stride, a SHA-256 of its bytes and its class (vLLM's parameter classes), and the chosen tokens'
-logprobs, of each loader against the first (``auto``).
+dtype, shape, stride, a SHA-256 of its bytes, its class (vLLM's parameter classes) and its device type, and the
+chosen tokens' logprobs, of each loader against the first (``auto``).
 
 Each loader runs in a fresh process (``vllm.LLM(..., enforce_eager=True)``, the model reached through
 ``LLM.collective_rpc``, which pickles the function: benchmark-only, ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``).
@@ -15,8 +15,8 @@ Each loader runs in a fresh process (``vllm.LLM(..., enforce_eager=True)``, the 
         [--dtype float32] [--out DIR]
 
 Prints and writes ``DIR/state-diff.json``: per loader, tensors only it has or only the first has, tensors whose
-dtype/shape/stride, bytes or class differ (names), greedy ids equal, max abs logprob difference. Exit 1 when any loader
-differs from the first in any of these.
+dtype/shape/stride, bytes, class or device differ (names), greedy ids equal, max abs logprob difference. Exit 1
+when any loader differs from the first in any of these.
 """
 
 from __future__ import annotations
@@ -61,8 +61,8 @@ LOADERS = {
 
 
 def run(model: Path, name: str, socket_dir: str | None, gmu: float, dtype: str | None, log: Path) -> dict:
-    """One loader in a fresh process: ``{"state": name -> [kind, dtype, shape, stride, sha256, class], "ids",
-    "logprobs"}``.
+    """One loader in a fresh process: ``{"state": name -> [kind, dtype, shape, stride, sha256, class, device type],
+    "ids", "logprobs"}``.
     Raises ``RuntimeError`` with the log's tail when the engine fails."""
     fmt, extra = LOADERS[name]
     if fmt == "ipc_cache":
@@ -82,12 +82,12 @@ def run(model: Path, name: str, socket_dir: str | None, gmu: float, dtype: str |
 
 def compare(ref: dict, got: dict) -> dict:
     """What differs between two :func:`run` results: names only in one, names whose layout (kind, dtype, shape,
-    stride), bytes or tensor class differ, whether the greedy ids are equal, the largest logprob difference of the
-    steps both chose the same token in."""
+    stride), bytes, or tensor class or device type differ (``class_differs``), whether the greedy ids are equal, the
+    largest logprob difference of the steps both chose the same token in."""
     a, b = ref["state"], got["state"]
     layout = sorted(n for n in a.keys() & b.keys() if a[n][:4] != b[n][:4])
     content = sorted(n for n in a.keys() & b.keys() if a[n][:4] == b[n][:4] and a[n][4] != b[n][4])
-    classes = sorted(n for n in a.keys() & b.keys() if a[n][5:] != b[n][5:])
+    classes = sorted(n for n in a.keys() & b.keys() if a[n][5:] != b[n][5:])  # class or device type
     diffs = [abs(x - y) for ra, rb, ia, ib in zip(ref["logprobs"], got["logprobs"], ref["ids"], got["ids"])
              for x, y, ta, tb in zip(ra, rb, ia, ib) if ta == tb]
     return {"only_reference": sorted(a.keys() - b.keys()), "only_this": sorted(b.keys() - a.keys()),
@@ -135,7 +135,7 @@ def main() -> int:
         bad |= bool(differs) or not r["ids_equal"]
         print(f"{n} against {ref}: {r['tensors']} tensors; only {ref}: {r['only_reference'][:8]}; only {n}: "
               f"{r['only_this'][:8]}; layout differs: {r['layout_differs'][:8]}; bytes differ: "
-              f"{r['bytes_differ'][:8]} ({len(r['bytes_differ'])}); class differs: {r['class_differs'][:8]} "
+              f"{r['bytes_differ'][:8]} ({len(r['bytes_differ'])}); class or device differs: {r['class_differs'][:8]} "
               f"({len(r['class_differs'])}); greedy ids equal: {r['ids_equal']}; "
               f"max abs logprob diff: {r['max_abs_logprob_diff']}", flush=True)
     return 1 if bad else 0

@@ -1,6 +1,6 @@
 """benchmarks/state_diff.py and benchmarks/model_state.py: an engine whose parameters hold auto's bytes under another
 class (vLLM's ``ModelWeightParameter`` replaced by a plain ``nn.Parameter``, what `ipc_cache` engines had before
-protocol 6) is reported as differing, and the state records each tensor's class."""
+protocol 6) is reported as differing, and the state records each tensor's class and device type."""
 
 import sys
 from pathlib import Path
@@ -33,10 +33,10 @@ def _model(cls):
     return m
 
 
-def test_the_state_names_each_tensors_class():
+def test_the_state_names_each_tensors_class_and_device_type():
     st = _state_of(_model(_Weight))
-    assert st["weight"][0] == "param" and st["weight"][5].endswith("._Weight")
-    assert st["scale"][0] == "buffer" and st["scale"][5] == "torch.Tensor"
+    assert st["weight"][0] == "param" and st["weight"][5].endswith("._Weight") and st["weight"][6] == "cpu"
+    assert st["scale"][0] == "buffer" and st["scale"][5] == "torch.Tensor" and st["scale"][6] == "cpu"
 
 
 def test_the_same_bytes_under_another_class_differ():

@@ -28,6 +28,7 @@ from vllm_fastload.ipc.engine.loader import IpcCacheLoader  # noqa: E402
 from vllm_fastload.ipc.engine.reload import (  # noqa: E402
     ReloadRefused,
     checkpoint_loader,
+    guard_direct_loads,
     record_restore_device,
     refuse_shared_writes,
     shared_write_segments,
@@ -182,6 +183,47 @@ def test_a_zero_copy_reload_on_a_shares_writes_transport_is_refused_before_the_m
     assert {k: v for k, v in model.named_parameters()} == params  # still the mapped tensors, none on meta
     assert not any(p.is_meta for p in model.parameters())
     daemon_seg.close()
+
+
+def test_a_direct_load_weights_on_a_shared_zero_copy_engine_is_refused_and_writes_nothing(monkeypatch):
+    """An RL trainer's weight sync calls the model's own load_weights (collective_rpc), not reload_weights: once
+    the zero_copy lease is kept (mapping._keep_lease, what map_model does last), that call refuses before it
+    reads a weight, naming the daemon's socket and the fix, and the daemon's memory is unchanged."""
+    model, daemon_seg, lease = shared_model()
+    before = daemon_bytes(daemon_seg)
+    monkeypatch.setattr(mapping, "_LEASES", [])
+    mapping._keep_lease(leased(lease, SharedWrites()), CPU, model)
+    read = []
+
+    def weights():
+        read.append(1)
+        yield from new_weights()
+
+    with pytest.raises(ReloadRefused, match=r"model.load_weights on an ipc_cache zero_copy engine would write into "
+                                            r"the preload daemon's memory at /run/fl/gpu-X-r0-target.sock .*"
+                                            r"\"mode\": \"copy\""):
+        model.load_weights(weights())
+    with pytest.raises(ReloadRefused):
+        model.load_weights(weights=new_weights())  # by keyword, as OpenRLHF's and verl's syncs call it
+    assert read == [] and daemon_bytes(daemon_seg) == before
+    assert torch.equal(model.proj.weight, originals()["proj.weight"])
+    assert model.load_weights.__wrapped__.__func__ is Tiny.load_weights
+    daemon_seg.close()
+
+
+def test_a_direct_load_weights_is_left_alone_where_writes_stay_in_the_engine(mapped, monkeypatch):
+    """The CPU memfd is mapped copy-on-write: the model's own load_weights writes this engine's pages only, so it
+    is not wrapped (zero_copy on CPU), and copy mode never keeps a lease."""
+    model, daemon_seg, engine_seg = mapped
+    before = daemon_bytes(daemon_seg)
+    monkeypatch.setattr(mapping, "_LEASES", [])
+    mapping._keep_lease(leased(types.SimpleNamespace(segment=engine_seg, path="s"), MemfdTransport()), CPU, model)
+    assert "load_weights" not in vars(model)
+    assert model.load_weights(new_weights()) == {"proj.weight", "norm.weight"}
+    assert torch.equal(model.proj.weight, torch.full((3, 4), 7.0))
+    assert daemon_bytes(daemon_seg) == before
+    assert not guard_direct_loads(nn.Linear(2, 2), leased(types.SimpleNamespace(segment=engine_seg, path="s"),
+                                                           SharedWrites()))  # no load_weights to guard
 
 
 def test_the_decision_looks_at_the_models_own_tensors():

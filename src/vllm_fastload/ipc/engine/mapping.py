@@ -198,7 +198,7 @@ def map_model(vllm_config: Any, model_config: Any, prefix: str, path: str, confi
         if config.mode == "copy":
             _send_release(lease, device)
         else:
-            _keep_lease(lease, device)
+            _keep_lease(lease, device, model)
         logger.info("Mapped %d tensors from the weight cache daemon (%s mode)", len(lease.manifest.tensors),
                     config.mode)
         phases.lap("release_s")
@@ -367,10 +367,14 @@ def _send_release(lease: MappedLease, device: Any) -> None:
             count_as_weights(device.index, lease.segment.size)
 
 
-def _keep_lease(lease: MappedLease, device: Any) -> None:
-    """``zero_copy`` mode: keep the lease for the process's life and count device memory it maps as this
-    engine's weights (:mod:`.accounting`)."""
+def _keep_lease(lease: MappedLease, device: Any, model: Any) -> None:
+    """``zero_copy`` mode: keep the lease for the process's life, count device memory it maps as this engine's
+    weights (:mod:`.accounting`) and, where the mapping shares writes with the daemon, make ``model``'s own
+    ``load_weights`` refuse (:func:`.reload.guard_direct_loads`)."""
+    from .reload import guard_direct_loads
+
     _LEASES.append(lease)
+    guard_direct_loads(model, lease)
     if lease.transport.device_memory:
         from .accounting import count_as_weights
 

@@ -13,7 +13,8 @@ addresses). Two things differ for a mapped model:
 * in ``zero_copy`` mode the served tensors ARE the daemon's memory. The CPU transport maps it copy-on-write
   (``MAP_PRIVATE``: the written pages become this engine's own), the CUDA transport read-write and shared
   (``shares_writes``): a reload would change the weights of every engine mapping the daemon, so
-  :func:`refuse_shared_writes` refuses it before anything is touched (use ``"mode": "copy"``).
+  :func:`refuse_shared_writes` refuses it before anything is touched (use ``"mode": "copy"``), and
+  :func:`guard_direct_loads` makes the model's own ``load_weights`` (an RL trainer's weight sync) refuse too.
 
 The daemon holds post-processed tensors, vLLM's reload wants the checkpoint's: :func:`checkpoint_loader` reads them
 from disk with this plugin's ``runai_streamer`` loader.
@@ -97,6 +98,32 @@ def refuse_shared_writes(model: Any, leases: Iterable[Any]) -> None:
             f"{', '.join(paths)} (this device's transport maps it read-write and shared), changing the weights of "
             f"every engine mapping that daemon; start this engine with --model-loader-extra-config "
             f"'{{\"mode\": \"copy\"}}' to reload its own copy, or restart the daemon on the new checkpoint")
+
+
+def guard_direct_loads(model: Any, lease: Any) -> bool:
+    """Make ``model.load_weights`` refuse (:class:`ReloadRefused`) on a ``zero_copy`` engine whose ``lease``'s
+    transport shares writes with the daemon (CUDA): an RL trainer's weight sync calls the model's own
+    ``load_weights`` (through ``LLM.collective_rpc`` or vLLM's weight-update endpoints), not vLLM's
+    ``reload_weights``, so :func:`refuse_shared_writes` never sees it, and its writes would change the daemon's
+    memory, the weights of every engine mapping it, and the next engine's check would find some of them changed.
+    The instance gets a ``load_weights`` attribute that raises before it reads ``weights`` (the class's method is
+    kept as its ``__wrapped__``); the model is left as it is on a transport that does not share writes (the CPU
+    memfd is mapped copy-on-write). Returns whether the guard was set. ``lease``: a
+    :class:`.mapping.MappedLease` (its ``path`` and ``transport`` are read)."""
+    if not lease.transport.shares_writes or not callable(getattr(model, "load_weights", None)):
+        return False
+    path = lease.path
+
+    def load_weights(*args: Any, **kwargs: Any) -> Any:
+        raise ReloadRefused(
+            f"model.load_weights on an ipc_cache zero_copy engine would write into the preload daemon's memory at "
+            f"{path} (this device's transport maps it read-write and shared), changing the weights of every engine "
+            f"mapping that daemon; to update weights in place (an RL weight sync), start this engine with "
+            f"--model-loader-extra-config '{{\"mode\": \"copy\"}}', which serves from its own copy")
+
+    load_weights.__wrapped__ = model.load_weights  # type: ignore[attr-defined]
+    model.load_weights = load_weights
+    return True
 
 
 def checkpoint_loader(load_config: Any, config: Any, *, for_reload: bool = True) -> Any:

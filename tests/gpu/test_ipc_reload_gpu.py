@@ -2,9 +2,10 @@
 ipctests``).
 
 The CUDA VMM transport maps the daemon's memory read-write and shared, so a zero_copy engine refuses the reload
-(``ReloadRefused``, before the model is touched) and keeps serving; a copy engine reloads its own copy in place
-and from a new ``weights_path``. Afterwards a fresh zero_copy engine maps the daemon and answers as before: the
-daemon's memory was never written. Every process is stopped by its PID.
+(``ReloadRefused``, before the model is touched) and a weight sync through the model's own ``load_weights``, and
+keeps serving; a copy engine reloads its own copy in place and from a new ``weights_path``, and takes the sync.
+Afterwards a fresh zero_copy engine maps the daemon and answers as before: the daemon's memory was never written.
+Every process is stopped by its PID.
 """
 
 from __future__ import annotations
@@ -49,6 +50,21 @@ for line in sys.stdin:
     cmd, _, arg = line.strip().partition(" ")
     if cmd == "gen":
         print("RESULT " + json.dumps({"ids": ids()}), flush=True)
+    elif cmd == "sync":
+        # an RL trainer's weight sync: the model's own load_weights through collective_rpc, not reload_weights
+        def sync(worker, value):
+            import torch
+            runner = worker.model_runner
+            model = runner.get_model() if hasattr(runner, "get_model") else runner.model
+            w = model.model.norm.weight
+            model.load_weights([("model.norm.weight", torch.full(tuple(w.shape), value, dtype=w.dtype))])
+        try:
+            llm.collective_rpc(sync, args=(float(arg),))
+            out = {"synced": True}
+        except Exception as e:
+            out = {"synced": False, "error": f"{type(e).__name__}: {e}"}
+        out["ids"] = ids()
+        print("RESULT " + json.dumps(out), flush=True)
     elif cmd == "reload":
         try:
             llm.collective_rpc("reload_weights", kwargs={"weights_path": arg} if arg else {})
@@ -64,14 +80,15 @@ for line in sys.stdin:
 
 class Engine(CacheEngine):
     """An ipc_cache ``LLM`` in its own process (:class:`tests.gpu.test_ipc_cache_gpu.Engine` with this file's child):
-    RESULT lines; ``gen`` and ``reload [PATH]`` on stdin."""
+    RESULT lines; ``gen``, ``reload [PATH]`` and ``sync VALUE`` (the model's own ``load_weights`` of a final norm
+    weight of VALUE, through ``collective_rpc``, which pickles the function: tests only) on stdin."""
 
     def __init__(self, model, extra, log):
         self.log_path = Path(log)
         self.fh = open(self.log_path, "w")
         self.p = subprocess.Popen([sys.executable, "-c", CHILD, json.dumps({"model": str(model), "extra": extra})],
                                   stdin=subprocess.PIPE, stdout=self.fh, stderr=subprocess.STDOUT, text=True,
-                                  env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                  env={**os.environ, "PYTHONUNBUFFERED": "1", "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"})
         self.seen = 0
 
     def send(self, line: str) -> dict:
@@ -114,14 +131,22 @@ def test_zero_copy_refuses_copy_reloads_and_the_daemons_memory_is_unchanged(tiny
             assert "would write into the preload daemon's memory" in got["error"] + zc.log()
             assert '"mode": "copy"' in got["error"] + zc.log()
             assert got["ids"] == ref  # still serving the daemon's weights
+        # nor may a weight sync through the model's own load_weights write there (reload.guard_direct_loads)
+        got = zc.send("sync 0")
+        assert not got["synced"], got
+        assert "model.load_weights on an ipc_cache zero_copy engine" in got["error"] + zc.log(), got
+        assert got["ids"] == ref
 
         # copy mode: the engine's own clones; in place, from a new path, and back
         cp = engine("copy", mode="copy")
         assert cp.result()["ids"] == ref
         same = cp.send("reload")
         assert same["reloaded"] and same["ids"] == ref, same
+        synced = cp.send("sync 0")  # a copy engine's own memory: the sync is written, as with `auto`
+        assert synced["synced"] and synced["ids"] != ref, synced
         zeroed = cp.send(f"reload {changed}")
         assert zeroed["reloaded"] and zeroed["ids"] != ref, zeroed
+        assert zeroed["ids"] == synced["ids"]  # the synced norm of zeros is the zeroed checkpoint's
         back = cp.send(f"reload {tiny}")
         assert back["reloaded"] and back["ids"] == ref, back
         assert "reload_weights reads the checkpoint from disk with runai_streamer" in cp.log()

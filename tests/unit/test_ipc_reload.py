@@ -9,7 +9,9 @@ with layerwise reload. The end-to-end version with servers: tests/e2e_cpu/test_i
 
 from __future__ import annotations
 
+import copy
 import os
+import pickle
 import types
 
 import pytest
@@ -207,7 +209,47 @@ def test_a_direct_load_weights_on_a_shared_zero_copy_engine_is_refused_and_write
         model.load_weights(weights=new_weights())  # by keyword, as OpenRLHF's and verl's syncs call it
     assert read == [] and daemon_bytes(daemon_seg) == before
     assert torch.equal(model.proj.weight, originals()["proj.weight"])
-    assert model.load_weights.__wrapped__.__func__ is Tiny.load_weights
+    # once per model (a second lease of the same model keeps the one guard); a guarded model still pickles and
+    # deep-copies, and its copy refuses too
+    guard = vars(model)["load_weights"]
+    assert guard_direct_loads(model, leased(lease, SharedWrites())) and vars(model)["load_weights"] is guard
+    twin = copy.deepcopy(model)
+    with pytest.raises(ReloadRefused, match="gpu-X-r0-target.sock"):
+        twin.load_weights(new_weights())
+    assert pickle.loads(pickle.dumps(guard)).path == lease.path
+    daemon_seg.close()
+
+
+def test_vllms_reload_with_a_weights_iterator_is_refused_without_writing_the_daemons_memory(monkeypatch):
+    """vLLM 0.32's reload_weights with a weights iterator never asks the loader (no get_all_weights, so no
+    refuse_shared_writes) and puts the layers on the meta device before it calls the model's load_weights: the
+    guard refuses there, after that step. The daemon's memory is kept; this engine is left without weights (the
+    documented gap, reload.guard_direct_loads)."""
+    model, daemon_seg, lease = shared_model()
+    before = daemon_bytes(daemon_seg)
+    monkeypatch.setattr(mapping, "_LEASES", [])
+    mapping._keep_lease(leased(lease, SharedWrites()), CPU, model)
+    with pytest.raises(ReloadRefused, match="model.load_weights on an ipc_cache zero_copy engine"):
+        inplace.reload_weights(vllm_config(), model, iter(new_weights()), None, True)
+    assert daemon_bytes(daemon_seg) == before
+    daemon_seg.close()
+
+
+class ReadOnlyLoads(Tiny):
+    """A model whose load_weights is a property without a setter: the guard cannot be set."""
+
+    @property
+    def load_weights(self):
+        return super().load_weights
+
+
+def test_a_model_that_does_not_take_the_guard_is_named_in_a_warning(caplog):
+    daemon_seg, entries = pack(originals())
+    model = ReadOnlyLoads()
+    with caplog.at_level("WARNING", logger="vllm.fastload"):
+        assert not guard_direct_loads(model, leased(types.SimpleNamespace(segment=daemon_seg, path="/s.sock"),
+                                                    SharedWrites()))
+    assert "could not make ReadOnlyLoads.load_weights refuse" in caplog.text and "/s.sock" in caplog.text
     daemon_seg.close()
 
 

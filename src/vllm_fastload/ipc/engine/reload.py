@@ -100,29 +100,54 @@ def refuse_shared_writes(model: Any, leases: Iterable[Any]) -> None:
             f"'{{\"mode\": \"copy\"}}' to reload its own copy, or restart the daemon on the new checkpoint")
 
 
-def guard_direct_loads(model: Any, lease: Any) -> bool:
-    """Make ``model.load_weights`` refuse (:class:`ReloadRefused`) on a ``zero_copy`` engine whose ``lease``'s
-    transport shares writes with the daemon (CUDA): an RL trainer's weight sync calls the model's own
-    ``load_weights`` (through ``LLM.collective_rpc`` or vLLM's weight-update endpoints), not vLLM's
-    ``reload_weights``, so :func:`refuse_shared_writes` never sees it, and its writes would change the daemon's
-    memory, the weights of every engine mapping it, and the next engine's check would find some of them changed.
-    The instance gets a ``load_weights`` attribute that raises before it reads ``weights`` (the class's method is
-    kept as its ``__wrapped__``); the model is left as it is on a transport that does not share writes (the CPU
-    memfd is mapped copy-on-write). Returns whether the guard was set. ``lease``: a
-    :class:`.mapping.MappedLease` (its ``path`` and ``transport`` are read)."""
-    if not lease.transport.shares_writes or not callable(getattr(model, "load_weights", None)):
-        return False
-    path = lease.path
+class _RefusedLoads:
+    """What :func:`guard_direct_loads` puts in place of a model's ``load_weights``: raises :class:`ReloadRefused`
+    naming the daemon's socket ``path``, before it reads anything it was given. A class rather than a closure, so
+    a guarded model can still be pickled and deep-copied (it holds only the path)."""
 
-    def load_weights(*args: Any, **kwargs: Any) -> Any:
+    def __init__(self, path: str):
+        self.path = path
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
         raise ReloadRefused(
             f"model.load_weights on an ipc_cache zero_copy engine would write into the preload daemon's memory at "
-            f"{path} (this device's transport maps it read-write and shared), changing the weights of every engine "
-            f"mapping that daemon; to update weights in place (an RL weight sync), start this engine with "
+            f"{self.path} (this device's transport maps it read-write and shared), changing the weights of every "
+            f"engine mapping that daemon; to update weights in place (an RL weight sync), start this engine with "
             f"--model-loader-extra-config '{{\"mode\": \"copy\"}}', which serves from its own copy")
 
-    load_weights.__wrapped__ = model.load_weights  # type: ignore[attr-defined]
-    model.load_weights = load_weights
+
+def guard_direct_loads(model: Any, lease: Any) -> bool:
+    """Make ``model.load_weights`` refuse (:class:`ReloadRefused`) on a ``zero_copy`` engine whose ``lease``'s
+    transport shares writes with the daemon (CUDA): a weight sync that calls the model's own ``load_weights``
+    (an RL trainer through ``LLM.collective_rpc``) does not pass through :func:`refuse_shared_writes`, and its
+    writes would change the daemon's memory, the weights of every engine mapping it. The instance gets a
+    ``load_weights`` attribute (:class:`_RefusedLoads`) that raises before it reads ``weights``; the class's method
+    stays as it is. The model is left alone on a transport that does not share writes (the CPU memfd is mapped
+    copy-on-write). Returns whether the model's ``load_weights`` refuses now (also when it already did); False,
+    with a WARNING, where the model does not take the attribute (a read-only ``load_weights`` property, a
+    ``__setattr__`` of its own that drops it). ``lease``: a :class:`.mapping.MappedLease` (its ``path`` and
+    ``transport`` are read).
+
+    Not covered (vLLM 0.32): paths that write without the model's ``load_weights`` (``reload_weights`` with
+    ``is_checkpoint_format=False``, weight-transfer engines that copy into the parameters directly), and paths
+    that put the layers on the meta device first (``reload_weights`` with a weights iterator, the weight-transfer
+    engines' layerwise updates): there the refusal comes after that step, so the daemon's memory is kept but this
+    engine is left without weights."""
+    if not lease.transport.shares_writes or not callable(getattr(model, "load_weights", None)):
+        return False
+    if isinstance(vars(model).get("load_weights"), _RefusedLoads):
+        return True
+    guard = _RefusedLoads(lease.path)
+    try:
+        model.load_weights = guard
+    except (AttributeError, TypeError):
+        pass
+    if getattr(model, "load_weights", None) is not guard:
+        logger.warning("fastload: could not make %s.load_weights refuse writes into the preload daemon's shared "
+                       "memory (the model does not take the attribute): a weight sync through it would change the "
+                       "weights of every engine mapping %s; use \"mode\": \"copy\" for engines whose weights change",
+                       type(model).__name__, lease.path)
+        return False
     return True
 
 

@@ -88,16 +88,23 @@ def shared_write_segments(model: Any, leases: Iterable[Any]) -> list[str]:
     return hits
 
 
+def _writes_reach_daemon(action: str, paths: str) -> str:
+    """The part of a refusal's message that says why: ``action`` on a zero_copy engine would write into the
+    daemon's memory at ``paths`` (its socket or sockets) and so change every engine mapping it."""
+    return (f"{action} on an ipc_cache zero_copy engine would write into the preload daemon's memory at {paths} (this "
+            f"device's transport maps it read-write and shared), changing the weights of every engine mapping that "
+            f"daemon")
+
+
 def refuse_shared_writes(model: Any, leases: Iterable[Any]) -> None:
     """Raise :class:`ReloadRefused` when reloading ``model`` in place would write into a daemon's memory
     (:func:`shared_write_segments` of ``leases``). Called before vLLM touches the model."""
     paths = shared_write_segments(model, leases)
     if paths:
         raise ReloadRefused(
-            f"reload_weights on an ipc_cache zero_copy engine would write into the preload daemon's memory at "
-            f"{', '.join(paths)} (this device's transport maps it read-write and shared), changing the weights of "
-            f"every engine mapping that daemon; start this engine with --model-loader-extra-config "
-            f"'{{\"mode\": \"copy\"}}' to reload its own copy, or restart the daemon on the new checkpoint")
+            f"{_writes_reach_daemon('reload_weights', ', '.join(paths))}; start this engine with "
+            f"--model-loader-extra-config '{{\"mode\": \"copy\"}}' to reload its own copy, or restart the daemon on "
+            f"the new checkpoint")
 
 
 class _RefusedLoads:
@@ -110,10 +117,9 @@ class _RefusedLoads:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         raise ReloadRefused(
-            f"model.load_weights on an ipc_cache zero_copy engine would write into the preload daemon's memory at "
-            f"{self.path} (this device's transport maps it read-write and shared), changing the weights of every "
-            f"engine mapping that daemon; to update weights in place (an RL weight sync), start this engine with "
-            f"--model-loader-extra-config '{{\"mode\": \"copy\"}}', which serves from its own copy")
+            f"{_writes_reach_daemon('model.load_weights', self.path)}; to update weights in place (an RL weight "
+            f"sync), start this engine with --model-loader-extra-config '{{\"mode\": \"copy\"}}', which serves "
+            f"from its own copy")
 
 
 def guard_direct_loads(model: Any, lease: Any) -> bool:

@@ -106,8 +106,9 @@ def run(n: int, nbytes: int, device: torch.device | None = None, vllm_params: bo
     from vllm_fastload.ipc.daemon.server import RankServer, acquire
     from vllm_fastload.ipc.engine.mapping import _apply_entries, _verify, _view_tensors, fetch
     from vllm_fastload.ipc.memory.backends import get_transport
+    from vllm_fastload.ipc.memory.constructed import SmallOnDevice
     from vllm_fastload.ipc.wire import protocol
-    from vllm_fastload.ipc.wire.messages import Manifest, to_frame
+    from vllm_fastload.ipc.wire.messages import Constructed, Manifest, to_frame
 
     ts = tensors(n, nbytes)
     out: dict[str, float] = {}
@@ -120,7 +121,9 @@ def run(n: int, nbytes: int, device: torch.device | None = None, vllm_params: bo
     out["pack"] = time.perf_counter() - t
     fp = make_fingerprint()
     manifest = Manifest(version=protocol.PROTOCOL_VERSION, fingerprint=fp.to_dict(), fingerprint_short=fp.short(),
-                        segment=transport.describe(seg, device), tensors=entries)
+                        constructed=Constructed(digest=SmallOnDevice("cpu").digest(), kept=0),
+                        segment=transport.describe(seg, device),
+                        tensors=entries)
     t = time.perf_counter()
     frame = json.dumps(to_frame(manifest), separators=(",", ":"))
     out["manifest frame"] = time.perf_counter() - t
@@ -152,7 +155,7 @@ def run(n: int, nbytes: int, device: torch.device | None = None, vllm_params: bo
             out["views"] = time.perf_counter() - t
             model = Skeleton(list(ts), nbytes // 4, vllm_params)
             t = time.perf_counter()
-            _apply_entries(model, got, lease.manifest)  # install as the engine calls it
+            _apply_entries(model, got, lease.manifest, [])  # install as the engine calls it
             out["install"] = time.perf_counter() - t
             some = next(iter(ts))
             assert torch.equal(model.get_parameter(some).cpu(), ts[some])

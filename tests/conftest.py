@@ -483,3 +483,31 @@ def run_script(argv: list[str], env: dict, timeout_s: float) -> subprocess.Compl
         p.wait()
         raise
     return subprocess.CompletedProcess(argv, p.returncode, out, err)
+
+
+STATE_FIELDS = ("kind", "dtype", "shape", "stride", "sha256", "class", "device type")
+
+
+def state_differences(got: list[dict], ref: list[dict], limit: int = 12) -> list[str]:
+    """How two engines' states (``benchmarks/model_state.py``: per rank, name -> ``[kind, dtype, shape, stride,
+    sha256, class, device type]``) differ, one line per tensor (at most ``limit``, then a count): a name only one
+    has, or the fields that differ with both values. Empty when they are equal."""
+    lines = []
+    if len(got) != len(ref):
+        return [f"{len(got)} rank(s) against {len(ref)}"]
+    for rank, (a, b) in enumerate(zip(got, ref)):
+        for name in sorted(a.keys() | b.keys()):
+            if name not in b:
+                lines.append(f"rank {rank}: {name} only in the engine under test")
+            elif name not in a:
+                lines.append(f"rank {rank}: {name} missing from the engine under test")
+            elif a[name] != b[name]:
+                fields = [f"{f} {x!r} != {y!r}" for f, x, y in zip(STATE_FIELDS, a[name], b[name]) if x != y]
+                lines.append(f"rank {rank}: {name}: " + ", ".join(fields))
+    return lines[:limit] + ([f"... {len(lines) - limit} more"] if len(lines) > limit else [])
+
+
+def assert_same_state(got: list[dict], ref: list[dict]) -> None:
+    """Assert two engines' states are equal, naming the tensors and fields that differ (:func:`state_differences`)."""
+    diff = state_differences(got, ref)
+    assert not diff, "engine state differs from the reference:\n" + "\n".join(diff)

@@ -29,9 +29,10 @@ from vllm_fastload.ipc.daemon.export import pack
 from vllm_fastload.ipc.daemon.health import start_health_server
 from vllm_fastload.ipc.daemon.rank import Limits, RankState
 from vllm_fastload.ipc.daemon.server import RankServer, acquire
+from vllm_fastload.ipc.memory.constructed import SmallOnDevice
 from vllm_fastload.ipc.memory.memfd import MemfdTransport
 from vllm_fastload.ipc.wire import protocol
-from vllm_fastload.ipc.wire.messages import Manifest, SegmentMeta, to_frame
+from vllm_fastload.ipc.wire.messages import Constructed, Manifest, SegmentMeta, to_frame
 
 
 def weights(n_extra: int = 0) -> dict[str, torch.Tensor]:
@@ -50,6 +51,7 @@ def make_state(path, fp: Fingerprint, tensors: dict[str, torch.Tensor]) -> RankS
     """A ready RankState serving ``tensors`` packed into one segment, as ``serve_rank`` builds it after a load."""
     seg, entries = pack(tensors)
     manifest = Manifest(version=protocol.PROTOCOL_VERSION, fingerprint=fp.to_dict(), fingerprint_short=fp.short(),
+                        constructed=Constructed(digest=SmallOnDevice("cpu").digest(), kept=0),
                         segment=describe(seg), tensors=entries)
     st = RankState(fingerprint=fp.to_dict(), segment=seg, manifest=manifest, model="m", device="dev",
                    socket=str(path), load_s=0.0, nbytes=entries.total_bytes())

@@ -106,7 +106,7 @@ def test_a_failed_mapping_frees_its_skeleton_and_clones_before_the_fallback_load
         refs["skeleton"] = weakref.ref(s)
         return s
 
-    def apply(model, tensors, manifest):
+    def apply(model, tensors, manifest, made=()):
         refs["clone"] = weakref.ref(tensors["w"][1])
         raise InstallError("no parameter named 'w' in the skeleton")
 

@@ -12,12 +12,13 @@ from vllm_fastload.ipc.daemon.export import pack  # noqa: E402
 from vllm_fastload.ipc.memory import layout  # noqa: E402
 from vllm_fastload.ipc.memory.memfd import MemfdTransport  # noqa: E402
 from vllm_fastload.ipc.wire import protocol  # noqa: E402
-from vllm_fastload.ipc.wire.messages import MessageError, TensorRow, TensorTable, parse_reply  # noqa: E402
+from vllm_fastload.ipc.wire.messages import KIND_INDEX, KINDS, MessageError, TensorRow, TensorTable, parse_reply  # noqa: E402
 
 
 def manifest_frame(table: dict) -> dict:
     return {"type": "manifest", "version": protocol.PROTOCOL_VERSION, "fingerprint": {},
-            "segment": {"size": 4096, "transport": "memfd"}, "tensors": table}
+            "segment": {"size": 4096, "transport": "memfd"}, "tensors": table,
+            "constructed": {"digest": "0:", "kept": 0}}
 
 
 def good() -> dict:
@@ -37,7 +38,7 @@ def test_a_table_survives_json_and_gives_its_rows_back():
     ({"offset": [0]}, "column 'offset' has 1 entries for 2 tensor names"),
     ({"names": ["a", "a"]}, "a tensor name appears twice"),
     ({"dtype": [0, 2]}, "column 'dtype' holds an index outside the 2 names of 'dtypes'"),
-    ({"kind": [0, 4]}, "column 'kind' holds an index outside"),
+    ({"kind": [0, len(KINDS)]}, "column 'kind' holds an index outside"),
     ({"ndim": [2, -1]}, "column 'ndim' holds a negative number"),
     ({"shape": [2, 3]}, "columns 'shape' (2) and 'stride' (3) must hold sum(ndim) = 3 entries"),
     ({"checksum": [0, 2**64]}, "column 'checksum' holds a value outside the unsigned 64-bit range"),
@@ -163,3 +164,39 @@ def test_views_of_a_buffer_no_whole_dtype_view_fits_are_the_tensors():
     for k, t in ts.items():
         assert torch.equal(got[k], t) and got[k].stride() == t.stride() and got[k].dtype == t.dtype, k
     seg.close()
+
+
+def test_host_rows_come_back_as_host_copies_with_their_geometry():
+    """Tensors a GPU daemon's model keeps on the host (``host_`` kinds): the engine copies them there in one
+    gather, each with its dtype, shape and stride, and installs them under the plain kind."""
+    import types
+
+    import torch
+
+    from vllm_fastload.ipc.daemon.export import _kinds
+    from vllm_fastload.ipc.engine.mapping import _view_tensors
+    from vllm_fastload.ipc.memory.layout import fill, place, to_host
+
+    ts = {"a": torch.arange(6, dtype=torch.float32).reshape(2, 3).t(),  # a transposed (strided) view
+          "b": torch.tensor([1.5, -2.0], dtype=torch.bfloat16), "c": torch.tensor(7, dtype=torch.int64),
+          "e": torch.tensor([]), "w": torch.ones(3)}
+    table, size = place(ts)
+    buf = torch.zeros(size, dtype=torch.uint8)
+    fill(buf, ts, table)
+    got = to_host(buf, table, [table.index[k] for k in ("a", "b", "c", "e")])
+    for k, t in zip(("a", "b", "c", "e"), got):
+        assert (t.dtype, t.shape, t.stride()) == (ts[k].dtype, ts[k].shape, ts[k].stride()) and torch.equal(t, ts[k])
+        assert t.numel() == 0 or t.untyped_storage().data_ptr() != buf.untyped_storage().data_ptr()
+    kinds = _kinds({k: ("attr" if k != "w" else "param", t) for k, t in ts.items()}, torch.device("cuda"))
+    assert kinds == {"a": "host_attr", "b": "host_attr", "c": "host_attr", "e": "host_attr", "w": "host_param"}
+    assert _kinds({"w": ("param", ts["w"])}, torch.device("cpu")) == {"w": "param"}
+    table = table.model_copy(update={"kind": [KIND_INDEX[k] for k in ("host_attr", "buffer", "attr", "attr",
+                                                                        "param")]})
+    lease = types.SimpleNamespace(manifest=types.SimpleNamespace(tensors=table), segment=types.SimpleNamespace(buf=buf))
+    for mode in ("zero_copy", "copy"):
+        out = _view_tensors(lease, mode)
+        assert out["a"][0] == "attr" and torch.equal(out["a"][1], ts["a"]) and out["a"][1].stride() == (1, 3)
+        assert out["w"][0] == "param" and torch.equal(out["w"][1], ts["w"])
+        buf_ptr = buf.untyped_storage().data_ptr()
+        assert out["a"][1].untyped_storage().data_ptr() != buf_ptr
+        assert (out["w"][1].untyped_storage().data_ptr() == buf_ptr) == (mode == "zero_copy")

@@ -53,7 +53,7 @@ def test_the_checksum_check_runs_while_the_skeleton_is_built(setup, monkeypatch,
         seen["check started before the build ended"] = checking.wait(timeout=30)
         return nn.Module()
 
-    def apply(model, tensors, manifest):
+    def apply(model, tensors, manifest, made=()):
         seen["install after the check"] = True
         raise InstallError("stop here")
 
@@ -121,7 +121,7 @@ def test_the_report_gives_the_check_and_the_wait_left_after_the_build(setup, mon
     srv, model_config, vllm_config = setup
     seen = {}
 
-    def apply(model, tensors, manifest):
+    def apply(model, tensors, manifest, made=()):
         return {}
 
     monkeypatch.setattr(mapping, "_build_model", lambda *a: nn.Module())

@@ -11,13 +11,13 @@ import time
 from typing import Any, Optional
 
 from ...errors import FastloadError
-from ...heap import trim_malloc
+from ...heap import gc_paused, trim_malloc
 from ...log import logger
 from ..memory.backends import get_transport
 from ..memory.layout import fill, place, sample_checksums
 from ..memory.transport import Segment, Transport
 from ..wire import protocol
-from ..wire.messages import KIND_INDEX, Manifest, TensorTable
+from ..wire.messages import KIND_INDEX, Constructed, Manifest, TensorTable
 
 
 def finish_online_quantization(model: Any, model_config: Any) -> bool:
@@ -97,21 +97,30 @@ def build_and_export(vllm_config: Any, local_rank: int, rank: int, world_size: i
     with set_current_vllm_config(vllm_config):
         ensure_model_parallel_initialized(pc.tensor_parallel_size, pc.pipeline_parallel_size)
         _, fp = of_model(mc, vllm_config)
-        exp, content_digest = _processed_export(vllm_config, device)
+        exp, content_digest, small_digest = _processed_export(vllm_config, device)
         device = transport.resolve(device)
         # One export buffer per rank (one fd, one device allocation): engines open one handle and build every
         # tensor by offset. Peak memory during the copy is twice the weights; the model is freed right after.
         tensors = {k: t for k, (_, t) in exp.tensors.items()}
-        segment, entries = pack(tensors, device, {k: kind for k, (kind, _) in exp.tensors.items()}, transport)
+        segment, entries = pack(tensors, device, _kinds(exp.tensors, device), transport)
         del tensors
         exp.tensors.clear()
         _release_dropped_model(transport, device, rank)
     manifest = Manifest(type="manifest", version=protocol.PROTOCOL_VERSION, fingerprint=fp.to_dict(),
                         fingerprint_short=fp.short(), segment=transport.describe(segment, device), tensors=entries,
                         aliases=exp.aliases, reprocess=exp.reprocess, attrs=exp.attrs, object_attrs=exp.object_attrs,
-                        objects=exp.objects, content_digest=content_digest)
+                        objects=exp.objects, content_digest=content_digest,
+                        constructed=Constructed(digest=small_digest, kept=exp.kept, dropped=exp.dropped))
     _log_export(rank, entries, exp.reprocess)
     return segment, manifest, time.perf_counter() - t0
+
+
+def _kinds(tensors: dict[str, tuple[str, Any]], device: Any) -> dict[str, str]:
+    """Each exported tensor's kind for the table: ``host_`` + its kind where the model keeps it in host memory
+    while the rank's device is not the host (the engine puts it back there, as ``auto``'s model has it)."""
+    if device.type == "cpu":
+        return {k: kind for k, (kind, _) in tensors.items()}
+    return {k: "host_" + kind if t.device.type == "cpu" else kind for k, (kind, t) in tensors.items()}
 
 
 def _release_dropped_model(transport: Transport, device: Any, rank: int) -> Optional[int]:
@@ -138,21 +147,27 @@ def _release_dropped_model(transport: Transport, device: Any, rank: int) -> Opti
     return freed
 
 
-def _processed_export(vllm_config: Any, device: Any) -> tuple[Any, Optional[str]]:
+def _processed_export(vllm_config: Any, device: Any) -> tuple[Any, Optional[str], str]:
     """Build this rank's model on ``device``, load its weights with the rank's loader (:func:`rank_loader`),
     post-process it and collect what an engine needs (:func:`.state.collect`). Returns ``(export, content digest
-    or None)``; the model itself is dropped on return (the export holds its tensors). Raises
-    :class:`~vllm_fastload.errors.FastloadError` naming a tensor that was never loaded (still on meta)."""
+    or None, the digest of the small tensors its constructor made)`` (:mod:`..memory.constructed`); the model
+    itself is dropped on return (the export holds its tensors). Raises :class:`~vllm_fastload.errors.FastloadError`
+    naming a tensor that was never loaded (still on meta)."""
     from vllm.model_executor.model_loader.utils import initialize_model, process_weights_after_loading
     from vllm.utils.torch_utils import set_default_torch_dtype
 
+    from ..memory.constructed import AsBuilt, SmallOnDevice
     from ..memory.state import capture_processing, collect, object_states, parameter_classes, snapshot
 
     mc = vllm_config.model_config
     loader = rank_loader(vllm_config.load_config)
     with set_default_torch_dtype(mc.dtype):
-        with device:
+        # the small tensors the constructor makes from data, by the rule the engine's skeleton follows; with the
+        # collector paused as in the engine's load, so that the same temporaries are alive at the digest
+        with gc_paused(), device, SmallOnDevice(device) as small:
             model = initialize_model(vllm_config=vllm_config, model_config=mc)
+            as_built = AsBuilt.of(model, small)
+        del small
         constructed = object_states(model)  # what the engine's skeleton will start from
         built = parameter_classes(model)  # likewise its parameters' classes
         # the units vLLM post-processes while loading (online quantization) and that engines must re-process
@@ -161,14 +176,15 @@ def _processed_export(vllm_config: Any, device: Any) -> tuple[Any, Optional[str]
             content_digest = getattr(loader, "content_digest", None)  # our runai_streamer with content_hash
             finish_online_quantization(model, mc)
         snap = snapshot(model, captured)
+        as_built_before = as_built.unchanged(as_built.lookup_tables(snap.tensors))  # what re-processing starts from
         process_weights_after_loading(model, mc, device)
-    exp = collect(model, snap, constructed, built)
+    exp = collect(model, snap, constructed, built, as_built, as_built_before)
     unloaded = [k for k, (_, t) in exp.tensors.items() if t.device.type == "meta"]
     if unloaded:
         raise FastloadError(f"{len(unloaded)} tensor(s) were never loaded in the daemon (still on the meta "
                             f"device), e.g. {unloaded[0]!r}; this checkpoint/quantization is not supported by the "
                             f"preload daemon yet — serve it with --load-format runai_streamer")
-    return exp, content_digest
+    return exp, content_digest, as_built.digest
 
 
 def _log_export(rank: int, table: TensorTable, reprocess: list[str]) -> None:

@@ -150,6 +150,7 @@ def map_model(vllm_config: Any, model_config: Any, prefix: str, path: str, confi
         # outside the weights phase, as a disk loader's code is imported before vLLM's "Loading weights took"
         # begins (about 10 ms on the CPU machine, in the report as imports_s)
         from ..memory import layout, state  # noqa: F401
+        from ..memory.constructed import SmallOnDevice
         phases.lap("imports_s")
         plan, fp = _fingerprint(vllm_config, model_config)
         phases.lap("fingerprint_s")
@@ -166,7 +167,9 @@ def map_model(vllm_config: Any, model_config: Any, prefix: str, path: str, confi
             try:
                 with phases.part("skeleton_s", outside=True):  # not part of the weights phase
                     registered = _skeleton_registrations(vllm_config)
-                    model = _build_model(vllm_config, model_config, prefix)
+                    small = SmallOnDevice(device)
+                    model = _build_model(vllm_config, model_config, prefix, small)
+                    _check_constructed(lease, small, path)
                     # the fix of what vLLM recorded per module while building it, so the skeleton's, as that
                     # recording is part of vLLM's own model construction (outside "Loading weights took" for `auto`)
                     _record_restore_device(model, device)
@@ -184,7 +187,8 @@ def map_model(vllm_config: Any, model_config: Any, prefix: str, path: str, confi
             with phases.part("views_s"):
                 tensors = _view_tensors(lease, config.mode)
             with phases.part("install_s"):
-                done = _apply_entries(model, tensors, lease.manifest)
+                done = _apply_entries(model, tensors, lease.manifest, small.made)
+            del small
             del tensors  # copy mode: the model holds the clones; nothing else may view the mapping
             phases.lap("map_verify_install_s")
             _reprocess(model, lease.manifest, model_config, transport, device, done)
@@ -291,40 +295,62 @@ class _Verifying:
             raise error
 
 
-def _build_model(vllm_config: Any, model_config: Any, prefix: str) -> Any:
-    """The engine's model built on the meta device: every module, no weight memory."""
+def _build_model(vllm_config: Any, model_config: Any, prefix: str, small: Any) -> Any:
+    """The engine's model built on the meta device: every module, no weight memory, except the small tensors its
+    constructor makes from data, which ``small`` (a :class:`~vllm_fastload.ipc.memory.constructed.SmallOnDevice`)
+    makes on the engine's device, as the daemon's were."""
     import torch
     from vllm.model_executor.model_loader.utils import initialize_model
     from vllm.utils.torch_utils import set_default_torch_dtype
 
     with set_default_torch_dtype(model_config.dtype):
-        with torch.device("meta"):
+        with torch.device("meta"), small:
             return initialize_model(vllm_config=vllm_config, model_config=model_config, prefix=prefix)
 
 
+def _check_constructed(lease: MappedLease, small: Any, path: str) -> None:
+    """The small tensors this engine's constructor made must be the daemon's (their digest); raises
+    :class:`~vllm_fastload.ipc.memory.constructed.ConstructionMismatch`. The skeleton keeps them, so the daemon
+    exported only those that changed since (:mod:`~vllm_fastload.ipc.memory.constructed`)."""
+    from ..memory.constructed import check
+
+    check(lease.manifest.constructed.digest, small.digest(), path)
+
+
 def _view_tensors(lease: MappedLease, mode: Mode) -> dict[str, tuple[str, Any]]:
-    """name -> ``(kind, tensor)``: views into the segment (``zero_copy``) or clones of them (``copy``). Raises
+    """name -> ``(kind, tensor)``: views into the segment (``zero_copy``) or clones of them (``copy``); a ``host_``
+    kind's tensor as a copy on the host under its plain kind (:func:`~vllm_fastload.ipc.memory.layout.to_host`). Raises
     :class:`~vllm_fastload.errors.ManifestError` naming an entry that does not fit the segment."""
-    from ..memory.layout import views
-    from ..wire.messages import KINDS
+    from ..memory.layout import to_host, views
+    from ..wire.messages import FIRST_HOST_KIND, KINDS
 
     table = lease.manifest.tensors
     mapped = views(lease.segment.buf, table).values()  # in row order
     kinds = [KINDS[k] for k in table.kind]
+    host = [i for i, k in enumerate(table.kind) if k >= FIRST_HOST_KIND]
+    if host:  # tensors the daemon's model keeps on the host: copied there, in their kind without the prefix
+        mapped = list(mapped)
+        for i, t in zip(host, to_host(lease.segment.buf, table, host)):
+            mapped[i] = t
+            kinds[i] = kinds[i].removeprefix("host_")
     if mode == "copy":
-        return {name: (kind, t.clone()) for name, kind, t in zip(table.names, kinds, mapped)}
+        on_host = set(host)
+        return {name: (kind, t if i in on_host else t.clone())
+                for i, (name, kind, t) in enumerate(zip(table.names, kinds, mapped))}
     return dict(zip(table.names, zip(kinds, mapped)))
 
 
-def _apply_entries(model: Any, tensors: dict[str, tuple[str, Any]], manifest: Manifest) -> Any:
+def _apply_entries(model: Any, tensors: dict[str, tuple[str, Any]], manifest: Manifest, made: list) -> Any:
     """Install ``tensors``, the aliases and the attributes of ``manifest`` into the skeleton ``model``
-    (:func:`.state.install`, whose :class:`.state.InstallError` it raises). Returns what install leaves to
-    :func:`_reprocess`'s audit (:class:`.state.Installed`)."""
+    (:func:`.state.install`, whose :class:`.state.InstallError` it raises; ``made``: the small tensors the
+    skeleton's constructor made on the real device, which cached tensors of their names replace in place, and
+    the manifest's ``constructed.dropped`` are removed). Returns what install leaves to :func:`_reprocess`'s audit
+    (:class:`.state.Installed`)."""
     from ..memory.state import install
 
     # consume: map_model drops ``tensors`` right after, so install may take the aliases over as they are
     return install(model, tensors, manifest.aliases, manifest.reprocess, manifest.attrs, manifest.object_attrs,
-                   consume=True)
+                   consume=True, made=made, dropped=manifest.constructed.dropped)
 
 
 def _record_restore_device(model: Any, device: Any) -> None:

@@ -196,6 +196,43 @@ def views(buf: torch.Tensor, table: TensorTable) -> dict[str, torch.Tensor]:
     return out
 
 
+#: Bytes each row's span is rounded up to in :func:`to_host`'s gather: a multiple of every dtype's item size, so
+#: each row starts where a view of its dtype may start
+_HOST_GRAIN = 16
+
+
+def to_host(buf: torch.Tensor, table: TensorTable, rows: list[int]) -> list[torch.Tensor]:
+    """Host copies of ``table``'s ``rows`` (indices) of ``buf`` (a device buffer), each with its row's dtype,
+    shape and stride: one gather of their spans on the device and one copy to the host for all of them (a copy
+    per tensor would wait for the device once each). The copies are views of one host buffer. Assumes the table
+    was checked against ``buf`` (:func:`check_geometry`)."""
+    if not rows:
+        return []
+    size, parts, starts, at = buf.numel(), [], [], 0
+    for i in rows:
+        o, n = table.offset[i], table.nbytes[i]
+        padded = -(-n // _HOST_GRAIN) * _HOST_GRAIN
+        parts.append(buf[o:min(o + padded, size)])
+        if o + padded > size:  # a span at the very end of a buffer of odd size
+            parts.append(torch.zeros(o + padded - size, dtype=torch.uint8, device=buf.device))
+        starts.append(at)
+        at += padded
+    host = torch.cat(parts).cpu() if at else torch.empty(0, dtype=torch.uint8)
+    typed: dict[str, torch.Tensor] = {}
+    out = []
+    for i, start in zip(rows, starts):
+        r = table.row(i)
+        dtype = DTYPES[r.dtype]
+        if not r.nbytes:
+            out.append(torch.empty_strided(r.shape, r.stride, dtype=dtype))
+            continue
+        view = typed.get(r.dtype)
+        if view is None:
+            view = typed[r.dtype] = host.view(dtype)
+        out.append(view.as_strided(r.shape, r.stride, start // dtype.itemsize))
+    return out
+
+
 def fill(buf: torch.Tensor, tensors: dict[str, torch.Tensor], table: TensorTable) -> None:
     """Copy each tensor into its place in ``buf`` (same device or across host/device)."""
     for k, t in tensors.items():

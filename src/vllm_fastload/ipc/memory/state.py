@@ -42,12 +42,15 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from ...errors import CacheUnavailable, FastloadError, ManifestError
+
+if TYPE_CHECKING:
+    from .constructed import AsBuilt
 
 _PLAIN = (int, float, str, bool, type(None), torch.dtype, torch.device)
 
@@ -581,6 +584,10 @@ class Export:
     attrs: dict[str, dict[str, Any]] = field(default_factory=dict)
     object_attrs: dict[str, dict[str, Any]] = field(default_factory=dict)
     objects: dict[str, list[str]] = field(default_factory=dict)
+    #: how many of the constructor's small tensors were left out because they are still as built (:mod:`.constructed`)
+    kept: int = 0
+    #: those of them that post-processing removed, which the engine removes too (dotted names)
+    dropped: list[str] = field(default_factory=list)
 
 
 def _changed(now: dict[str, Any], was: dict[str, Any]) -> dict[str, Any]:
@@ -589,7 +596,8 @@ def _changed(now: dict[str, Any], was: dict[str, Any]) -> dict[str, Any]:
 
 
 def collect(model: nn.Module, snap: Snapshot, constructed: dict[str, tuple] | None = None,
-            built: dict[str, type] | None = None) -> Export:
+            built: dict[str, type] | None = None, as_built: AsBuilt | None = None,
+            as_built_before: set[str] | None = None) -> Export:
     """Apply the per-unit rule (module docstring) to a post-processed ``model``. Tensors that are the same memory
     (tied weights: same data pointer, dtype, shape, stride) are exported once and aliased. ``constructed``
     (:func:`object_states` taken right after the model was built): only plain attributes of modules and plain
@@ -600,7 +608,15 @@ def collect(model: nn.Module, snap: Snapshot, constructed: dict[str, tuple] | No
     engine keeps its skeleton's object); without it every parameter is ``param``. Raises :class:`NotExportable`
     when an object was bound on a module that no processing unit owns, or on a unit vLLM had already processed
     while loading without :func:`capture_processing` seeing it (the weights re-processing would start from are
-    gone)."""
+    gone).
+
+    ``as_built`` (:class:`.constructed.AsBuilt`, taken when the model was built) with ``as_built_before`` (its
+    :meth:`~.constructed.AsBuilt.unchanged` names before post-processing): a small tensor the constructor made is
+    not exported where it is still as built (in a re-processed unit: as it was before post-processing, which the
+    engine's re-processing starts from), unless another name is an alias of it; one that post-processing removed
+    is listed in ``dropped``. Raises :class:`NotExportable` also when such a tensor changed while a vLLM object of
+    a processed module refers to it and no exported name holds it: the engine's would keep its constructor's
+    value."""
     out = Export()
     units = processing_units(model)
     modules = list(model.named_modules())
@@ -624,8 +640,34 @@ def collect(model: nn.Module, snap: Snapshot, constructed: dict[str, tuple] | No
             f"(online quantization), not through its quant method's process_weights_after_loading where the daemon "
             f"keeps the loaded weights, and bound objects an engine must rebuild from them, which no longer exist; "
             f"serve this model with --load-format runai_streamer (or auto), or quantize the checkpoint offline")
-    _export_tensors_and_values(out, modules, units, snap, constructed, built or {})
+    now = as_built.unchanged(as_built.lookup(dict(modules))) if as_built is not None else set()
+    _export_tensors_and_values(out, modules, units, snap, constructed, built or {}, as_built, now,
+                               as_built_before or set())
+    if as_built is not None:
+        _check_changed_small(out, modules, units, as_built)
     return out
+
+
+def _check_changed_small(out: Export, modules: list[tuple[str, nn.Module]], units: set[str],
+                         as_built: AsBuilt) -> None:
+    """Raise :class:`NotExportable` for a small tensor the constructor made that has changed since, that a vLLM
+    object of a processed module refers to, and that no exported name holds (:func:`collect`)."""
+    changed = as_built.changed_made()
+    if not changed:
+        return
+    exported = {id(t) for _, t in out.tensors.values()}
+    memory = {t.data_ptr() for _, t in out.tensors.values() if t.numel()}  # another object over exported memory
+    again = set(out.reprocess)
+    seen: dict[int, int] = {}
+    for name, m in modules:
+        if owner_unit(name, units) in again:
+            continue  # re-processing rebuilds what the unit's objects hold
+        for path, _, _, t in _tensor_refs(m, seen):
+            if id(t) in changed and id(t) not in exported and not (t.numel() and t.data_ptr() in memory):
+                raise NotExportable(
+                    f"{_dotted(name, path)} refers to a small tensor the model's constructor made that changed while "
+                    f"loading or post-processing, and no exported name holds it, so an engine would keep the "
+                    f"constructor's value; serve this model with --load-format runai_streamer (or auto)")
 
 
 def _described(name: str, m: nn.Module) -> str:
@@ -646,17 +688,23 @@ def _bound_anew(name: str, m: nn.Module, before: dict[str, int], constructed: di
 
 
 def _export_tensors_and_values(out: Export, modules: list[tuple[str, nn.Module]], units: set[str], snap: Snapshot,
-                               constructed: dict[str, tuple] | None, built: dict[str, type]) -> None:
+                               constructed: dict[str, tuple] | None, built: dict[str, type],
+                               as_built: AsBuilt | None, as_built_now: set[str], as_built_before: set[str]) -> None:
     """Fill ``out``'s tensors and aliases (modules of re-processed units: their snapshot's tensors; the others: as
-    they are now, a parameter of the class ``built`` names for it as ``kept_param``) and the plain values of
-    processed modules (:func:`collect`'s docstring)."""
+    they are now, a parameter of the class ``built`` names for it as ``kept_param``), the constructor's small
+    tensors left out (``as_built_now`` / ``as_built_before``: the names still as built, for processed and
+    re-processed modules) and the plain values of processed modules (:func:`collect`'s docstring)."""
     again = set(out.reprocess)
     seen: dict[tuple, str] = {}
+    left_out: dict[str, tuple[str, torch.Tensor]] = {}
+    by_module = as_built.modules if as_built is not None else {}
     for name, m in modules:
         if owner_unit(name, units) in again:
             own = snap.tensors.get(name, {})
+            as_built_here, present = as_built_before, own.keys()
         else:
             own = _own_tensors(m, built, name)
+            as_built_here, present = as_built_now, vars(m).keys() | own.keys()
             was_attrs, was_plain, _ = constructed.get(name, ({}, {}, {})) if constructed is not None else ({}, {}, {})
             attrs = plain_attrs(m) if constructed is None else _changed(plain_attrs(m), was_attrs)
             if attrs:
@@ -664,15 +712,25 @@ def _export_tensors_and_values(out: Export, modules: list[tuple[str, nn.Module]]
             values = _changed(object_state(m)[0], was_plain) if constructed is not None else {}
             if values:
                 out.object_attrs[name] = values
+        prefix = name + "." if name else ""
         for leaf, (kind, t) in own.items():
-            full = f"{name}.{leaf}" if name else leaf
+            full = prefix + leaf
             key = (t.data_ptr(), t.dtype, tuple(t.shape), tuple(t.stride())) if t.numel() else None
             if key is not None and key in seen:
                 out.aliases[full] = seen[key]
                 continue
             if key is not None:
                 seen[key] = full
-            out.tensors[full] = (kind, t)
+            if full in as_built_here:
+                left_out[full] = (kind, t)
+            else:
+                out.tensors[full] = (kind, t)
+        if name in by_module:
+            out.dropped += [prefix + leaf for leaf in by_module[name] if leaf not in present]
+    # a left-out tensor that another name is an alias of is exported after all: an alias needs its canonical
+    for canonical in set(out.aliases.values()) & left_out.keys():
+        out.tensors[canonical] = left_out.pop(canonical)
+    out.kept = len(left_out)
 
 
 def _names_code(cls: type, leaf: str) -> bool:
@@ -689,7 +747,8 @@ class InstallError(CacheUnavailable):
 
 def install(model: nn.Module, tensors: dict[str, tuple[str, torch.Tensor]], aliases: dict[str, str],
             reprocess: list[str], attrs: dict[str, dict[str, Any]] | None = None,
-            object_attrs: dict[str, dict[str, Any]] | None = None, consume: bool = False) -> Installed:
+            object_attrs: dict[str, dict[str, Any]] | None = None, consume: bool = False,
+            made: list[torch.Tensor] | None = None, dropped: list[str] | None = None) -> Installed:
     """Put ``tensors`` (name -> (kind, tensor)) into a skeleton ``model`` built on the meta device.
 
     Parameters keep the Python attributes of the skeleton's parameter (``weight_loader``, ``output_dim``...), and
@@ -714,6 +773,11 @@ def install(model: nn.Module, tensors: dict[str, tuple[str, torch.Tensor]], alia
     view (what :func:`.layout.views` makes) may itself be exchanged with the skeleton's (its object then holds the
     skeleton's meta contents), which saves making a detached alias of each; the caller must drop them after. A
     failed install gives every exchanged one back.
+
+    ``made``: the small tensors the skeleton's constructor made on the real device (:mod:`.constructed`): a cached
+    tensor of such a one's name takes its place in place, as one of a meta tensor does (the daemon exports only
+    those that changed since construction). ``dropped``: names of such tensors the daemon's post-processing
+    removed, removed here too.
     """
     # vLLM's parameter classes define __torch_function__, which every .shape, .dtype and .is_meta of theirs would
     # enter from here: install only reads tensor metadata and moves tensors, so subclass dispatch is off
@@ -724,10 +788,11 @@ def install(model: nn.Module, tensors: dict[str, tuple[str, torch.Tensor]], alia
             _checked_reprocess(again, units)
         else:  # nothing to re-process (a GPU engine of a dense model): no unit to check or own, no walk
             names, modules, owned, reached = ModuleIndex(model), [], set(), []
-        placer = _Placer(names, owned, consume)
+        placer = _Placer(names, owned, consume, made or [])
         try:
             placer.put_tensors(tensors)
             placer.put_aliases(aliases)
+            _remove(names, dropped or ())
             _drop_meta(reached, placer.owned)
             _set_attrs(placer.modules, attrs or {})
             _set_object_attrs(placer.modules, object_attrs or {})
@@ -772,10 +837,17 @@ class _Placer:
     skeleton tensor -> what took its place (the skeleton tensors that kept their identity, :func:`_take_over`,
     are not in it: nothing refers to a stale object there)."""
 
-    def __init__(self, modules: ModuleIndex, owned: set[str], consume: bool = False):
+    def __init__(self, modules: ModuleIndex, owned: set[str], consume: bool = False,
+                 made: list[torch.Tensor] | None = None):
+        from .constructed import made_memory
+
         self.modules = modules
         self.consume = consume  # put_tensors may exchange a given plain tensor itself (install's ``consume``)
         self.owned = owned
+        # the skeleton's real small tensors (install's ``made``) not yet exchanged, by id, and by memory for the
+        # parameters built over one: each is taken over in place like a meta tensor, once
+        self.fresh = {id(t) for t in made or ()}
+        self.fresh_memory = made_memory(made or [])
         self.installed: dict[str, torch.Tensor] = {}
         self.replaced: dict[int, torch.Tensor] = {}
         # the replaced skeleton tensors by id (a tied parameter replaced under two names once), alive until
@@ -783,6 +855,17 @@ class _Placer:
         self._olds: dict[int, torch.Tensor] = {}
         # (skeleton object, the object now holding its meta contents) of each exchange, until install is done
         self.taken: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def is_fresh(self, old: torch.Tensor) -> bool:
+        """Whether ``old`` (not on the meta device) is one of the skeleton's real small tensors, or a parameter
+        over one, not yet exchanged."""
+        return id(old) in self.fresh or (bool(self.fresh_memory) and old.numel() > 0
+                                         and old.data_ptr() in self.fresh_memory)
+
+    def taken_over(self, old: torch.Tensor, ptr: int) -> None:
+        """``old`` (whose memory was at ``ptr`` before) was exchanged: it is fresh no more."""
+        self.fresh.discard(id(old))
+        self.fresh_memory.discard(ptr)
 
     def give_back(self) -> None:
         """Undo every exchange :func:`_take_over` made (newest first): the skeleton's objects hold their meta
@@ -811,6 +894,7 @@ class _Placer:
         through :meth:`put`; a unit test installs odd cases both ways and asks for the same result, so the two copies
         of the tests stay one rule."""
         modules, owned, installed, taken, swap = self.modules, self.owned, self.installed, self.taken, _SWAP_IMPL
+        fresh = self.fresh or self.fresh_memory  # any real small tensor left in the skeleton
         plain, param, consume = torch.Tensor, nn.Parameter, self.consume
         replaced, olds, subclass = self.replaced, self._olds, torch.Tensor._make_subclass
         param_names = _class_names(param)
@@ -845,15 +929,18 @@ class _Placer:
                             fits = type(old) is plain
                         else:
                             fits = type(old) is plain and kind == "buffer"
-                    if (fits and old.is_meta and old._use_count() == 1 and not t.is_meta
-                            and not (mine and (old.shape != t.shape or old.dtype != t.dtype))):
+                    if (fits and (old.is_meta or (fresh and self.is_fresh(old))) and old._use_count() == 1
+                            and not t.is_meta and not (mine and (old.shape != t.shape or old.dtype != t.dtype))):
                         # the model's tensor must not be an autograd view of the whole segment (what torch.compile
                         # and vLLM's weight handling were checked with): a view, or a tensor the caller keeps, is
                         # exchanged through a detached alias of it
                         meta = t if consume and not t._is_view() else t.detach()
+                        ptr = 0 if old.is_meta else old.data_ptr()
                         swap(old, meta)
                         taken.append((old, meta))
                         installed[full] = old
+                        if ptr or fresh:
+                            self.taken_over(old, ptr)
                         continue
             try:
                 self.put(full, kind, t)
@@ -914,10 +1001,13 @@ class _Placer:
             self.installed[full] = old
             return
         if old is not None:
-            meta = _take_over(old, t, kind, keep_class, m, leaf)
+            fresh = not old.is_meta and self.is_fresh(old)
+            ptr = old.data_ptr() if fresh else 0
+            meta = _take_over(old, t, kind, keep_class, m, leaf, fresh)
             if meta is not None:
                 self.taken.append((old, meta))
                 self.installed[full] = old
+                self.taken_over(old, ptr)
                 return
         if kind == "param" and old is not None:
             # the skeleton's parameter of this name: register_parameter's name checks passed when it was built
@@ -950,17 +1040,18 @@ _SWAP_IMPL = getattr(torch._C, "_swap_tensor_impl", None)
 
 
 def _take_over(old: torch.Tensor, t: torch.Tensor, kind: str, owned: bool, m: nn.Module,
-               leaf: str) -> torch.Tensor | None:
+               leaf: str, fresh: bool = False) -> torch.Tensor | None:
     """Make the skeleton's meta tensor ``old`` (``m``'s ``leaf`` of ``kind``) the mapped tensor ``t`` in place,
     keeping the Python object: its class and its attributes (``weight_loader``...) are what a new object would be
     given anyway, and every reference vLLM's objects took to it at construction now sees the mapped memory, so no
     walk has to find and repoint them. Returns the object that now holds ``old``'s meta contents (what undoing it
     exchanges back); None where a new object is the right result (the caller's path): ``old`` not on the meta
-    device (already installed under another name), a parameter class other than the one :func:`_as_parameter`
-    would give, a class with its own ``__torch_dispatch__`` (``_make_subclass`` turns on the Python dispatch key
-    such a class needs; the exchanged contents would not have it), a buffer or tensor attribute of a tensor
-    subclass, a tensor attribute that is not a plain attribute of ``m``, or another tensor sharing ``old``'s
-    contents (a view of it: PyTorch's ``swap_tensors`` refuses those too).
+    device (already installed under another name) unless ``fresh`` (a small tensor the skeleton's constructor made
+    on the real device, not yet exchanged: taken over like a meta one), a parameter class other than the one
+    :func:`_as_parameter` would give, a class with its own ``__torch_dispatch__`` (``_make_subclass`` turns on the
+    Python dispatch key such a class needs; the exchanged contents would not have it), a buffer or tensor
+    attribute of a tensor subclass, a tensor attribute that is not a plain attribute of ``m``, or another tensor
+    sharing ``old``'s contents (a view of it: PyTorch's ``swap_tensors`` refuses those too).
 
     Unlike a new object, the kept one keeps every instance attribute the skeleton gave it, also one named like an
     attribute of its class, which then reads as the skeleton's value: as the same object reads when vLLM's own
@@ -971,7 +1062,7 @@ def _take_over(old: torch.Tensor, t: torch.Tensor, kind: str, owned: bool, m: nn
     takes a detached alias of ``t`` (``t`` may be a tensor the caller keeps, or an installed tensor given again as
     an alias; ``nn.Parameter(t)`` holds such an alias too), so ``t`` itself is left as it was: unlike
     :meth:`_Placer.put_tensors` with ``consume``, this path never takes a given tensor over."""
-    if _SWAP_IMPL is None or not old.is_meta or type(t) is not torch.Tensor:
+    if _SWAP_IMPL is None or not (old.is_meta or fresh) or type(t) is not torch.Tensor:
         return None
     if kind == "param":
         if not (type(old) is nn.Parameter or (owned and isinstance(old, nn.Parameter))):
@@ -1073,6 +1164,18 @@ def _drop_meta(modules: list[tuple[str, nn.Module, bool]], owned: set[str]) -> N
             raise InstallError(f"{name}.{leaf} was not in the cache (its module is re-processed here)")
     for _, _, store, leaf in gone:
         store.pop(leaf, None)  # one module under two names, or two sharing one dict: listed twice
+
+
+def _remove(modules: ModuleIndex, names: Any) -> None:
+    """Remove each dotted name (a parameter, buffer or tensor attribute: the daemon's post-processing removed it)
+    from the skeleton; a name the skeleton lacks is left."""
+    for full in names:
+        mod_name, _, leaf = full.rpartition(".")
+        m = modules.get(mod_name)
+        if m is None or m._parameters.pop(leaf, None) is not None or m._buffers.pop(leaf, None) is not None:
+            continue
+        if isinstance(vars(m).get(leaf), torch.Tensor):
+            del m.__dict__[leaf]
 
 
 def _set_attrs(modules: dict[str, nn.Module], attrs: dict[str, dict[str, Any]]) -> None:

@@ -129,10 +129,15 @@ class SegmentMeta(_Reply):
 #: The kinds of exported tensor, by their index in :attr:`TensorTable.kind`: a parameter, a buffer, a plain tensor
 #: attribute of a module, and a parameter the daemon's post-processing left of the vLLM parameter class the model
 #: built it with (``ModelWeightParameter``...: every linear weight of a dense GPU model), whose skeleton object an
-#: engine keeps, class and attributes, as ``auto`` does (``kept_param``).
-KINDS = ("param", "buffer", "attr", "kept_param")
+#: engine keeps, class and attributes, as ``auto`` does (``kept_param``); then the same four for a tensor the
+#: daemon's model keeps in host memory while its device is a GPU (``host_`` + kind: vLLM's attention layers make
+#: ``_k_scale_cpu`` anew on the host in post-processing), which the engine copies to the host
+#: (:func:`.layout.to_host`), as ``auto``'s model has it there.
+KINDS = ("param", "buffer", "attr", "kept_param", "host_param", "host_buffer", "host_attr", "host_kept_param")
 #: The index of each kind in :data:`KINDS`.
 KIND_INDEX = {k: i for i, k in enumerate(KINDS)}
+#: The first index of a ``host_`` kind in :data:`KINDS`.
+FIRST_HOST_KIND = KIND_INDEX["host_param"]
 
 
 class TensorRow(NamedTuple):
@@ -245,6 +250,18 @@ class TensorTable(_Reply):
         return cls(names=list(rows), dtypes=list(dtypes), **cols)
 
 
+class Constructed(_Reply):
+    """What the engine's skeleton keeps of its own constructor's small tensors
+    (:mod:`~vllm_fastload.ipc.memory.constructed`): ``digest`` (``"<count>:<sha256>"`` of the daemon's
+    constructor's, which the engine's must equal), ``kept`` (how many module tensors are not exported because they
+    are still as built) and ``dropped`` (dotted names the daemon's post-processing removed, which the engine
+    removes)."""
+
+    digest: str
+    kept: int = Field(ge=0)
+    dropped: list[str] = []
+
+
 class Manifest(_Reply):
     """``manifest``: everything the engine installs; sent with the fd of its one segment (a rank exports one
     buffer: one fd, one device allocation, every tensor by offset)."""
@@ -261,6 +278,7 @@ class Manifest(_Reply):
     object_attrs: dict[str, dict[str, Any]] = {}
     objects: dict[str, list[str]] = {}  # what post-processing bound (module -> dotted paths): the engine's audit
     content_digest: Optional[str] = None  # set when the daemon hashed its load (``content_hash``)
+    constructed: Constructed
 
 
 class Error(_Reply):

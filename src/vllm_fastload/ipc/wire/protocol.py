@@ -35,8 +35,10 @@ from ...errors import FastloadError
 #: The version both sides must speak (:func:`.messages.check_version`); raised whenever a message changes in a way
 #: the other side would refuse or misread (4: the manifest's tensors are a table of columns, checksums integers,
 #: and its one segment is ``segment``, not a list; 5: checksum windows of 512 bytes, so a version-4 daemon's
-#: checksums would read as corrupt memory; 6: the ``kept_param`` kind, which a version-5 engine would refuse).
-PROTOCOL_VERSION = 6
+#: checksums would read as corrupt memory; 6: the ``kept_param`` kind, which a version-5 engine would refuse;
+#: 7: the constructor's small tensors stay out of the table, ``constructed`` says so; a version-6 engine would
+#: lack them).
+PROTOCOL_VERSION = 7
 #: Largest frame accepted (bytes): room for the manifest of a model with a hundred thousand tensors, small enough
 #: that a peer announcing a huge frame is refused before anything is allocated.
 MAX_FRAME_BYTES = 256 * 2**20

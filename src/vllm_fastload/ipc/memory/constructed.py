@@ -1,0 +1,239 @@
+"""Small tensors a model's constructor makes from data, built for real in the engine's skeleton as in ``auto``.
+
+vLLM's layers make constants with ``torch.tensor(value)`` while they are built: every attention layer registers
+its ``_q_scale``, ``_k_scale``, ``_v_scale`` and ``_prob_scale`` buffers as ``torch.tensor(1.0)`` and keeps
+``_k_scale_cpu``, ``_v_scale_cpu`` and an empty ``kv_cache`` the same way
+(``vllm/model_executor/layers/attention/attention.py``, ``set_default_quant_scales``, vLLM 0.26 and 0.32). A
+default load builds them on the engine's device at construction, outside vLLM's "Loading weights took". An
+engine skeleton built on the meta device made them meta too, so each was mapped, checked, viewed and installed
+like a weight: seven per attention layer, more than half the tensors of a deep dense model.
+
+The rule, one for both sides (:class:`SmallOnDevice`): a ``torch.tensor(data)`` call without an explicit device
+whose result has at most :data:`SMALL_NUMEL` elements is made on the build's real device, in both the daemon's
+model and the engine's skeleton; anything else follows the surrounding device context (meta in the skeleton).
+Both sides fold the same record of those calls (dtypes, shapes and values, in call order) into one digest, so an
+engine whose constructor made anything else than the daemon's is refused before it uses one (:func:`check`).
+
+The daemon (:class:`AsBuilt`) remembers which module buffers and tensor attributes hold such a tensor once the
+model is built, and their bytes; at export a name whose tensor still equals that (same kind, class, dtype, shape,
+stride, device type and bytes; for a re-processed unit, as it was before post-processing) is not exported: the
+engine keeps the one its constructor made. A changed one is exported and installed over the skeleton's in place
+(:mod:`.state`); one that post-processing removed is listed in the manifest for the engine to remove.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from ...errors import CacheUnavailable
+
+#: The most elements a ``torch.tensor`` call's result may have to be made on the real device in a skeleton: the
+#: constants layers make (scalars, empty tensors), not data a constructor could hold in bulk.
+SMALL_NUMEL = 64
+
+
+def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s elements as a flat ``torch.uint8`` tensor on its device (a copy only when ``t`` is not contiguous)."""
+    return t.detach().reshape(-1).view(torch.uint8)
+
+
+#: Callers of ``torch.tensor`` whose tensors are not the model's: a module's top level (a constant made when a
+#: module is first imported, which may happen during one process's construction and before another's), and
+#: ``torch.get_default_device``, which asks an empty ``torch.tensor([])`` for the device (vLLM records that device
+#: for each layer while it is built; under the skeleton's meta context it stays meta, as before)
+_NOT_THE_MODELS = frozenset({"<module>", "_get_device_with_index"})
+
+
+class SmallOnDevice(TorchFunctionMode):
+    """A torch function mode for the block that builds a model (inside its device context, so that it sees the
+    calls first): each ``torch.tensor(data)`` without an explicit device, without ``requires_grad`` or
+    ``pin_memory``, whose result has at most :data:`SMALL_NUMEL` elements, is made on ``device`` (a
+    ``torch.device``; made on the host, then copied, as ``torch.tensor(data, device=...)`` itself does). ``made``:
+    those tensors, in call order. :meth:`digest` folds their creation values into one string.
+
+    Source of the mechanism: ``torch.overrides.TorchFunctionMode``; the device context manager ``torch.device(...)``
+    is itself such a mode (``torch.utils._device.DeviceContext``) and fills ``device`` only where a call gives none.
+    """
+
+    def __init__(self, device: Any):
+        super().__init__()
+        self.device = torch.device(device)
+        self.made: list[torch.Tensor] = []
+        self._host: list[torch.Tensor] = []
+        self._digest: str | None = None
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if (func is torch.tensor and kwargs.get("device") is None and not kwargs.get("requires_grad")
+                and not kwargs.get("pin_memory") and sys._getframe(1).f_code.co_name not in _NOT_THE_MODELS):
+            host = func(*args, **{**kwargs, "device": "cpu"})
+            if host.numel() <= SMALL_NUMEL:
+                t = host if self.device.type == "cpu" else host.to(self.device)
+                self.made.append(t)
+                # the creation value: on the host the made tensor itself may change later, so a copy
+                self._host.append(host.clone() if t is host else host)
+                return t
+        return func(*args, **kwargs)
+
+    def digest(self) -> str:
+        """``"<count>:<sha256 hex>"`` of the creation values of the made tensors something still refers to (the
+        model's; a temporary the constructor dropped is left out): their dtypes and shapes in call order, then
+        their bytes; the same on every side whose constructor made the same calls. Call it once the model is
+        built; it keeps only those tensors in :attr:`made` (later calls give the same answer)."""
+        if self._digest is not None:
+            return self._digest
+        probe = [torch.empty(0)]
+        alone = sys.getrefcount(probe[0])  # a tensor only a list and the call's argument refer to (CPython)
+        live = [i for i, t in enumerate(self.made) if sys.getrefcount(t) > alone]
+        self.made = [self.made[i] for i in live]
+        host = [self._host[i] for i in live]
+        self._host = []
+        h = hashlib.sha256(f"{SMALL_NUMEL}|".encode())
+        h.update(repr([(str(t.dtype), tuple(t.shape)) for t in host]).encode())
+        if host:
+            h.update(torch.cat([_flat_bytes(t) for t in host]).numpy().tobytes())
+        self._digest = f"{len(host)}:{h.hexdigest()}"
+        return self._digest
+
+
+
+def made_memory(made: list[torch.Tensor]) -> set[int]:
+    """The data pointers of the non-empty tensors in ``made``: a parameter built over one of them (another tensor
+    object over the same memory) is found by it."""
+    return {t.data_ptr() for t in made if t.numel()}
+
+
+def _own_small(m: nn.Module) -> dict[str, tuple[str, torch.Tensor]]:
+    """``m``'s buffers and plain tensor attributes (not parameters), leaf -> ``(kind, tensor)``, as :mod:`.state`
+    names their kinds."""
+    out = {leaf: ("buffer", b) for leaf, b in m._buffers.items() if b is not None}
+    for leaf, v in vars(m).items():
+        if not leaf.startswith("__") and type(v) is torch.Tensor and leaf not in out:
+            out[leaf] = ("attr", v)
+    return out
+
+
+def _meta(t: torch.Tensor) -> tuple:
+    return type(t), t.dtype, tuple(t.shape), tuple(t.stride()), t.device.type
+
+
+@dataclass
+class AsBuilt:
+    """The daemon's record of the small tensors its model's constructor made (:class:`SmallOnDevice`), taken
+    when the model is built: ``names`` (dotted name -> ``(kind, class, dtype, shape, stride, device type)``),
+    ``index`` (dotted name -> position in ``made``), ``modules`` (module name -> those leaves and the parameters
+    over such a tensor, for :attr:`.state.Export.dropped`), ``made`` (the
+    tensors), ``before`` (their bytes then, one flat ``torch.uint8`` tensor on their device), ``offsets`` (each
+    one's start in it; one more at the end) and ``digest`` (:meth:`SmallOnDevice.digest`)."""
+
+    names: dict[str, tuple] = field(default_factory=dict)
+    index: dict[str, int] = field(default_factory=dict)
+    modules: dict[str, list[str]] = field(default_factory=dict)
+    made: list[torch.Tensor] = field(default_factory=list)
+    before: Any = None
+    offsets: list[int] = field(default_factory=list)
+    digest: str = "0:"
+
+    @classmethod
+    def of(cls, model: nn.Module, mode: SmallOnDevice) -> AsBuilt:
+        """The record of ``model`` just built under ``mode``: every module buffer or tensor attribute (under its
+        first module name, as :func:`.state.collect` names tensors) that is one of ``mode.made``."""
+        digest = mode.digest()  # first: it keeps the tensors the model refers to
+        out = cls(made=list(mode.made), digest=digest)
+        position = {id(t): i for i, t in enumerate(out.made)}
+        memory = made_memory(out.made)
+        for name, m in model.named_modules():
+            prefix = name + "." if name else ""
+            for leaf, (kind, t) in _own_small(m).items():
+                i = position.get(id(t))
+                if i is not None:
+                    out.names[prefix + leaf] = (kind, *_meta(t))
+                    out.index[prefix + leaf] = i
+                    out.modules.setdefault(name, []).append(leaf)
+            # a parameter over such a tensor (vLLM's KVCacheScaleParameter() wraps torch.tensor(-1.0)) is real in
+            # the skeleton too: always exported, but where post-processing removes it, the engine must as well
+            for leaf, p in m._parameters.items():
+                if p is not None and p.numel() and p.data_ptr() in memory:
+                    out.modules.setdefault(name, []).append(leaf)
+        flats = [_flat_bytes(t) for t in out.made]
+        out.offsets = [0]
+        for f in flats:
+            out.offsets.append(out.offsets[-1] + f.numel())
+        out.before = torch.cat(flats) if flats else None
+        return out
+
+    def lookup(self, modules: dict[str, nn.Module]) -> dict[str, tuple[str, torch.Tensor]]:
+        """The recorded names' ``(kind, tensor)`` in ``modules`` (module name -> module) as they are now; a name
+        whose module or tensor is gone is left out."""
+        return self.lookup_tables({name: _own_small(m) for name in self.modules
+                                   if (m := modules.get(name)) is not None})
+
+    def lookup_tables(self, tables: dict[str, dict[str, tuple[str, torch.Tensor]]]
+                      ) -> dict[str, tuple[str, torch.Tensor]]:
+        """The recorded names' ``(kind, tensor)`` in ``tables`` (module name -> leaf -> ``(kind, tensor)``, as
+        :class:`.state.Snapshot` holds them); a name missing there is left out."""
+        out = {}
+        for name, leaves in self.modules.items():
+            own, prefix = tables.get(name), name + "." if name else ""
+            if own:
+                for leaf in leaves:
+                    if leaf in own:
+                        out[prefix + leaf] = own[leaf]
+        return out
+
+    def unchanged(self, now: dict[str, tuple[str, torch.Tensor]]) -> set[str]:
+        """The recorded names whose tensor in ``now`` (dotted name -> ``(kind, tensor)``, as the export sees the
+        model at that moment) is still as built: same kind, class, dtype, shape, stride and device type as then,
+        and the same bytes as the made tensor had then (compared on the device in one pass)."""
+        same = [k for k, rec in self.names.items()
+                if (cur := now.get(k)) is not None and (cur[0], *_meta(cur[1])) == rec]
+        if not same:
+            return set()
+        refs = [self.before[self.offsets[self.index[k]]:self.offsets[self.index[k] + 1]] for k in same]
+        bad = _segments_differ(refs, [_flat_bytes(now[k][1]) for k in same])
+        return {k for k, b in zip(same, bad) if not b}
+
+    def changed_made(self) -> set[int]:
+        """Ids of the made tensors whose bytes now differ from when the model was built."""
+        if self.before is None:
+            return set()
+        refs = [self.before[a:b] for a, b in zip(self.offsets, self.offsets[1:])]
+        bad = _segments_differ(refs, [_flat_bytes(t) for t in self.made])
+        return {id(t) for t, b in zip(self.made, bad) if b}
+
+
+def _segments_differ(a: list[torch.Tensor], b: list[torch.Tensor]) -> list[bool]:
+    """For each pair of equally long flat byte tensors (one device), whether their bytes differ: one comparison
+    and one copy to the host for all of them."""
+    sizes = [x.numel() for x in a]
+    if not sum(sizes):
+        return [False] * len(a)
+    differs = (torch.cat(a) != torch.cat(b)).cpu().numpy()
+    counts = np.concatenate([[0], np.cumsum(differs, dtype=np.int64)])
+    ends = np.cumsum(sizes)
+    return list(counts[ends] - counts[ends - np.asarray(sizes)] > 0)
+
+
+class ConstructionMismatch(CacheUnavailable):
+    """The engine's model constructor made other small tensors than the daemon's (:func:`check`)."""
+
+
+def check(daemon: str, engine: str, path: str) -> None:
+    """Compare the daemon's :meth:`SmallOnDevice.digest` (the manifest's) with this engine's. Raises
+    :class:`ConstructionMismatch` when they differ: the engine would keep constants its constructor made that the
+    daemon's model never had (a different vLLM or model code behind an equal fingerprint)."""
+    if daemon != engine:
+        raise ConstructionMismatch(
+            f"this engine's model constructor made other small tensors (count:digest {engine}) than the daemon's at "
+            f"{path} ({daemon}): the two do not run the same model code; restart `vllm-fastload preload` with the "
+            f"vLLM and model this engine runs")
+
+

@@ -213,3 +213,16 @@ def test_a_parameter_over_a_small_tensor_is_removed_or_installed_in_place_as_the
     audit(eng, exp.objects, done)
     assert not hasattr(eng, "k_scale") and "k_scale" not in dict(eng.named_parameters())
     assert torch.equal(eng.v_scale, m.v_scale) and float(m.v_scale) != -1.0  # the loaded value, not the sentinel
+
+
+def test_a_manifest_cannot_remove_a_weight():
+    """``dropped`` may name only small tensors the engine's constructor made: a manifest naming a weight (or the
+    large tensor on meta) is refused, not obeyed."""
+    from vllm_fastload.ipc.memory.state import InstallError
+
+    m, exp, as_built = daemon(lambda m: None)
+    for name in ("w", "big"):
+        exp.dropped = [name]
+        with pytest.raises(InstallError, match=rf"lists '{name}' as removed by post-processing, but in this model it "
+                                               r"is not a small tensor the constructor made"):
+            engine(exp, as_built)

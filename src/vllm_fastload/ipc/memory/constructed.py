@@ -11,8 +11,9 @@ like a weight: seven per attention layer, more than half the tensors of a deep d
 The rule, one for both sides (:class:`SmallOnDevice`): a ``torch.tensor(data)`` call without an explicit device
 whose result has at most :data:`SMALL_NUMEL` elements is made on the build's real device, in both the daemon's
 model and the engine's skeleton; anything else follows the surrounding device context (meta in the skeleton).
-Both sides fold the same record of those calls (dtypes, shapes and values, in call order) into one digest, so an
-engine whose constructor made anything else than the daemon's is refused before it uses one (:func:`check`).
+Both sides fold those tensors, as they are once the model is built (dtypes and shapes in call order, then bytes),
+into one digest, so an engine whose constructor made anything else than the daemon's is refused before it uses
+one (:func:`check`).
 
 The daemon (:class:`AsBuilt`) remembers which module buffers and tensor attributes hold such a tensor once the
 model is built, and their bytes; at export a name whose tensor still equals that (same kind, class, dtype, shape,
@@ -57,7 +58,7 @@ class SmallOnDevice(TorchFunctionMode):
     calls first): each ``torch.tensor(data)`` without an explicit device, without ``requires_grad`` or
     ``pin_memory``, whose result has at most :data:`SMALL_NUMEL` elements, is made on ``device`` (a
     ``torch.device``; made on the host, then copied, as ``torch.tensor(data, device=...)`` itself does). ``made``:
-    those tensors, in call order. :meth:`digest` folds their creation values into one string.
+    those tensors, in call order. :meth:`digest` folds them into one string.
 
     Source of the mechanism: ``torch.overrides.TorchFunctionMode``; the device context manager ``torch.device(...)``
     is itself such a mode (``torch.utils._device.DeviceContext``) and fills ``device`` only where a call gives none.
@@ -67,7 +68,6 @@ class SmallOnDevice(TorchFunctionMode):
         super().__init__()
         self.device = torch.device(device)
         self.made: list[torch.Tensor] = []
-        self._host: list[torch.Tensor] = []
         self._digest: str | None = None
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
@@ -78,31 +78,30 @@ class SmallOnDevice(TorchFunctionMode):
             if host.numel() <= SMALL_NUMEL:
                 t = host if self.device.type == "cpu" else host.to(self.device)
                 self.made.append(t)
-                # the creation value: on the host the made tensor itself may change later, so a copy
-                self._host.append(host.clone() if t is host else host)
                 return t
         return func(*args, **kwargs)
 
     def digest(self) -> str:
-        """``"<count>:<sha256 hex>"`` of the creation values of the made tensors something still refers to (the
-        model's; a temporary the constructor dropped is left out): their dtypes and shapes in call order, then
-        their bytes; the same on every side whose constructor made the same calls. Call it once the model is
-        built; it keeps only those tensors in :attr:`made` (later calls give the same answer)."""
+        """``"<count>:<sha256 hex>"`` of the made tensors something still refers to (the model's; a temporary the
+        constructor dropped is left out) as they are once the model is built: their dtypes and shapes in call
+        order, then their bytes, gathered per dtype and shape (one copy from the device each); the same on every
+        side whose constructor ran the same code. Call it once the model is built; it keeps only those tensors in
+        :attr:`made` (later calls give the same answer)."""
         if self._digest is not None:
             return self._digest
         probe = [torch.empty(0)]
         alone = sys.getrefcount(probe[0])  # a tensor only a list and the call's argument refer to (CPython)
-        live = [i for i, t in enumerate(self.made) if sys.getrefcount(t) > alone]
-        self.made = [self.made[i] for i in live]
-        host = [self._host[i] for i in live]
-        self._host = []
+        self.made = [t for t in self.made if sys.getrefcount(t) > alone]
+        keys = [(t.dtype, t.shape) for t in self.made]
+        groups: dict[tuple, list[torch.Tensor]] = {}
+        for key, t in zip(keys, self.made):
+            groups.setdefault(key, []).append(t)
         h = hashlib.sha256(f"{SMALL_NUMEL}|".encode())
-        h.update(repr([(str(t.dtype), tuple(t.shape)) for t in host]).encode())
-        if host:
-            h.update(torch.cat([_flat_bytes(t) for t in host]).numpy().tobytes())
-        self._digest = f"{len(host)}:{h.hexdigest()}"
+        h.update(repr(keys).encode())
+        for group in groups.values():
+            h.update(torch.stack(group).reshape(-1).view(torch.uint8).cpu().numpy().tobytes())
+        self._digest = f"{len(self.made)}:{h.hexdigest()}"
         return self._digest
-
 
 
 def made_memory(made: list[torch.Tensor]) -> set[int]:

@@ -792,7 +792,7 @@ def install(model: nn.Module, tensors: dict[str, tuple[str, torch.Tensor]], alia
         try:
             placer.put_tensors(tensors)
             placer.put_aliases(aliases)
-            _remove(names, dropped or ())
+            _remove(names, dropped or (), placer)
             _drop_meta(reached, placer.owned)
             _set_attrs(placer.modules, attrs or {})
             _set_object_attrs(placer.modules, object_attrs or {})
@@ -1166,16 +1166,26 @@ def _drop_meta(modules: list[tuple[str, nn.Module, bool]], owned: set[str]) -> N
         store.pop(leaf, None)  # one module under two names, or two sharing one dict: listed twice
 
 
-def _remove(modules: ModuleIndex, names: Any) -> None:
+def _remove(modules: ModuleIndex, names: Any, placer: _Placer) -> None:
     """Remove each dotted name (a parameter, buffer or tensor attribute: the daemon's post-processing removed it)
-    from the skeleton; a name the skeleton lacks is left."""
+    from the skeleton; a name the skeleton lacks is left. Raises :class:`InstallError` for a name that holds
+    anything but a small tensor this engine's constructor made (:meth:`_Placer.is_fresh`): a manifest may not
+    remove a weight."""
     for full in names:
         mod_name, _, leaf = full.rpartition(".")
         m = modules.get(mod_name)
-        if m is None or m._parameters.pop(leaf, None) is not None or m._buffers.pop(leaf, None) is not None:
+        if m is None:
             continue
-        if isinstance(vars(m).get(leaf), torch.Tensor):
-            del m.__dict__[leaf]
+        for store in (m._parameters, m._buffers, m.__dict__):
+            t = store.get(leaf)
+            if t is None:
+                continue
+            if not isinstance(t, torch.Tensor) or t.is_meta or not placer.is_fresh(t):
+                raise InstallError(f"the daemon's manifest lists {full!r} as removed by post-processing, but in this "
+                                   f"model it is not a small tensor the constructor made; the manifest is not from "
+                                   f"this model")
+            del store[leaf]
+            break
 
 
 def _set_attrs(modules: dict[str, nn.Module], attrs: dict[str, dict[str, Any]]) -> None:

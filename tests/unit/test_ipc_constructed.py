@@ -226,3 +226,22 @@ def test_a_manifest_cannot_remove_a_weight():
         with pytest.raises(InstallError, match=rf"lists '{name}' as removed by post-processing, but in this model it "
                                                r"is not a small tensor the constructor made"):
             engine(exp, as_built)
+
+
+class LongRope(nn.Module):
+    """Phi-3's long-RoPE: a small torch.tensor of rescale factors combined with an arange at construction."""
+
+    def __init__(self):
+        super().__init__()
+        factors = torch.tensor([1.0 + i / 10 for i in range(8)], dtype=torch.float32)
+        inv_freq = 1.0 / (factors * (10000 ** (torch.arange(0, 16, 2, dtype=torch.float) / 16)))
+        self.register_buffer("cache", torch.cat([inv_freq.cos(), inv_freq.sin()]), persistent=False)
+        self.register_buffer("_k_scale", torch.tensor(1.0))
+
+
+def test_a_constructor_that_computes_with_a_small_tensor_and_meta_ones_builds_and_maps():
+    m, exp, as_built = daemon(lambda m: None, LongRope)
+    assert "cache" in exp.tensors and "_k_scale" not in exp.tensors
+    eng, done = engine(exp, as_built, LongRope)  # the skeleton's arange is meta, the factors real: computed on meta
+    audit(eng, exp.objects, done)
+    assert torch.equal(eng.cache, m.cache) and eng._k_scale.device.type == "cpu"

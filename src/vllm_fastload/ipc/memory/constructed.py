@@ -58,7 +58,8 @@ class SmallOnDevice(TorchFunctionMode):
     calls first): each ``torch.tensor(data)`` without an explicit device, without ``requires_grad`` or
     ``pin_memory``, whose result has at most :data:`SMALL_NUMEL` elements, is made on ``device`` (a
     ``torch.device``; made on the host, then copied, as ``torch.tensor(data, device=...)`` itself does). ``made``:
-    those tensors, in call order. :meth:`digest` folds them into one string.
+    those tensors, in call order. :meth:`digest` folds them into one string. A call that would combine a real
+    tensor with meta ones (torch refuses) gets meta copies of the real ones, as in a skeleton without this mode.
 
     Source of the mechanism: ``torch.overrides.TorchFunctionMode``; the device context manager ``torch.device(...)``
     is itself such a mode (``torch.utils._device.DeviceContext``) and fills ``device`` only where a call gives none.
@@ -79,6 +80,11 @@ class SmallOnDevice(TorchFunctionMode):
                 t = host if self.device.type == "cpu" else host.to(self.device)
                 self.made.append(t)
                 return t
+        elif _mixes_meta(args, kwargs):
+            # a constructor computing with a small real tensor and the skeleton's meta ones (Phi-3's long-RoPE
+            # rescale factors times an arange): done on meta, as the all-meta skeleton did; torch refuses to mix
+            # the two (but for host scalars)
+            args, kwargs = _to_meta(args), {k: _to_meta(v) for k, v in kwargs.items()}
         return func(*args, **kwargs)
 
     def digest(self) -> str:
@@ -102,6 +108,33 @@ class SmallOnDevice(TorchFunctionMode):
             h.update(torch.stack(group).reshape(-1).view(torch.uint8).cpu().numpy().tobytes())
         self._digest = f"{len(self.made)}:{h.hexdigest()}"
         return self._digest
+
+
+def _real(a: Any) -> bool:
+    """A tensor not on the meta device that torch would not combine with meta ones (a host scalar it would)."""
+    return not a.is_meta and (a.dim() > 0 or a.device.type != "cpu")
+
+
+def _mixes_meta(args: tuple, kwargs: dict) -> bool:
+    """Whether a call's tensors (top level, or in a list or tuple there) are meta and real ones together."""
+    meta = real = False
+    for a in (*args, *kwargs.values()):
+        for x in a if isinstance(a, (list, tuple)) else (a,):
+            if isinstance(x, torch.Tensor):
+                if x.is_meta:
+                    meta = True
+                elif _real(x):
+                    real = True
+    return meta and real
+
+
+def _to_meta(a: Any) -> Any:
+    """``a`` with its real tensors (top level or in a list or tuple) replaced by meta ones of the same geometry."""
+    if isinstance(a, torch.Tensor):
+        return a.to("meta") if not a.is_meta else a
+    if isinstance(a, (list, tuple)):
+        return type(a)(_to_meta(x) for x in a)
+    return a
 
 
 def made_memory(made: list[torch.Tensor]) -> set[int]:

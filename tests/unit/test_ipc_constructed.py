@@ -245,3 +245,50 @@ def test_a_constructor_that_computes_with_a_small_tensor_and_meta_ones_builds_an
     eng, done = engine(exp, as_built, LongRope)  # the skeleton's arange is meta, the factors real: computed on meta
     audit(eng, exp.objects, done)
     assert torch.equal(eng.cache, m.cache) and eng._k_scale.device.type == "cpu"
+
+
+class Shared(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = torch.tensor(1.0)
+        self.b = self.a
+
+
+def test_the_helpers_attack_cases_build_export_and_install():
+    """From a helper's attack on ddeebb6: torch.tensor of a meta tensor in the skeleton; a small tensor whose
+    size changes through ``.data`` (the daemon's comparison crashed); one of two names of a small tensor changed
+    and the other removed (install refused the valid manifest)."""
+    with torch.device("meta"), SmallOnDevice("cpu"):
+        assert torch.tensor(torch.empty(3)).is_meta  # as without the mode (torch cannot copy out of meta)
+
+    def grow(m):
+        m._k_scale.data = torch.tensor([1.0, 2.0])
+
+    m, exp, as_built = daemon(grow)
+    assert "_k_scale" in exp.tensors
+    eng, done = engine(exp, as_built)
+    audit(eng, exp.objects, done)
+    assert torch.equal(eng._k_scale, torch.tensor([1.0, 2.0]))
+
+    def change_one_drop_other(m):
+        m.b.fill_(2.0)
+        del m.a
+
+    m, exp, as_built = daemon(change_one_drop_other, Shared)
+    assert exp.dropped == ["a"] and "b" in exp.tensors
+    eng, done = engine(exp, as_built, Shared)
+    audit(eng, exp.objects, done)
+    assert not hasattr(eng, "a") and float(eng.b) == 2.0
+
+
+def test_a_constructor_that_fails_on_meta_is_a_fallback_not_a_crash(monkeypatch):
+    from vllm_fastload.errors import CacheUnavailable
+    from vllm_fastload.ipc.engine import mapping
+
+    def build(*a):
+        raise RuntimeError("Tensor on device meta is not on the expected device cpu!")
+
+    monkeypatch.setattr(mapping, "_build_model", build)
+    with pytest.raises(CacheUnavailable, match=r"could not build the model on the meta device .*RuntimeError: Tensor "
+                                                r"on device meta"):
+        mapping._skeleton(None, None, "", None)

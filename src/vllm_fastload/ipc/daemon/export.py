@@ -11,7 +11,7 @@ import time
 from typing import Any, Optional
 
 from ...errors import FastloadError
-from ...heap import gc_paused, trim_malloc
+from ...heap import trim_malloc
 from ...log import logger
 from ..memory.backends import get_transport
 from ..memory.layout import fill, place, sample_checksums
@@ -162,9 +162,8 @@ def _processed_export(vllm_config: Any, device: Any) -> tuple[Any, Optional[str]
     mc = vllm_config.model_config
     loader = rank_loader(vllm_config.load_config)
     with set_default_torch_dtype(mc.dtype):
-        # the small tensors the constructor makes from data, by the rule the engine's skeleton follows; with the
-        # collector paused as in the engine's load, so that the same temporaries are alive at the digest
-        with gc_paused(), device, SmallOnDevice(device) as small:
+        # the small tensors the constructor makes from data, by the rule the engine's skeleton follows
+        with device, SmallOnDevice(device) as small:
             model = initialize_model(vllm_config=vllm_config, model_config=mc)
             as_built = AsBuilt.of(model, small)
         del small

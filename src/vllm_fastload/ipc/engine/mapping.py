@@ -168,7 +168,7 @@ def map_model(vllm_config: Any, model_config: Any, prefix: str, path: str, confi
                 with phases.part("skeleton_s", outside=True):  # not part of the weights phase
                     registered = _skeleton_registrations(vllm_config)
                     small = SmallOnDevice(device)
-                    model = _build_model(vllm_config, model_config, prefix, small)
+                    model = _skeleton(vllm_config, model_config, prefix, small)
                     _check_constructed(lease, small, path)
                     # the fix of what vLLM recorded per module while building it, so the skeleton's, as that
                     # recording is part of vLLM's own model construction (outside "Loading weights took" for `auto`)
@@ -306,6 +306,25 @@ def _build_model(vllm_config: Any, model_config: Any, prefix: str, small: Any) -
     with set_default_torch_dtype(model_config.dtype):
         with torch.device("meta"), small:
             return initialize_model(vllm_config=vllm_config, model_config=model_config, prefix=prefix)
+
+
+class SkeletonError(CacheUnavailable):
+    """The engine's model could not be built on the meta device (the message gives vLLM's error)."""
+
+
+def _skeleton(vllm_config: Any, model_config: Any, prefix: str, small: Any) -> Any:
+    """:func:`_build_model`; an error of the build (not this package's) becomes a :class:`SkeletonError`, the
+    fallback policy's case: a constructor that cannot run on the meta device must not stop the engine, whose disk
+    load builds the model on the real device."""
+    from ...errors import FastloadError
+
+    try:
+        return _build_model(vllm_config, model_config, prefix, small)
+    except FastloadError:
+        raise
+    except Exception as e:  # noqa: BLE001 - any constructor's error; the message names it
+        raise SkeletonError(f"this engine could not build the model on the meta device to map the cache into "
+                            f"({type(e).__name__}: {e}); the model's constructor needs real tensors") from e
 
 
 def _check_constructed(lease: MappedLease, small: Any, path: str) -> None:

@@ -75,7 +75,10 @@ class SmallOnDevice(TorchFunctionMode):
         kwargs = kwargs or {}
         if (func is torch.tensor and kwargs.get("device") is None and not kwargs.get("requires_grad")
                 and not kwargs.get("pin_memory") and sys._getframe(1).f_code.co_name not in _NOT_THE_MODELS):
-            host = func(*args, **{**kwargs, "device": "cpu"})
+            try:
+                host = func(*args, **{**kwargs, "device": "cpu"})
+            except (RuntimeError, NotImplementedError):  # data on the meta device (torch.tensor(meta_tensor))
+                return func(*args, **kwargs)
             if host.numel() <= SMALL_NUMEL:
                 t = host if self.device.type == "cpu" else host.to(self.device)
                 self.made.append(t)
@@ -88,16 +91,13 @@ class SmallOnDevice(TorchFunctionMode):
         return func(*args, **kwargs)
 
     def digest(self) -> str:
-        """``"<count>:<sha256 hex>"`` of the made tensors something still refers to (the model's; a temporary the
-        constructor dropped is left out) as they are once the model is built: their dtypes and shapes in call
-        order, then their bytes, gathered per dtype and shape (one copy from the device each); the same on every
-        side whose constructor ran the same code. Call it once the model is built; it keeps only those tensors in
-        :attr:`made` (later calls give the same answer)."""
+        """``"<count>:<sha256 hex>"`` of the made tensors as they are once the model is built: their dtypes and
+        shapes in call order, then their bytes, gathered per dtype and shape (one copy from the device each); the
+        same on every side whose constructor ran the same code. Temporaries the constructor dropped count too
+        (both sides made them) and stay alive in :attr:`made` until it is dropped: a freed one's memory could be
+        reused by another tensor, which would then pass for one of them. Later calls give the same answer."""
         if self._digest is not None:
             return self._digest
-        probe = [torch.empty(0)]
-        alone = sys.getrefcount(probe[0])  # a tensor only a list and the call's argument refer to (CPython)
-        self.made = [t for t in self.made if sys.getrefcount(t) > alone]
         keys = [(t.dtype, t.shape) for t in self.made]
         groups: dict[tuple, list[torch.Tensor]] = {}
         for key, t in zip(keys, self.made):
@@ -164,7 +164,8 @@ class AsBuilt:
     ``index`` (dotted name -> position in ``made``), ``modules`` (module name -> those leaves and the parameters
     over such a tensor, for :attr:`.state.Export.dropped`), ``made`` (the
     tensors), ``before`` (their bytes then, one flat ``torch.uint8`` tensor on their device), ``offsets`` (each
-    one's start in it; one more at the end) and ``digest`` (:meth:`SmallOnDevice.digest`)."""
+    one's start in it; one more at the end), ``shapes`` (each one's class, dtype, shape, stride and device type
+    then) and ``digest`` (:meth:`SmallOnDevice.digest`)."""
 
     names: dict[str, tuple] = field(default_factory=dict)
     index: dict[str, int] = field(default_factory=dict)
@@ -172,6 +173,7 @@ class AsBuilt:
     made: list[torch.Tensor] = field(default_factory=list)
     before: Any = None
     offsets: list[int] = field(default_factory=list)
+    shapes: list[tuple] = field(default_factory=list)
     digest: str = "0:"
 
     @classmethod
@@ -195,6 +197,7 @@ class AsBuilt:
             for leaf, p in m._parameters.items():
                 if p is not None and p.numel() and p.data_ptr() in memory:
                     out.modules.setdefault(name, []).append(leaf)
+        out.shapes = [_meta(t) for t in out.made]
         flats = [_flat_bytes(t) for t in out.made]
         out.offsets = [0]
         for f in flats:
@@ -234,12 +237,19 @@ class AsBuilt:
         return {k for k, b in zip(same, bad) if not b}
 
     def changed_made(self) -> set[int]:
-        """Ids of the made tensors whose bytes now differ from when the model was built."""
+        """Ids of the made tensors that differ now from when the model was built: in dtype, shape or device (a
+        ``.data`` assignment, a ``resize_``), else in bytes."""
         if self.before is None:
             return set()
-        refs = [self.before[a:b] for a, b in zip(self.offsets, self.offsets[1:])]
-        bad = _segments_differ(refs, [_flat_bytes(t) for t in self.made])
-        return {id(t) for t, b in zip(self.made, bad) if b}
+        out, same, refs = set(), [], []
+        for t, a, b, m in zip(self.made, self.offsets, self.offsets[1:], self.shapes):
+            if _meta(t) != m:
+                out.add(id(t))
+            else:
+                same.append(t)
+                refs.append(self.before[a:b])
+        bad = _segments_differ(refs, [_flat_bytes(t) for t in same])
+        return out | {id(t) for t, b in zip(same, bad) if b}
 
 
 def _segments_differ(a: list[torch.Tensor], b: list[torch.Tensor]) -> list[bool]:

@@ -848,6 +848,7 @@ class _Placer:
         # parameters built over one: each is taken over in place like a meta tensor, once
         self.fresh = {id(t) for t in made or ()}
         self.fresh_memory = made_memory(made or [])
+        self.was_fresh: set[int] = set()  # ids of those taken over since (another name of one may be removed)
         self.installed: dict[str, torch.Tensor] = {}
         self.replaced: dict[int, torch.Tensor] = {}
         # the replaced skeleton tensors by id (a tied parameter replaced under two names once), alive until
@@ -863,7 +864,9 @@ class _Placer:
                                          and old.data_ptr() in self.fresh_memory)
 
     def taken_over(self, old: torch.Tensor, ptr: int) -> None:
-        """``old`` (whose memory was at ``ptr`` before) was exchanged: it is fresh no more."""
+        """``old`` (whose memory was at ``ptr`` before) was exchanged: it is fresh no more (but was)."""
+        if id(old) in self.fresh or ptr in self.fresh_memory:
+            self.was_fresh.add(id(old))
         self.fresh.discard(id(old))
         self.fresh_memory.discard(ptr)
 
@@ -1180,7 +1183,7 @@ def _remove(modules: ModuleIndex, names: Any, placer: _Placer) -> None:
             t = store.get(leaf)
             if t is None:
                 continue
-            if not isinstance(t, torch.Tensor) or t.is_meta or not placer.is_fresh(t):
+            if not isinstance(t, torch.Tensor) or t.is_meta or not (placer.is_fresh(t) or id(t) in placer.was_fresh):
                 raise InstallError(f"the daemon's manifest lists {full!r} as removed by post-processing, but in this "
                                    f"model it is not a small tensor the constructor made; the manifest is not from "
                                    f"this model")

@@ -132,7 +132,7 @@ def _to_meta(a: Any) -> Any:
     """``a`` with its real tensors (top level or in a list or tuple) replaced by meta ones of the same geometry."""
     if isinstance(a, torch.Tensor):
         return a.to("meta") if not a.is_meta else a
-    if isinstance(a, (list, tuple)):
+    if type(a) is list or type(a) is tuple:  # not a named tuple, whose constructor takes its fields one by one
         return type(a)(_to_meta(x) for x in a)
     return a
 

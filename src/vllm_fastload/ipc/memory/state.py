@@ -839,15 +839,14 @@ class _Placer:
 
     def __init__(self, modules: ModuleIndex, owned: set[str], consume: bool = False,
                  made: list[torch.Tensor] | None = None):
-        from .constructed import made_memory
-
         self.modules = modules
         self.consume = consume  # put_tensors may exchange a given plain tensor itself (install's ``consume``)
         self.owned = owned
-        # the skeleton's real small tensors (install's ``made``) not yet exchanged, by id, and by memory for the
-        # parameters built over one: each is taken over in place like a meta tensor, once
-        self.fresh = {id(t) for t in made or ()}
-        self.fresh_memory = made_memory(made or [])
+        # the skeleton's real small tensors (install's ``made``): those not yet exchanged are taken over in place
+        # like a meta tensor, once; the sets by id and by memory (for a parameter built over one) are made when a
+        # skeleton tensor that is not meta is first met, not on every load (tens of thousands of tensors)
+        self.made = made or []
+        self._fresh: tuple[set[int], set[int]] | None = None
         self.was_fresh: set[int] = set()  # ids of those taken over since (another name of one may be removed)
         self.installed: dict[str, torch.Tensor] = {}
         self.replaced: dict[int, torch.Tensor] = {}
@@ -857,18 +856,27 @@ class _Placer:
         # (skeleton object, the object now holding its meta contents) of each exchange, until install is done
         self.taken: list[tuple[torch.Tensor, torch.Tensor]] = []
 
+    def fresh(self) -> tuple[set[int], set[int]]:
+        """The ids and the memory (data pointers) of the skeleton's real small tensors not yet exchanged."""
+        if self._fresh is None:
+            from .constructed import made_memory
+
+            self._fresh = {id(t) for t in self.made}, made_memory(self.made)
+        return self._fresh
+
     def is_fresh(self, old: torch.Tensor) -> bool:
         """Whether ``old`` (not on the meta device) is one of the skeleton's real small tensors, or a parameter
         over one, not yet exchanged."""
-        return id(old) in self.fresh or (bool(self.fresh_memory) and old.numel() > 0
-                                         and old.data_ptr() in self.fresh_memory)
+        ids, memory = self.fresh()
+        return id(old) in ids or (bool(memory) and old.numel() > 0 and old.data_ptr() in memory)
 
     def taken_over(self, old: torch.Tensor, ptr: int) -> None:
         """``old`` (whose memory was at ``ptr`` before) was exchanged: it is fresh no more (but was)."""
-        if id(old) in self.fresh or ptr in self.fresh_memory:
+        ids, memory = self.fresh()
+        if id(old) in ids or ptr in memory:
             self.was_fresh.add(id(old))
-        self.fresh.discard(id(old))
-        self.fresh_memory.discard(ptr)
+        ids.discard(id(old))
+        memory.discard(ptr)
 
     def give_back(self) -> None:
         """Undo every exchange :func:`_take_over` made (newest first): the skeleton's objects hold their meta
@@ -897,7 +905,7 @@ class _Placer:
         through :meth:`put`; a unit test installs odd cases both ways and asks for the same result, so the two copies
         of the tests stay one rule."""
         modules, owned, installed, taken, swap = self.modules, self.owned, self.installed, self.taken, _SWAP_IMPL
-        fresh = self.fresh or self.fresh_memory  # any real small tensor left in the skeleton
+        fresh = bool(self.made)  # the skeleton has real small tensors
         plain, param, consume = torch.Tensor, nn.Parameter, self.consume
         replaced, olds, subclass = self.replaced, self._olds, torch.Tensor._make_subclass
         param_names = _class_names(param)
@@ -938,11 +946,12 @@ class _Placer:
                         # and vLLM's weight handling were checked with): a view, or a tensor the caller keeps, is
                         # exchanged through a detached alias of it
                         meta = t if consume and not t._is_view() else t.detach()
-                        ptr = 0 if old.is_meta else old.data_ptr()
+                        real = not old.is_meta  # a real small tensor of the skeleton's constructor
+                        ptr = old.data_ptr() if real else 0
                         swap(old, meta)
                         taken.append((old, meta))
                         installed[full] = old
-                        if ptr or fresh:
+                        if real:
                             self.taken_over(old, ptr)
                         continue
             try:
@@ -1004,13 +1013,14 @@ class _Placer:
             self.installed[full] = old
             return
         if old is not None:
-            fresh = not old.is_meta and self.is_fresh(old)
+            fresh = bool(self.made) and not old.is_meta and self.is_fresh(old)
             ptr = old.data_ptr() if fresh else 0
             meta = _take_over(old, t, kind, keep_class, m, leaf, fresh)
             if meta is not None:
                 self.taken.append((old, meta))
                 self.installed[full] = old
-                self.taken_over(old, ptr)
+                if fresh:
+                    self.taken_over(old, ptr)
                 return
         if kind == "param" and old is not None:
             # the skeleton's parameter of this name: register_parameter's name checks passed when it was built

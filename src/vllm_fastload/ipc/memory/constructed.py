@@ -143,16 +143,6 @@ def made_memory(made: list[torch.Tensor]) -> set[int]:
     return {t.data_ptr() for t in made if t.numel()}
 
 
-def _own_small(m: nn.Module) -> dict[str, tuple[str, torch.Tensor]]:
-    """``m``'s buffers and plain tensor attributes (not parameters), leaf -> ``(kind, tensor)``, as :mod:`.state`
-    names their kinds."""
-    out = {leaf: ("buffer", b) for leaf, b in m._buffers.items() if b is not None}
-    for leaf, v in vars(m).items():
-        if not leaf.startswith("__") and type(v) is torch.Tensor and leaf not in out:
-            out[leaf] = ("attr", v)
-    return out
-
-
 def _meta(t: torch.Tensor) -> tuple:
     return type(t), t.dtype, tuple(t.shape), tuple(t.stride()), t.device.type
 
@@ -160,42 +150,41 @@ def _meta(t: torch.Tensor) -> tuple:
 @dataclass
 class AsBuilt:
     """The daemon's record of the small tensors its model's constructor made (:class:`SmallOnDevice`), taken
-    when the model is built: ``names`` (dotted name -> ``(kind, class, dtype, shape, stride, device type)``),
-    ``index`` (dotted name -> position in ``made``), ``modules`` (module name -> those leaves and the parameters
-    over such a tensor, for :attr:`.state.Export.dropped`), ``made`` (the
-    tensors), ``before`` (their bytes then, one flat ``torch.uint8`` tensor on their device), ``offsets`` (each
-    one's start in it; one more at the end), ``shapes`` (each one's class, dtype, shape, stride and device type
-    then) and ``digest`` (:meth:`SmallOnDevice.digest`)."""
+    when the model is built: ``names`` (dotted name of a module buffer or tensor attribute holding one ->
+    ``(kind, its position in made)``), ``modules`` (module name -> those leaves and the parameters over such a
+    tensor, for :attr:`.state.Export.dropped`), ``made`` (the tensors), ``shapes`` (each one's class, dtype, shape,
+    stride and device type then), ``before`` (their bytes then, one flat ``torch.uint8`` tensor on their device),
+    ``offsets`` (each one's start in it; one more at the end) and ``digest`` (:meth:`SmallOnDevice.digest`)."""
 
-    names: dict[str, tuple] = field(default_factory=dict)
-    index: dict[str, int] = field(default_factory=dict)
+    names: dict[str, tuple[str, int]] = field(default_factory=dict)
     modules: dict[str, list[str]] = field(default_factory=dict)
     made: list[torch.Tensor] = field(default_factory=list)
+    shapes: list[tuple] = field(default_factory=list)
     before: Any = None
     offsets: list[int] = field(default_factory=list)
-    shapes: list[tuple] = field(default_factory=list)
     digest: str = "0:"
 
     @classmethod
     def of(cls, model: nn.Module, mode: SmallOnDevice) -> AsBuilt:
         """The record of ``model`` just built under ``mode``: every module buffer or tensor attribute (under its
         first module name, as :func:`.state.collect` names tensors) that is one of ``mode.made``."""
+        from .state import _own_tensors
+
         digest = mode.digest()  # first: it keeps the tensors the model refers to
         out = cls(made=list(mode.made), digest=digest)
         position = {id(t): i for i, t in enumerate(out.made)}
         memory = made_memory(out.made)
         for name, m in model.named_modules():
             prefix = name + "." if name else ""
-            for leaf, (kind, t) in _own_small(m).items():
-                i = position.get(id(t))
-                if i is not None:
-                    out.names[prefix + leaf] = (kind, *_meta(t))
-                    out.index[prefix + leaf] = i
-                    out.modules.setdefault(name, []).append(leaf)
-            # a parameter over such a tensor (vLLM's KVCacheScaleParameter() wraps torch.tensor(-1.0)) is real in
-            # the skeleton too: always exported, but where post-processing removes it, the engine must as well
-            for leaf, p in m._parameters.items():
-                if p is not None and p.numel() and p.data_ptr() in memory:
+            for leaf, (kind, t) in _own_tensors(m).items():
+                if kind == "param":
+                    # a parameter over such a tensor (vLLM's KVCacheScaleParameter() wraps torch.tensor(-1.0)) is
+                    # real in the skeleton too: always exported, but where post-processing removes it, the engine
+                    # must as well
+                    if t.numel() and t.data_ptr() in memory:
+                        out.modules.setdefault(name, []).append(leaf)
+                elif (i := position.get(id(t))) is not None:
+                    out.names[prefix + leaf] = (kind, i)
                     out.modules.setdefault(name, []).append(leaf)
         out.shapes = [_meta(t) for t in out.made]
         flats = [_flat_bytes(t) for t in out.made]
@@ -208,7 +197,9 @@ class AsBuilt:
     def lookup(self, modules: dict[str, nn.Module]) -> dict[str, tuple[str, torch.Tensor]]:
         """The recorded names' ``(kind, tensor)`` in ``modules`` (module name -> module) as they are now; a name
         whose module or tensor is gone is left out."""
-        return self.lookup_tables({name: _own_small(m) for name in self.modules
+        from .state import _own_tensors
+
+        return self.lookup_tables({name: _own_tensors(m) for name in self.modules
                                    if (m := modules.get(name)) is not None})
 
     def lookup_tables(self, tables: dict[str, dict[str, tuple[str, torch.Tensor]]]
@@ -226,30 +217,26 @@ class AsBuilt:
 
     def unchanged(self, now: dict[str, tuple[str, torch.Tensor]]) -> set[str]:
         """The recorded names whose tensor in ``now`` (dotted name -> ``(kind, tensor)``, as the export sees the
-        model at that moment) is still as built: same kind, class, dtype, shape, stride and device type as then,
-        and the same bytes as the made tensor had then (compared on the device in one pass)."""
-        same = [k for k, rec in self.names.items()
-                if (cur := now.get(k)) is not None and (cur[0], *_meta(cur[1])) == rec]
-        if not same:
-            return set()
-        refs = [self.before[self.offsets[self.index[k]]:self.offsets[self.index[k] + 1]] for k in same]
-        bad = _segments_differ(refs, [_flat_bytes(now[k][1]) for k in same])
-        return {k for k, b in zip(same, bad) if not b}
+        model at that moment) is still as built: the same kind, and the class, dtype, shape, stride, device type
+        and bytes the made tensor had then."""
+        same = [(k, i, cur[1]) for k, (kind, i) in self.names.items()
+                if (cur := now.get(k)) is not None and cur[0] == kind]
+        differs = self._differ([(i, t) for _, i, t in same])
+        return {k for (k, _, _), d in zip(same, differs) if not d}
 
     def changed_made(self) -> set[int]:
         """Ids of the made tensors that differ now from when the model was built: in dtype, shape or device (a
         ``.data`` assignment, a ``resize_``), else in bytes."""
-        if self.before is None:
-            return set()
-        out, same, refs = set(), [], []
-        for t, a, b, m in zip(self.made, self.offsets, self.offsets[1:], self.shapes):
-            if _meta(t) != m:
-                out.add(id(t))
-            else:
-                same.append(t)
-                refs.append(self.before[a:b])
-        bad = _segments_differ(refs, [_flat_bytes(t) for t in same])
-        return out | {id(t) for t, b in zip(same, bad) if b}
+        return {id(t) for t, d in zip(self.made, self._differ(list(enumerate(self.made)))) if d}
+
+    def _differ(self, pairs: list[tuple[int, torch.Tensor]]) -> list[bool]:
+        """For each ``(position in made, tensor)``, whether the tensor differs from that made tensor as built: in
+        class, dtype, shape, stride or device type, else in bytes (compared on the device in one pass)."""
+        out = [_meta(t) != self.shapes[i] for i, t in pairs]
+        alike = [(i, t) for (i, t), d in zip(pairs, out) if not d]
+        bytes_differ = iter(_segments_differ([self.before[self.offsets[i]:self.offsets[i + 1]] for i, _ in alike],
+                                             [_flat_bytes(t) for _, t in alike]))
+        return [d or next(bytes_differ) for d in out]
 
 
 def _segments_differ(a: list[torch.Tensor], b: list[torch.Tensor]) -> list[bool]:

@@ -701,10 +701,10 @@ def _export_tensors_and_values(out: Export, modules: list[tuple[str, nn.Module]]
     for name, m in modules:
         if owner_unit(name, units) in again:
             own = snap.tensors.get(name, {})
-            as_built_here, present = as_built_before, own.keys()
+            as_built_here, processed = as_built_before, False
         else:
             own = _own_tensors(m, built, name)
-            as_built_here, present = as_built_now, vars(m).keys() | own.keys()
+            as_built_here, processed = as_built_now, True
             was_attrs, was_plain, _ = constructed.get(name, ({}, {}, {})) if constructed is not None else ({}, {}, {})
             attrs = plain_attrs(m) if constructed is None else _changed(plain_attrs(m), was_attrs)
             if attrs:
@@ -725,8 +725,9 @@ def _export_tensors_and_values(out: Export, modules: list[tuple[str, nn.Module]]
                 left_out[full] = (kind, t)
             else:
                 out.tensors[full] = (kind, t)
-        if name in by_module:
-            out.dropped += [prefix + leaf for leaf in by_module[name] if leaf not in present]
+        if name in by_module:  # a processed module keeps a name post-processing made a plain value (set then)
+            out.dropped += [prefix + leaf for leaf in by_module[name]
+                            if leaf not in own and not (processed and leaf in vars(m))]
     # a left-out tensor that another name is an alias of is exported after all: an alias needs its canonical
     for canonical in set(out.aliases.values()) & left_out.keys():
         out.tensors[canonical] = left_out.pop(canonical)

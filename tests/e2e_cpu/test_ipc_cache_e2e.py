@@ -76,6 +76,8 @@ def test_daemon_logs_health_metrics_and_socket_modes(daemon, sock_dir):
     # SmolLM2-135M: 30 layers x 6 weights, the embedding, the final norm, the RoPE cache; the 7 small tensors each
     # attention layer's constructor makes stay the engines' own (ipc/memory/constructed.py)
     assert st.state == "ready" and st.clients == 0 and st.tensors == 30 * 6 + 3 and st.bytes > 2.5e8
+    assert (f"{st.tensors} tensors exported as is" in log
+            and "210 left to the engine's constructor as built and 0 removed there" in log), log[-3000:]
     sock = sorted(sock_dir.glob("*.sock"))[0]
     assert oct(sock.stat().st_mode & 0o777) == "0o600"
     code, body = daemon.http("/health")

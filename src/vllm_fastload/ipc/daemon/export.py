@@ -111,7 +111,7 @@ def build_and_export(vllm_config: Any, local_rank: int, rank: int, world_size: i
                         aliases=exp.aliases, reprocess=exp.reprocess, attrs=exp.attrs, object_attrs=exp.object_attrs,
                         objects=exp.objects, content_digest=content_digest,
                         constructed=Constructed(digest=small_digest, kept=exp.kept, dropped=exp.dropped))
-    _log_export(rank, entries, exp.reprocess)
+    _log_export(rank, entries, exp.reprocess, manifest.constructed)
     return segment, manifest, time.perf_counter() - t0
 
 
@@ -186,11 +186,15 @@ def _processed_export(vllm_config: Any, device: Any) -> tuple[Any, Optional[str]
     return exp, content_digest, as_built.digest
 
 
-def _log_export(rank: int, table: TensorTable, reprocess: list[str]) -> None:
-    """One INFO line: how many tensors rank ``rank`` exported, their bytes by dtype, the layers engines re-process."""
+def _log_export(rank: int, table: TensorTable, reprocess: list[str], constructed: Constructed) -> None:
+    """One INFO line: how many tensors rank ``rank`` exported, their bytes by dtype, how many small tensors the
+    model's constructor made were left to each engine's own constructor (``constructed.kept``, as built) or are
+    removed by it (``constructed.dropped``), and the layers engines re-process."""
     by_dtype: dict[str, int] = {}
     for j, n in zip(table.dtype, table.nbytes):
         by_dtype[table.dtypes[j]] = by_dtype.get(table.dtypes[j], 0) + n
-    logger.info("fastload: rank %d: %d tensors exported as is (bytes by dtype: %s), %d layer(s) re-processed by the "
-                "engine: %s", rank, len(table), ", ".join(f"{d}={n}" for d, n in sorted(by_dtype.items())),
-                len(reprocess), ", ".join(reprocess[:6]) + (" ..." if len(reprocess) > 6 else ""))
+    logger.info("fastload: rank %d: %d tensors exported as is (bytes by dtype: %s), %d left to the engine's "
+                "constructor as built and %d removed there, %d layer(s) re-processed by the engine: %s", rank,
+                len(table), ", ".join(f"{d}={n}" for d, n in sorted(by_dtype.items())), constructed.kept,
+                len(constructed.dropped), len(reprocess),
+                ", ".join(reprocess[:6]) + (" ..." if len(reprocess) > 6 else ""))

@@ -200,3 +200,46 @@ def test_host_rows_come_back_as_host_copies_with_their_geometry():
         buf_ptr = buf.untyped_storage().data_ptr()
         assert out["a"][1].untyped_storage().data_ptr() != buf_ptr
         assert (out["w"][1].untyped_storage().data_ptr() == buf_ptr) == (mode == "zero_copy")
+
+
+def test_host_rows_placed_last_are_copied_as_one_span_and_spread_ones_are_gathered(monkeypatch):
+    """The daemon places host rows back to back after the others (``place``'s ``last``, as ``pack`` does for the
+    ``host_`` kinds): ``to_host`` copies their one span, without the per-row gather; rows spread over the buffer
+    (every other tensor) are gathered. Both give each row's bytes, dtype, shape and stride."""
+    from vllm_fastload.ipc.daemon.export import pack
+    from vllm_fastload.ipc.memory import layout
+
+    g = torch.Generator().manual_seed(5)
+    ts = {}
+    for i in range(40):
+        ts[f"l{i}.w"] = torch.randn(33, 70, generator=g).to(torch.bfloat16).t()  # strided, odd sizes
+        ts[f"l{i}.k_scale_cpu"] = torch.randn((), generator=g)
+        ts[f"l{i}.idx"] = torch.randint(0, 9, (3,), generator=g)
+    host = [k for k in ts if not k.endswith(".w")]
+    gathered: list[int] = []
+    real_gathered = layout._gathered
+
+    def spy(buf, offset, nbytes, rows, size):
+        gathered.append(len(rows))
+        return real_gathered(buf, offset, nbytes, rows, size)
+
+    monkeypatch.setattr(layout, "_gathered", spy)
+    for last, expect_gather in (((), [len(host)]), (set(host), [])):
+        table, size = layout.place(ts, last=last)
+        assert table.names == list(ts)  # rows keep the tensors' order whatever the offsets
+        buf = torch.zeros(size, dtype=torch.uint8)
+        layout.fill(buf, ts, table)
+        gathered.clear()
+        got = layout.to_host(buf, table, [table.index[k] for k in host])
+        assert gathered == expect_gather
+        for k, t in zip(host, got):
+            assert (t.dtype, t.shape, t.stride()) == (ts[k].dtype, ts[k].shape, ts[k].stride()) and torch.equal(t,
+                                                                                                                  ts[k])
+            assert t.untyped_storage().data_ptr() != buf.untyped_storage().data_ptr()
+    # pack with host kinds puts those rows after every other one
+    seg, table = pack(ts, kinds={k: "host_buffer" for k in host})
+    first_host = min(table.offset[table.index[k]] for k in host)
+    assert all(table.offset[table.index[k]] < first_host for k in ts if k not in host)
+    skipping = layout.views(seg.buf, table, host_rows=False)
+    assert [k for k, t in skipping.items() if t is None] == host
+    assert all(torch.equal(t, ts[k]) for k, t in skipping.items() if t is not None)

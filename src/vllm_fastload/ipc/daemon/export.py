@@ -59,12 +59,13 @@ def pack(tensors: dict[str, Any], device: Any = None, kinds: Optional[dict[str, 
     import torch
 
     device = torch.device("cpu") if device is None else device
-    table, size = place(tensors)
+    kinds = kinds or {}
+    # the host kinds back to back at the end, so an engine copies them to the host as one span (layout.to_host)
+    table, size = place(tensors, last={k for k, kind in kinds.items() if kind.startswith("host_")})
     transport = transport or get_transport(device)
     segment = transport.allocate(size, device)
     fill(segment.buf, tensors, table)
     crcs = sample_checksums(segment.buf, table, transport)
-    kinds = kinds or {}
     # the placed table with this segment's checksums and the kinds: same names and geometry, so no new validation
     return segment, table.model_copy(update={"checksum": crcs.tolist(),
                                              "kind": [KIND_INDEX[kinds.get(k, "param")] for k in table.names]})

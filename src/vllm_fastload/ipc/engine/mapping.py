@@ -344,9 +344,9 @@ def _view_tensors(lease: MappedLease, mode: Mode) -> dict[str, tuple[str, Any]]:
     from ..wire.messages import FIRST_HOST_KIND, KINDS
 
     table = lease.manifest.tensors
-    mapped = views(lease.segment.buf, table).values()  # in row order
-    kinds = [KINDS[k] for k in table.kind]
     host = [i for i, k in enumerate(table.kind) if k >= FIRST_HOST_KIND]
+    mapped = views(lease.segment.buf, table, host_rows=not host).values()  # in row order
+    kinds = [KINDS[k] for k in table.kind]
     if host:  # tensors the daemon's model keeps on the host: copied there, in their kind without the prefix
         mapped = list(mapped)
         for i, t in zip(host, to_host(lease.segment.buf, table, host)):

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from ...errors import ManifestError
-from ..wire.messages import TensorRow, TensorTable
+from ..wire.messages import FIRST_HOST_KIND, KINDS, TensorRow, TensorTable
 
 #: Byte alignment of every tensor in the buffer (cudaMalloc's guarantee is 256 bytes).
 ALIGN = 256
@@ -52,17 +52,18 @@ def _dense(t: torch.Tensor) -> bool:
     return t.numel() == span_elements(list(t.shape), list(t.stride()))
 
 
-def place(tensors: dict[str, torch.Tensor]) -> tuple[TensorTable, int]:
+def place(tensors: dict[str, torch.Tensor], last: Any = ()) -> tuple[TensorTable, int]:
     """Place ``tensors`` in one buffer. Returns (the table of their places, every ``kind`` "param" and ``checksum``
     0; buffer size in bytes). Dense tensors keep their strides; overlapping or gapped views (rare) are stored
-    contiguous."""
+    contiguous. Rows keep ``tensors``' order; the names in ``last`` (a container) are placed after all the others,
+    back to back, so that :func:`to_host` copies them as one span."""
     rows, off = {}, 0
-    for k, t in tensors.items():
+    for k, t in sorted(tensors.items(), key=lambda kv: kv[0] in last) if last else tensors.items():
         stride = list(t.stride()) if _dense(t) else list(torch.empty(t.shape, device="meta").stride())
         n = span_elements(list(t.shape), stride) * t.element_size()
         rows[k] = TensorRow(str(t.dtype).removeprefix("torch."), list(t.shape), stride, off, n, 0, "param")
         off += -(-n // ALIGN) * ALIGN
-    return TensorTable.of(rows), max(off, ALIGN)
+    return TensorTable.of({k: rows[k] for k in tensors} if last else rows), max(off, ALIGN)
 
 
 def _geometry(size: int, entry: Any, name: str) -> tuple[torch.dtype, int, int, list, list]:
@@ -158,9 +159,10 @@ def _check_rows(size: int, table: TensorTable, rows: Any) -> None:
 _BELOW_VIEW_TRACKING = getattr(torch._C, "_AutoDispatchBelowADInplaceOrView", contextlib.nullcontext)
 
 
-def views(buf: torch.Tensor, table: TensorTable) -> dict[str, torch.Tensor]:
+def views(buf: torch.Tensor, table: TensorTable, host_rows: bool = True) -> dict[str, torch.Tensor | None]:
     """Every row of ``table`` as a tensor over ``buf``'s memory (name -> tensor, in row order), checked first
-    (:func:`check_geometry`, same errors as :func:`view_at`).
+    (:func:`check_geometry`, same errors as :func:`view_at`). ``host_rows`` False: a row of a ``host_`` kind maps
+    to None instead (its caller copies those to the host, :func:`to_host`).
 
     One ``as_strided`` per tensor on a per-dtype view of the whole buffer instead of slice + view + as_strided,
     with each dtype's view, item size and offset looked up once: this loop runs once per tensor of the model on
@@ -179,13 +181,16 @@ def views(buf: torch.Tensor, table: TensorTable) -> dict[str, torch.Tensor]:
         else:
             t = buf.view(DTYPES[name])
             typed.append((t.as_strided, item, t.storage_offset()))
-    out = {}
+    out: dict[str, torch.Tensor | None] = {}
     shape, stride, a = table.shape, table.stride, 0
+    first_skipped = len(KINDS) if host_rows else FIRST_HOST_KIND
     with _BELOW_VIEW_TRACKING():
-        for name, j, o, n, b in zip(table.names, table.dtype, table.offset, table.nbytes,
-                                    islice(table.dims_at, 1, None)):
+        for name, j, o, n, b, kind in zip(table.names, table.dtype, table.offset, table.nbytes,
+                                          islice(table.dims_at, 1, None), table.kind):
             got = typed[j]
-            if n and got is not None:
+            if kind >= first_skipped:
+                out[name] = None
+            elif n and got is not None:
                 strided, item, base = got
                 out[name] = strided(shape[a:b], stride[a:b], base + o // item)
             elif n:
@@ -199,38 +204,61 @@ def views(buf: torch.Tensor, table: TensorTable) -> dict[str, torch.Tensor]:
 #: Bytes each row's span is rounded up to in :func:`to_host`'s gather: a multiple of every dtype's item size, so
 #: each row starts where a view of its dtype may start
 _HOST_GRAIN = 16
+#: :func:`to_host` copies the one span from its rows' first byte to their last when it is at most this many times
+#: their bytes (each rounded up to :data:`ALIGN`, as :func:`place` puts them) plus :data:`ALIGN`: the daemon
+#: places them back to back (:func:`place`'s ``last``), so one slice and one copy serve; rows spread over the
+#: buffer (another packer) are gathered instead
+_HOST_SPAN_SLACK = 2
 
 
 def to_host(buf: torch.Tensor, table: TensorTable, rows: list[int]) -> list[torch.Tensor]:
-    """Host copies of ``table``'s ``rows`` (indices) of ``buf`` (a device buffer), each with its row's dtype,
-    shape and stride: one gather of their spans on the device and one copy to the host for all of them (a copy
-    per tensor would wait for the device once each). The copies are views of one host buffer. Assumes the table
-    was checked against ``buf`` (:func:`check_geometry`)."""
+    """Host copies of ``table``'s ``rows`` (indices) of ``buf`` (a flat uint8 buffer, in device memory on a GPU
+    engine), each with its row's dtype, shape and stride, as views of one new host buffer: one copy to the host
+    for all of them (a copy per tensor would wait for the device once each), of the span they share when
+    :func:`place` put them back to back, else of one gather of their spans on the device. Assumes the table was
+    checked against ``buf`` (:func:`check_geometry`)."""
     if not rows:
         return []
-    size, parts, starts, at = buf.numel(), [], [], 0
+    offset, nbytes, size = table.offset, table.nbytes, buf.numel()
+    lo = min(offset[i] for i in rows)
+    hi = max(offset[i] + nbytes[i] for i in rows)
+    if hi - lo <= _HOST_SPAN_SLACK * sum(-(-nbytes[i] // ALIGN) * ALIGN for i in rows) + ALIGN:
+        host = buf[lo:hi].to("cpu", copy=True)
+        starts = [offset[i] - lo for i in rows]
+    else:
+        host, starts = _gathered(buf, offset, nbytes, rows, size)
+    typed: dict[int, torch.Tensor] = {}
+    out = []
+    dtype_of, dims_at, shape, stride, names = table.dtype, table.dims_at, table.shape, table.stride, table.dtypes
+    for i, start in zip(rows, starts):
+        j = dtype_of[i]
+        dtype = DTYPES[names[j]]
+        a, b = dims_at[i], dims_at[i + 1]
+        if not nbytes[i]:
+            out.append(torch.empty_strided(shape[a:b], stride[a:b], dtype=dtype))
+            continue
+        view = typed.get(j)
+        if view is None:
+            view = typed[j] = host.view(dtype)
+        out.append(view.as_strided(shape[a:b], stride[a:b], start // dtype.itemsize))
+    return out
+
+
+def _gathered(buf: torch.Tensor, offset: list[int], nbytes: list[int], rows: list[int], size: int
+              ) -> tuple[torch.Tensor, list[int]]:
+    """:func:`to_host`'s copy of rows spread over ``buf``: their spans, each rounded up to :data:`_HOST_GRAIN`
+    bytes, gathered on ``buf``'s device and copied to the host at once. Returns the host buffer and each row's
+    byte offset in it."""
+    parts, starts, at = [], [], 0
     for i in rows:
-        o, n = table.offset[i], table.nbytes[i]
+        o, n = offset[i], nbytes[i]
         padded = -(-n // _HOST_GRAIN) * _HOST_GRAIN
         parts.append(buf[o:min(o + padded, size)])
         if o + padded > size:  # a span at the very end of a buffer of odd size
             parts.append(torch.zeros(o + padded - size, dtype=torch.uint8, device=buf.device))
         starts.append(at)
         at += padded
-    host = torch.cat(parts).cpu() if at else torch.empty(0, dtype=torch.uint8)
-    typed: dict[str, torch.Tensor] = {}
-    out = []
-    for i, start in zip(rows, starts):
-        r = table.row(i)
-        dtype = DTYPES[r.dtype]
-        if not r.nbytes:
-            out.append(torch.empty_strided(r.shape, r.stride, dtype=dtype))
-            continue
-        view = typed.get(r.dtype)
-        if view is None:
-            view = typed[r.dtype] = host.view(dtype)
-        out.append(view.as_strided(r.shape, r.stride, start // dtype.itemsize))
-    return out
+    return (torch.cat(parts).cpu() if at else torch.empty(0, dtype=torch.uint8)), starts
 
 
 def fill(buf: torch.Tensor, tensors: dict[str, torch.Tensor], table: TensorTable) -> None:

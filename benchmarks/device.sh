@@ -7,7 +7,7 @@
 #   bash benchmarks/device.sh bench [TP]   # 16 GB 8B-shaped model: auto, built-in runai, ours, the peers -> $OUT/bench-tpN (COLD=1: a cold page cache, load_bench --cold -> $OUT/bench-tpN-cold)
 #   bash benchmarks/device.sh pinprobe     # no staging needed: page-locking vs model construction (pin_probe.py)
 #   bash benchmarks/device.sh streamprobe  # no staging needed (carry .whl with liburing): the direct path alone, read-path variants (stream_probe.py; VARIANTS, ROUNDS) -> $OUT/stream-probe.{md,json}
-#   bash benchmarks/device.sh profile      # where "Model loading took" goes (ipc_cache zero_copy and copy, ours, auto) -> $OUT/profile-*
+#   bash benchmarks/device.sh profile      # where "Model loading took" goes (ipc_cache zero_copy and copy, ours, auto; PROFILE, PROFILE_SHAPE) -> $OUT/profile-*
 #   bash benchmarks/device.sh sleep        # sleep mode with our loaders (tests/gpu/test_sleep_gpu.py)
 #   bash benchmarks/device.sh sleepbench   # sleep / wake / reload seconds on the 16 GB model (sleep_bench.py) -> $OUT/sleep-8b
 #   bash benchmarks/device.sh content      # content digest cost on the 16 GB model: inspect, ours hashed, daemon -> $OUT/
@@ -63,8 +63,9 @@ case "${1:-tests}" in
     # where "Model loading took" goes (load_profile.py: spans, samples, GC pauses, imports), per load format;
     # PROFILE="ipc ipc-copy runai auto ipc-nofreeze runai-nofreeze" picks the runs (a name may repeat); a run
     # name ending in -first also freezes the heap just before LLM() (load_profile.py --freeze-first)
-    M=/root/models/llama3-8b-shape
-    python3 benchmarks/make_model.py $M --shape 8b >/dev/null; cat $M/*.safetensors > /dev/null
+    # PROFILE_SHAPE picks make_model.py's shape (default 8b, the 16 GB model; deep: 22k tensors, issue 28)
+    shape=${PROFILE_SHAPE:-8b}; M=/root/models/$([ "$shape" = 8b ] && echo llama3-8b-shape || echo "$shape")
+    python3 benchmarks/make_model.py $M --shape $shape >/dev/null; cat $M/*.safetensors > /dev/null
     n=0
     for d in ${PROFILE:-ipc ipc-copy runai auto}; do
       n=$((n + 1)); first=()

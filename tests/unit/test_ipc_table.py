@@ -215,6 +215,8 @@ def test_host_rows_placed_last_are_copied_as_one_span_and_spread_ones_are_gather
         ts[f"l{i}.w"] = torch.randn(33, 70, generator=g).to(torch.bfloat16).t()  # strided, odd sizes
         ts[f"l{i}.k_scale_cpu"] = torch.randn((), generator=g)
         ts[f"l{i}.idx"] = torch.randint(0, 9, (3,), generator=g)
+        ts[f"l{i}.odd"] = torch.randn(3, generator=g).to(torch.bfloat16)  # 6 bytes: a span ending here has no fp32 view
+    ts["empty"] = torch.empty(0)
     host = [k for k in ts if not k.endswith(".w")]
     gathered: list[int] = []
     real_gathered = layout._gathered
@@ -236,6 +238,11 @@ def test_host_rows_placed_last_are_copied_as_one_span_and_spread_ones_are_gather
             assert (t.dtype, t.shape, t.stride()) == (ts[k].dtype, ts[k].shape, ts[k].stride()) and torch.equal(t,
                                                                                                                   ts[k])
             assert t.untyped_storage().data_ptr() != buf.untyped_storage().data_ptr()
+    # the buffer ends right after the last row's bytes (not at a multiple of the grain): the span is padded
+    cut = max(table.offset[i] + table.nbytes[i] for i in range(len(table)) if table.nbytes[i])
+    assert cut % 16
+    got = layout.to_host(buf[:cut], table, [table.index[k] for k in host])
+    assert all(torch.equal(t, ts[k]) for k, t in zip(host, got))
     # pack with host kinds puts those rows after every other one
     seg, table = pack(ts, kinds={k: "host_buffer" for k in host})
     first_host = min(table.offset[table.index[k]] for k in host)

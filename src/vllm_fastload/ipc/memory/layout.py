@@ -220,11 +220,17 @@ def to_host(buf: torch.Tensor, table: TensorTable, rows: list[int]) -> list[torc
     if not rows:
         return []
     offset, nbytes, size = table.offset, table.nbytes, buf.numel()
-    lo = min(offset[i] for i in rows)
-    hi = max(offset[i] + nbytes[i] for i in rows)
-    if hi - lo <= _HOST_SPAN_SLACK * sum(-(-nbytes[i] // ALIGN) * ALIGN for i in rows) + ALIGN:
-        host = buf[lo:hi].to("cpu", copy=True)
-        starts = [offset[i] - lo for i in rows]
+    filled = [i for i in rows if nbytes[i]]  # an empty row's offset says nothing about where the others are
+    lo = min((offset[i] for i in filled), default=0)
+    hi = max((offset[i] + nbytes[i] for i in filled), default=0)
+    if hi - lo <= _HOST_SPAN_SLACK * sum(-(-nbytes[i] // ALIGN) * ALIGN for i in filled) + ALIGN:
+        # from a multiple of the grain to one: every row's start then suits its dtype, and every dtype views it
+        lo -= lo % _HOST_GRAIN
+        end = lo + -(-(hi - lo) // _HOST_GRAIN) * _HOST_GRAIN
+        host = buf[lo:min(end, size)].to("cpu", copy=True)
+        if end > size:  # a span at the very end of a buffer of odd size
+            host = torch.cat([host, torch.zeros(end - size, dtype=torch.uint8)])
+        starts = [offset[i] - lo if nbytes[i] else 0 for i in rows]
     else:
         host, starts = _gathered(buf, offset, nbytes, rows, size)
     typed: dict[int, torch.Tensor] = {}

@@ -250,3 +250,21 @@ def test_host_rows_placed_last_are_copied_as_one_span_and_spread_ones_are_gather
     skipping = layout.views(seg.buf, table, host_rows=False)
     assert [k for k, t in skipping.items() if t is None] == host
     assert all(torch.equal(t, ts[k]) for k, t in skipping.items() if t is not None)
+
+
+def test_an_unknown_dtype_name_is_a_manifest_error_even_when_no_row_uses_it():
+    """``views`` makes a view of the buffer per dtype name of the table: a name no row uses is checked too (it
+    was a bare KeyError), and one a row uses names that row."""
+    from vllm_fastload.errors import ManifestError
+    from vllm_fastload.ipc.memory import layout
+
+    buf = torch.zeros(1024, dtype=torch.uint8)
+    cols = dict(names=["a"], dtype=[0], kind=[0], offset=[0], nbytes=[16], ndim=[1], shape=[4], stride=[1],
+                checksum=[0])
+    with pytest.raises(ManifestError, match="unknown dtype 'float128', which no tensor uses"):
+        layout.views(buf, TensorTable(dtypes=["float32", "float128"], **cols))
+    with pytest.raises(ManifestError, match="'a' has unknown dtype 'float128'"):
+        layout.views(buf, TensorTable(dtypes=["float128"], **cols))
+    with pytest.raises(ManifestError, match="unknown dtype 'nope'"):  # no rows at all
+        layout.views(buf, TensorTable(names=[], dtypes=["nope"], dtype=[], kind=[], offset=[], nbytes=[], ndim=[],
+                                      shape=[], stride=[], checksum=[]))

@@ -115,10 +115,17 @@ def _columns(table: TensorTable) -> tuple[Any, Any, Any]:
 
 def check_geometry(size: int, table: TensorTable) -> None:
     """Check every row of ``table`` against a buffer of ``size`` bytes, as :func:`view_at` checks one, on the
-    columns at once (numpy). Raises :class:`~vllm_fastload.errors.ManifestError` naming the first bad tensor with
-    :func:`view_at`'s message."""
+    columns at once (numpy), and every dtype name the table lists. Raises :class:`~vllm_fastload.errors.ManifestError`
+    naming the first bad tensor with :func:`view_at`'s message (or the unknown dtype no tensor uses)."""
     import numpy as np
 
+    # every dtype name, used by a row or not: views() makes a view of the buffer for each
+    for j, d in enumerate(table.dtypes):
+        if d not in DTYPES:
+            user = next((k for k, i in zip(table.names, table.dtype) if i == j), None)
+            raise ManifestError(f"manifest entry {user!r} has unknown dtype {d!r}" if user is not None else
+                                f"manifest tensor table lists unknown dtype {d!r}, which no tensor uses; the daemon "
+                                f"is not from this version of vllm-fastload")
     n = len(table)
     if not n:
         return
@@ -196,7 +203,8 @@ def views(buf: torch.Tensor, table: TensorTable, host_rows: bool = True) -> dict
             elif n:
                 out[name] = buf[o:o + n].view(DTYPES[table.dtypes[j]]).as_strided(shape[a:b], stride[a:b])
             else:
-                out[name] = torch.empty(shape[a:b], dtype=DTYPES[table.dtypes[j]], device=buf.device)
+                out[name] = torch.empty_strided(shape[a:b], stride[a:b], dtype=DTYPES[table.dtypes[j]],
+                                                device=buf.device)
             a = b
     return out
 

@@ -3,7 +3,8 @@
 A :class:`Fingerprint` covers the checkpoint (sorted shard names, sizes, a SHA-256 of each safetensors header and
 each shard's identity: local files' mtime_ns, device and inode; objects' ETag and version id), the model
 architecture, the bytes of its ``config.json``, dtype, quantization, RoPE settings, revision, KV-cache dtype, the
-parallel layout (TP/PP/DP size and rank) and the vLLM and plugin versions. Two loads with equal fingerprints produce the
+parallel layout (TP/PP/DP size and rank; expert parallelism and its expert placement) and the vLLM and plugin
+versions. Two loads with equal fingerprints produce the
 same weights; :meth:`Fingerprint.mismatched_fields` says why two differ. This module imports neither vLLM nor
 torch; :func:`from_vllm` reads the vLLM objects it is given.
 """
@@ -63,6 +64,10 @@ class Fingerprint:
     #: engine builds follows it (tied embeddings, head counts, layer count), so a change after the daemon loaded
     #: must not map the daemon's tensors into another model
     config_sha256: Optional[str] = None
+    #: how a MoE model's experts are laid out over the ranks (:func:`_expert_layout`); None without expert
+    #: parallelism: with it each rank holds whole experts instead of a TP slice of each, and EPLB's redundant
+    #: experts add rows, so the same TP rank loads other tensors
+    expert_parallel: Optional[str] = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "shards", tuple(sorted(self.shards, key=lambda s: s.name)))
@@ -154,6 +159,25 @@ def _parallel() -> dict[str, int]:
     return out
 
 
+def _expert_layout(vllm_config: Any) -> Optional[str]:
+    """``vllm_config.parallel_config``'s expert layout as one string (``"placement=linear, eplb=off"``; with EPLB
+    ``", eplb=on, redundant_experts=N"``), None when expert parallelism is off or there is no parallel config.
+    Fields read (vLLM's ``ParallelConfig``, 0.26 and 0.32): ``enable_expert_parallel``,
+    ``expert_placement_strategy``, ``enable_eplb``, ``eplb_config.num_redundant_experts`` (older vLLM:
+    ``num_redundant_experts`` on the parallel config itself); a field this vLLM lacks is left out."""
+    pc = getattr(vllm_config, "parallel_config", None)
+    if pc is None or not getattr(pc, "enable_expert_parallel", False):
+        return None
+    parts = [f"placement={getattr(pc, 'expert_placement_strategy', 'linear')}"]
+    if getattr(pc, "enable_eplb", False):
+        eplb = getattr(pc, "eplb_config", None)
+        redundant = getattr(eplb, "num_redundant_experts", getattr(pc, "num_redundant_experts", None))
+        parts.append("eplb=on" + (f", redundant_experts={redundant}" if redundant is not None else ""))
+    else:
+        parts.append("eplb=off")
+    return ", ".join(parts)
+
+
 def of_model(model_config: Any, vllm_config: Any = None, log_warnings: bool = True) -> tuple[ShardPlan, Fingerprint]:
     """Shards and fingerprint of what vLLM's ``model_config`` loads in this process (headers read and validated,
     duplicate names resolved: :func:`~vllm_fastload.checkpoint.read_checkpoint`, whose errors it raises).
@@ -195,6 +219,7 @@ def from_vllm(model_config: Any, headers: Iterable[SafetensorsHeader], vllm_conf
         kv_cache_dtype=str(getattr(cache, "cache_dtype", None)) if cache is not None else None,
         vllm_version=str(vllm.__version__),
         config_sha256=config_sha256(str(model_config.model)),
+        expert_parallel=_expert_layout(vllm_config),
         **_parallel(),
     )
 

@@ -97,3 +97,45 @@ def test_same_tp_size_other_rank_names_only_tp_rank_and_strict_refuses(setup, mo
     msg = str(e.value)
     assert f"fingerprint mismatch with the daemon at {srv.path}: tp_rank (daemon 0, engine 1); restart" in msg
     assert "tp_size" not in msg.split(str(srv.path))[1] and '"fallback": false forbids' in msg
+
+
+def expert_parallel(vllm_config, eplb: bool = False, redundant: int = 0):
+    """``vllm_config`` with vLLM's expert-parallel settings (``ParallelConfig``'s fields) turned on."""
+    pc = types.SimpleNamespace(enable_expert_parallel=True, expert_placement_strategy="linear", enable_eplb=eplb,
+                               eplb_config=types.SimpleNamespace(num_redundant_experts=redundant))
+    return types.SimpleNamespace(**vars(vllm_config), parallel_config=pc)
+
+
+def test_an_engine_with_expert_parallelism_does_not_map_a_daemon_without_it(setup, monkeypatch, warnings_logged):
+    """Same TP rank, but expert parallelism on in the engine only: each rank holds whole experts instead of a TP
+    slice of each, so the daemon's tensors are not this rank's; the fingerprint names the expert layout."""
+    srv, model_config, vllm_config = setup
+    parallel(monkeypatch, 1, 0)
+    sentinel = object()
+    monkeypatch.setattr("vllm_fastload.streaming.loader.RunaiStreamerLoader.load_model", lambda self, **kw: sentinel)
+    assert ipc_loader(srv.path).load_model(expert_parallel(vllm_config), model_config) is sentinel
+    [msg] = [w for w in warnings_logged if "ipc_cache cannot serve this load" in w]
+    assert "expert_parallel (daemon None, engine 'placement=linear, eplb=off')" in msg, msg
+    _, with_eplb = of_model(model_config, expert_parallel(vllm_config, eplb=True, redundant=2))
+    assert with_eplb.expert_parallel == "placement=linear, eplb=on, redundant_experts=2"
+
+
+def test_zero_copy_with_eplb_falls_back_naming_copy_mode_and_copy_mode_maps(setup, monkeypatch, warnings_logged):
+    """EPLB rearranges expert weights in place while serving: in zero_copy that would write into the daemon's
+    memory, which other engines and later starts map. The engine refuses it before connecting (a fallback naming
+    the setting and copy mode as the fix); copy mode passes that check."""
+    srv, model_config, vllm_config = setup
+    parallel(monkeypatch, 1, 0)
+    eplb = expert_parallel(vllm_config, eplb=True)
+    srv.state.fingerprint = dict(srv.state.fingerprint, expert_parallel="placement=linear, eplb=on, "
+                                                                         "redundant_experts=0")
+    sentinel = object()
+    monkeypatch.setattr("vllm_fastload.streaming.loader.RunaiStreamerLoader.load_model", lambda self, **kw: sentinel)
+    assert ipc_loader(srv.path).load_model(eplb, model_config) is sentinel
+    [msg] = [w for w in warnings_logged if "ipc_cache cannot serve this load" in w]
+    assert ("ipc_cache mode 'zero_copy' maps the preload daemon's memory, which other engines share, but this engine "
+            "runs EPLB (enable_eplb)" in msg and '\'{"mode": "copy"}\'' in msg), msg
+    assert status_of(str(srv.path)).fingerprint_mismatches == 0  # refused before asking the daemon
+    from vllm_fastload.ipc.engine.mapping import check_mode
+
+    check_mode(eplb, "copy")  # copy mode: the engine rearranges its own clone

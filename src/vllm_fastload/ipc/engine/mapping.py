@@ -92,6 +92,26 @@ class ChecksumMismatch(CacheUnavailable):
     says); the message names the tensor."""
 
 
+class SharedMemoryWrites(CacheUnavailable):
+    """``zero_copy`` mode for an engine whose vLLM writes into its weights while serving (EPLB); the message names
+    the setting and the fix."""
+
+
+def check_mode(vllm_config: Any, mode: str) -> None:
+    """Refuse ``zero_copy`` where vLLM rewrites weights in place after the load: with EPLB (``parallel_config.
+    enable_eplb``, vLLM's expert-parallel load balancer) the engine moves experts between their slots while it
+    serves (vLLM's ``rearrange_expert_weights_inplace``), which in ``zero_copy`` would write into the daemon's
+    memory that other engines and every later start map. Raises :class:`SharedMemoryWrites` (the fallback
+    policy's case; the message gives ``copy`` mode as the fix)."""
+    pc = getattr(vllm_config, "parallel_config", None)
+    if mode == "zero_copy" and getattr(pc, "enable_eplb", False):
+        raise SharedMemoryWrites(
+            "ipc_cache mode 'zero_copy' maps the preload daemon's memory, which other engines share, but this "
+            "engine runs EPLB (enable_eplb), which rearranges expert weights in place while serving; set "
+            "--model-loader-extra-config '{\"mode\": \"copy\"}' (the engine clones the weights and the daemon "
+            "frees them)")
+
+
 class _Phases(dict):
     """Seconds per phase of one load (name -> seconds, rounded to 0.1 ms), for the load report.
 
@@ -139,10 +159,12 @@ def map_model(vllm_config: Any, model_config: Any, prefix: str, path: str, confi
     """Map the model from the daemon at socket ``path`` (``spec``: its directory and where that came from).
 
     Returns the model (in eval mode) and its load report (``wall_s`` counted from ``t0``, a ``perf_counter``).
-    Raises :class:`~vllm_fastload.errors.CacheUnavailable` and its subclasses (:class:`ChecksumMismatch`,
-    :class:`.client.FingerprintMismatch`, :class:`.state.InstallError`, :class:`~vllm_fastload.errors.ManifestError`,
-    :class:`.transport.NoTransport`), :class:`~vllm_fastload.errors.CheckpointError` from the fingerprint, and the
-    other :class:`~vllm_fastload.errors.FastloadError` of the socket directory and the transport."""
+    Raises :class:`~vllm_fastload.errors.CacheUnavailable` and its subclasses (:class:`SharedMemoryWrites`,
+    :class:`ChecksumMismatch`, :class:`.client.FingerprintMismatch`, :class:`.state.InstallError`,
+    :class:`~vllm_fastload.errors.ManifestError`, :class:`.transport.NoTransport`),
+    :class:`~vllm_fastload.errors.CheckpointError` from the fingerprint, and the other
+    :class:`~vllm_fastload.errors.FastloadError` of the socket directory and the transport."""
+    check_mode(vllm_config, config.mode)
     with gc_paused():  # mapping makes objects per tensor: no collection walks the heap meanwhile
         device, transport = engine_device(vllm_config, load_config)
         phases = _Phases()

@@ -4,9 +4,8 @@ A :class:`Fingerprint` covers the checkpoint (sorted shard names, sizes, a SHA-2
 each shard's identity: local files' mtime_ns, device and inode; objects' ETag and version id), the model
 architecture, the bytes of its ``config.json``, dtype, quantization, RoPE settings, revision, KV-cache dtype, the
 parallel layout (TP/PP/DP size and rank; expert parallelism and its expert placement) and the vLLM and plugin
-versions. Two loads with equal fingerprints produce the
-same weights; :meth:`Fingerprint.mismatched_fields` says why two differ. This module imports neither vLLM nor
-torch; :func:`from_vllm` reads the vLLM objects it is given.
+versions. Two loads with equal fingerprints produce the same weights; :meth:`Fingerprint.mismatched_fields` says why
+two differ. This module imports neither vLLM nor torch; :func:`from_vllm` reads the vLLM objects it is given.
 """
 
 from __future__ import annotations

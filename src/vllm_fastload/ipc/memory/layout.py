@@ -119,13 +119,14 @@ def check_geometry(size: int, table: TensorTable) -> None:
     naming the first bad tensor with :func:`view_at`'s message (or the unknown dtype no tensor uses)."""
     import numpy as np
 
-    # every dtype name, used by a row or not: views() makes a view of the buffer for each
-    for j, d in enumerate(table.dtypes):
-        if d not in DTYPES:
-            user = next((k for k, i in zip(table.names, table.dtype) if i == j), None)
-            raise ManifestError(f"manifest entry {user!r} has unknown dtype {d!r}" if user is not None else
-                                f"manifest tensor table lists unknown dtype {d!r}, which no tensor uses; the daemon "
-                                f"is not from this version of vllm-fastload")
+    # views() makes a view of the buffer per dtype name: an unknown one no row uses is bad too (a row's is named
+    # by the row checks below, as an item size of 0)
+    unknown = [j for j, d in enumerate(table.dtypes) if d not in DTYPES]
+    if unknown:
+        unused = set(unknown) - set(table.dtype)
+        if unused:
+            raise ManifestError(f"manifest tensor table lists unknown dtype {table.dtypes[min(unused)]!r}, which no "
+                                f"tensor uses; the daemon is not from this version of vllm-fastload")
     n = len(table)
     if not n:
         return
